@@ -1,0 +1,36 @@
+"""Kvasir's relay: lets ring neighbours that cannot accept connections (phones behind carrier NAT) link up
+through a WebSocket service both of them dial out to. See docs/relay.md for the protocol."""
+
+from relay.client import RelayLink, edge_url, open_relay_link
+from relay.codes import CloseCode
+from relay.errors import (
+    EdgeTokenError,
+    EdgeTokenExpired,
+    RelayConfigError,
+    RelayConnectError,
+    RelayError,
+    RelayLinkClosed,
+)
+from relay.server import DEFAULT_MAX_MESSAGE_BYTES, Relay, RelayConfig, RelayStatistics, serve_relay
+from relay.token import Role, make_edge_token, verify_edge_token
+
+__all__ = [
+    "DEFAULT_MAX_MESSAGE_BYTES",
+    "CloseCode",
+    "EdgeTokenError",
+    "EdgeTokenExpired",
+    "Relay",
+    "RelayConfig",
+    "RelayConfigError",
+    "RelayConnectError",
+    "RelayError",
+    "RelayLink",
+    "RelayLinkClosed",
+    "RelayStatistics",
+    "Role",
+    "edge_url",
+    "make_edge_token",
+    "open_relay_link",
+    "serve_relay",
+    "verify_edge_token",
+]

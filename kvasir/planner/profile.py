@@ -1,0 +1,339 @@
+"""Layer profiles: what the planner needs to know about a model, without its weights.
+
+A :class:`ModelProfile` holds per-layer byte counts (what a window must hold in memory), per-layer *active*
+bytes (what one decoded token reads: all of a dense layer, the shared part plus ``used/count`` of the experts
+of an MoE layer), the layer kinds that hybrid architectures care about, and the tensors outside the layers. It
+is built from a GGUF file's metadata and tensor table (:func:`profile_from_gguf`, which reads no tensor data)
+or from a profile mapping (:func:`profile_from_mapping`, the TOML format of ``kvasir/profiles/*.toml``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import attrs
+
+from kvasir.errors import InputError, ModelFileError
+
+LayerKind = Literal["attention", "recurrent"]
+LAYER_KINDS: tuple[LayerKind, ...] = ("attention", "recurrent")
+
+# f16 K and V cache entries: the llama.cpp default.
+_KV_ELEMENT_BYTES = 2
+# Recurrent (SSM / delta-net) states are kept in f32.
+_STATE_ELEMENT_BYTES = 4
+
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.")
+_SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+@attrs.frozen
+class LayerProfile:
+    """One transformer block (``blk.N.*``)."""
+
+    bytes: int  # all tensors of the block, as stored
+    active_bytes: int  # bytes one decoded token reads (== bytes for dense layers)
+    kind: LayerKind = "attention"
+    kv_bytes_per_token: int = 0  # K+V cache per token of context (attention layers)
+    state_bytes: int = 0  # fixed recurrent state per sequence (recurrent layers)
+
+    def __attrs_post_init__(self) -> None:
+        if self.bytes < 0 or self.active_bytes < 0 or self.kv_bytes_per_token < 0 or self.state_bytes < 0:
+            raise InputError("layer byte counts must be >= 0")
+        if self.kind not in LAYER_KINDS:
+            raise InputError(f"layer kind must be one of {', '.join(LAYER_KINDS)}, not {self.kind!r}")
+
+
+@attrs.frozen
+class ModelProfile:
+    """Everything the planner needs about one model."""
+
+    name: str
+    arch: str
+    n_embd: int
+    vocab_size: int
+    layers: tuple[LayerProfile, ...]
+    embd_bytes: int  # token_embd: held by rank 0 (row lookup, ~free per token)
+    head_bytes: int  # output head (token_embd again when tied): held and read by the last rank
+    other_bytes: int = 0  # output_norm and other small non-block tensors: every stage file keeps them
+    tied_head: bool = False  # no output.weight: the last rank's head is token_embd
+
+    def __attrs_post_init__(self) -> None:
+        if not self.layers:
+            raise InputError(f"model {self.name!r} has no layers")
+        if self.n_embd <= 0:
+            raise InputError(f"model {self.name!r}: n_embd must be > 0")
+        if min(self.embd_bytes, self.head_bytes, self.other_bytes, self.vocab_size) < 0:
+            raise InputError(f"model {self.name!r}: byte counts must be >= 0")
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def layer_bytes(self) -> int:
+        return sum(layer.bytes for layer in self.layers)
+
+    @property
+    def total_bytes(self) -> int:
+        """Weights in one file: layers plus the tensors outside them (a tied head is counted once)."""
+        head = 0 if self.tied_head else self.head_bytes
+        return self.layer_bytes + self.embd_bytes + head + self.other_bytes
+
+
+# ---------------------------------------------------------------------------------------- mapping (TOML) form
+
+
+def _int_list(
+    data: Mapping[str, Any], key: str, n: int, default: Sequence[int] | None, source: str
+) -> list[int]:
+    value = data.get(key)
+    if value is None:
+        if default is None:
+            raise InputError(f"{source}: missing field {key!r}")
+        return list(default)
+    if not isinstance(value, list) or len(value) != n or not all(_is_int(v) for v in value):
+        raise InputError(f"{source}: field {key!r} must be a list of {n} integers")
+    return [int(v) for v in value]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int_field(data: Mapping[str, Any], key: str, source: str, default: int | None = None) -> int:
+    value = data.get(key, default)
+    if value is None:
+        raise InputError(f"{source}: missing field {key!r}")
+    if not _is_int(value) or value < 0:
+        raise InputError(f"{source}: field {key!r} must be a non-negative integer")
+    return int(value)
+
+
+def _str_field(data: Mapping[str, Any], key: str, source: str) -> str:
+    value = data.get(key)
+    if not isinstance(value, str) or not value:
+        raise InputError(f"{source}: field {key!r} must be a non-empty string")
+    return value
+
+
+_PROFILE_KEYS = frozenset(
+    {
+        "name",
+        "arch",
+        "n_embd",
+        "vocab_size",
+        "embd_bytes",
+        "head_bytes",
+        "other_bytes",
+        "tied_head",
+        "layer_bytes",
+        "layer_active_bytes",
+        "layer_kinds",
+        "layer_kv_bytes_per_token",
+        "layer_state_bytes",
+        "description",
+    }
+)
+
+
+def profile_from_mapping(data: Mapping[str, Any], *, source: str = "profile") -> ModelProfile:
+    """Build a profile from its mapping form (a parsed profile TOML); errors name the field."""
+    unknown = sorted(set(data) - _PROFILE_KEYS)
+    if unknown:
+        raise InputError(f"{source}: unknown field {unknown[0]!r}")
+    layer_bytes = data.get("layer_bytes")
+    if not isinstance(layer_bytes, list) or not layer_bytes:
+        raise InputError(f"{source}: field 'layer_bytes' must be a non-empty list of integers")
+    n = len(layer_bytes)
+    sizes = _int_list(data, "layer_bytes", n, None, source)
+    active = _int_list(data, "layer_active_bytes", n, sizes, source)
+    kv = _int_list(data, "layer_kv_bytes_per_token", n, [0] * n, source)
+    state = _int_list(data, "layer_state_bytes", n, [0] * n, source)
+    kinds_raw = data.get("layer_kinds", ["attention"] * n)
+    if not isinstance(kinds_raw, list) or len(kinds_raw) != n or not all(k in LAYER_KINDS for k in kinds_raw):
+        raise InputError(f"{source}: field 'layer_kinds' must be a list of {n} of {', '.join(LAYER_KINDS)}")
+    tied = data.get("tied_head", False)
+    if not isinstance(tied, bool):
+        raise InputError(f"{source}: field 'tied_head' must be true or false")
+    return ModelProfile(
+        name=_str_field(data, "name", source),
+        arch=_str_field(data, "arch", source),
+        n_embd=_int_field(data, "n_embd", source),
+        vocab_size=_int_field(data, "vocab_size", source, 0),
+        layers=tuple(
+            LayerProfile(bytes=s, active_bytes=a, kind=k, kv_bytes_per_token=c, state_bytes=t)
+            for s, a, k, c, t in zip(sizes, active, kinds_raw, kv, state, strict=True)
+        ),
+        embd_bytes=_int_field(data, "embd_bytes", source),
+        head_bytes=_int_field(data, "head_bytes", source),
+        other_bytes=_int_field(data, "other_bytes", source, 0),
+        tied_head=tied,
+    )
+
+
+def profile_to_mapping(profile: ModelProfile) -> dict[str, Any]:
+    """The inverse of :func:`profile_from_mapping` (e.g. to save a GGUF's profile as TOML)."""
+    return {
+        "name": profile.name,
+        "arch": profile.arch,
+        "n_embd": profile.n_embd,
+        "vocab_size": profile.vocab_size,
+        "embd_bytes": profile.embd_bytes,
+        "head_bytes": profile.head_bytes,
+        "other_bytes": profile.other_bytes,
+        "tied_head": profile.tied_head,
+        "layer_bytes": [layer.bytes for layer in profile.layers],
+        "layer_active_bytes": [layer.active_bytes for layer in profile.layers],
+        "layer_kinds": [layer.kind for layer in profile.layers],
+        "layer_kv_bytes_per_token": [layer.kv_bytes_per_token for layer in profile.layers],
+        "layer_state_bytes": [layer.state_bytes for layer in profile.layers],
+    }
+
+
+# -------------------------------------------------------------------------------------------------- GGUF form
+
+
+def _split_parts(path: Path) -> list[Path]:
+    """All files of a split GGUF (``name-00001-of-00003.gguf``), or just ``path``."""
+    match = _SPLIT_RE.match(path.name)
+    if match is None:
+        return [path]
+    count = int(match["count"])
+    parts = [path.with_name(f"{match['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    missing = [p.name for p in parts if not p.is_file()]
+    if missing:
+        raise ModelFileError(f"{path}: split GGUF is missing part {missing[0]}")
+    return parts
+
+
+def _field(reader: Any, key: str) -> Any:
+    """A metadata value (scalar, string or list), or None when absent."""
+    field = reader.get_field(key)
+    if field is None:
+        return None
+    value = field.contents()
+    return value.tolist() if hasattr(value, "tolist") else value
+
+
+def _per_layer(value: Any, n: int, default: int) -> list[int]:
+    """Metadata that may be one number or a per-layer array."""
+    if value is None:
+        return [default] * n
+    if isinstance(value, list):
+        padded = [int(v) for v in value][:n]
+        return padded + [default] * (n - len(padded))
+    return [int(value)] * n
+
+
+def profile_from_gguf(path: str | Path, *, name: str | None = None) -> ModelProfile:
+    """Build a profile from a GGUF file's metadata and tensor table (no tensor data is read).
+
+    Bytes per layer are the sizes of the ``blk.N.*`` tensors; tensors named ``*_exps*`` are MoE experts, of
+    which a token reads ``expert_used_count / expert_count``. A block holding ``ssm_*`` tensors is recurrent,
+    any other is attention. KV bytes per token follow ``{arch}.attention.head_count_kv`` and
+    ``key_length``/``value_length`` (f16 cache); recurrent state follows the ``{arch}.ssm.*`` sizes (f32
+    state).
+    """
+    import gguf  # lazy: reading metadata is the only thing that needs it
+
+    path = Path(path)
+    if not path.is_file():
+        raise ModelFileError(f"{path}: no such model file")
+    readers: list[Any] = []
+    try:
+        for part in _split_parts(path):
+            readers.append(gguf.GGUFReader(part, "r"))
+    except (ValueError, OSError, IndexError) as exc:
+        raise ModelFileError(f"{path}: not a readable GGUF file ({exc})") from exc
+    meta = readers[0]
+    arch = _field(meta, "general.architecture")
+    if not isinstance(arch, str):
+        raise ModelFileError(f"{path}: GGUF has no general.architecture")
+
+    block_bytes: dict[int, int] = {}
+    active_bytes: dict[int, int] = {}
+    recurrent: set[int] = set()
+    embd_bytes = head_bytes = other_bytes = 0
+    vocab_rows = 0
+    n_expert = _field(meta, f"{arch}.expert_count") or 0
+    n_used = _field(meta, f"{arch}.expert_used_count") or n_expert
+    for reader in readers:
+        for tensor in reader.tensors:
+            size = int(tensor.n_bytes)
+            block = _BLOCK_RE.match(tensor.name)
+            if block is None:
+                if tensor.name == "token_embd.weight":
+                    embd_bytes += size
+                    vocab_rows = int(tensor.shape[-1]) if len(tensor.shape) > 1 else vocab_rows
+                elif tensor.name == "output.weight":
+                    head_bytes += size
+                else:
+                    other_bytes += size
+                continue
+            index = int(block[1])
+            block_bytes[index] = block_bytes.get(index, 0) + size
+            # MoE: one token reads only the routed experts' slices of a stacked expert tensor.
+            is_experts = "_exps" in tensor.name and n_expert > 0
+            active = size * n_used // n_expert if is_experts else size
+            active_bytes[index] = active_bytes.get(index, 0) + active
+            if tensor.name.startswith(f"blk.{index}.ssm_"):
+                recurrent.add(index)
+
+    n_layers = _field(meta, f"{arch}.block_count")
+    if not isinstance(n_layers, int):
+        n_layers = max(block_bytes, default=-1) + 1
+    if n_layers <= 0:
+        raise ModelFileError(f"{path}: GGUF has no layers (blk.N.* tensors)")
+    n_embd = _field(meta, f"{arch}.embedding_length")
+    if not isinstance(n_embd, int) or n_embd <= 0:
+        raise ModelFileError(f"{path}: GGUF has no {arch}.embedding_length")
+
+    n_head = _per_layer(_field(meta, f"{arch}.attention.head_count"), n_layers, 1)
+    n_head_kv = _per_layer(_field(meta, f"{arch}.attention.head_count_kv"), n_layers, 0)
+    key_len = _field(meta, f"{arch}.attention.key_length")
+    value_len = _field(meta, f"{arch}.attention.value_length")
+    ssm_inner = int(_field(meta, f"{arch}.ssm.inner_size") or 0)
+    ssm_state = int(_field(meta, f"{arch}.ssm.state_size") or 0)
+    ssm_groups = int(_field(meta, f"{arch}.ssm.group_count") or 0)
+    ssm_conv = int(_field(meta, f"{arch}.ssm.conv_kernel") or 0)
+    # State = the (inner x state) matrix, plus the last conv_kernel-1 inputs of the conv channels.
+    conv_channels = ssm_inner + 2 * ssm_groups * ssm_state
+    state_bytes = (ssm_inner * ssm_state + max(ssm_conv - 1, 0) * conv_channels) * _STATE_ELEMENT_BYTES
+
+    layers: list[LayerProfile] = []
+    for i in range(n_layers):
+        heads_kv = n_head_kv[i] or n_head[i] or 1
+        head_dim = n_embd // max(n_head[i], 1)
+        k_len = int(key_len) if isinstance(key_len, int) else head_dim
+        v_len = int(value_len) if isinstance(value_len, int) else head_dim
+        is_recurrent = i in recurrent
+        layers.append(
+            LayerProfile(
+                bytes=block_bytes.get(i, 0),
+                active_bytes=active_bytes.get(i, 0),
+                kind="recurrent" if is_recurrent else "attention",
+                kv_bytes_per_token=0 if is_recurrent else heads_kv * (k_len + v_len) * _KV_ELEMENT_BYTES,
+                state_bytes=state_bytes if is_recurrent else 0,
+            )
+        )
+    vocab = _field(meta, f"{arch}.vocab_size")
+    if not isinstance(vocab, int):
+        tokens = meta.get_field("tokenizer.ggml.tokens")
+        vocab = len(tokens.data) if tokens is not None else vocab_rows
+    tied = head_bytes == 0
+    label = name or _field(meta, "general.name") or path.stem
+    return ModelProfile(
+        name=str(label),
+        arch=arch,
+        n_embd=n_embd,
+        vocab_size=int(vocab),
+        layers=tuple(layers),
+        embd_bytes=embd_bytes,
+        head_bytes=embd_bytes if tied else head_bytes,
+        other_bytes=other_bytes,
+        tied_head=tied,
+    )

@@ -1,0 +1,259 @@
+"""The planner: contiguous layer windows over a ring of devices, minimising decode time per token.
+
+For one cyclic device order the problem is a shortest path: windows go to devices in ring order, any device
+may be skipped, and the cost is the sum of each rank's compute time plus each hop (the ring closes with the
+token hop from the last rank to rank 0). :func:`_solve_order` is a dynamic programme over (layer boundary,
+device) for every rotation of the order; :func:`plan` runs it over a few candidate orders. With additive link
+latencies and the slower end's bandwidth per hop (see ``estimate.hop_ms``), the latency total depends only on
+which devices are used, and the bandwidth term is smallest when the ring visits devices sorted by link
+bandwidth, so a handful of sorted orders covers what ordering can win; small fleets try every order.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+
+from kvasir.errors import InputError
+from kvasir.planner.devices import Device, check_unique
+from kvasir.planner.estimate import (
+    DEFAULT_N_CTX,
+    TOKEN_FRAME_BYTES,
+    RankManifest,
+    UnusedDevice,
+    WindowCost,
+    boundary_bytes,
+    compute_ms,
+    estimate,
+    hop_ms,
+    window_cost,
+)
+from kvasir.planner.profile import ModelProfile
+from kvasir.planner.rules import allowed_boundaries
+
+# Fleets up to this size try every cyclic order ((n-1)! of them).
+EXHAUSTIVE_ORDER_LIMIT = 5
+_GB = 1e9
+
+Assignment = tuple[tuple[Device, int, int], ...]
+
+
+def plan(
+    profile: ModelProfile,
+    devices: Sequence[Device],
+    *,
+    order: Sequence[str] | None = None,
+    n_ctx: int = DEFAULT_N_CTX,
+    n_seq: int = 1,
+) -> RankManifest:
+    """The fastest plan (estimated decode time per token) whose every rank fits its device's memory.
+
+    ``order`` fixes the cyclic ring order by device name (every device once); the planner still picks rank 0
+    and may leave devices out. Without it the planner tries several orders. Raises :class:`InputError` when no
+    plan fits, and :class:`~kvasir.errors.UnsupportedArchitecture` for an arch without window rules.
+    """
+    if not devices:
+        raise InputError("no devices to plan for")
+    if n_ctx < 1 or n_seq < 1:
+        raise InputError("n_ctx and n_seq must be >= 1")
+    check_unique(devices)
+    allowed = allowed_boundaries(profile)
+    by_name = {d.name: d for d in devices}
+    if order is not None:
+        if sorted(order) != sorted(by_name):
+            raise InputError(f"order must name every device exactly once: {', '.join(by_name)}")
+        candidates = [tuple(by_name[name] for name in order)]
+    else:
+        candidates = _candidate_orders(tuple(devices))
+
+    costs = _window_costs(profile, allowed, n_ctx=n_ctx, n_seq=n_seq)
+    best: tuple[float, Assignment] | None = None
+    for ring in candidates:
+        found = _solve_order(profile, ring, costs)
+        if found is not None and (best is None or _better(found, best)):
+            best = found
+    if best is None:
+        raise InputError(_no_fit_reason(profile, devices, costs))
+    used = {device.name for device, _, _ in best[1]}
+    manifest = estimate(profile, best[1], n_ctx=n_ctx, n_seq=n_seq)
+    unused = tuple(
+        UnusedDevice(d, _unused_reason(profile, d, manifest, costs)) for d in devices if d.name not in used
+    )
+    return estimate(profile, best[1], n_ctx=n_ctx, n_seq=n_seq, unused=unused)
+
+
+def _better(a: tuple[float, Assignment], b: tuple[float, Assignment]) -> bool:
+    """Lower cost wins; within float noise, fewer ranks (fewer things to go wrong)."""
+    if not math.isclose(a[0], b[0], rel_tol=1e-12, abs_tol=1e-12):
+        return a[0] < b[0]
+    return len(a[1]) < len(b[1])
+
+
+def _candidate_orders(devices: tuple[Device, ...]) -> list[tuple[Device, ...]]:
+    orders: list[tuple[Device, ...]] = [devices]
+    if len(devices) <= EXHAUSTIVE_ORDER_LIMIT:
+        # Rotations are tried by the solver, so fixing the first device loses nothing.
+        orders += [(devices[0], *rest) for rest in itertools.permutations(devices[1:])]
+    else:
+        by_link = sorted(devices, key=lambda d: (-d.link_bandwidth_mbps, d.link_latency_ms, d.name))
+        orders += [
+            tuple(by_link),
+            tuple(reversed(by_link)),
+            tuple(sorted(devices, key=lambda d: (-d.mem_bandwidth_gbs, d.name))),
+            tuple(sorted(devices, key=lambda d: (-d.memory_gb, d.name))),
+        ]
+    unique: dict[tuple[str, ...], tuple[Device, ...]] = {}
+    for o in orders:
+        unique.setdefault(tuple(d.name for d in o), o)
+    return list(unique.values())
+
+
+def _window_costs(
+    profile: ModelProfile, allowed: frozenset[int], *, n_ctx: int, n_seq: int
+) -> dict[tuple[int, int], WindowCost]:
+    """Every window that starts and ends on allowed cuts."""
+    n = profile.n_layers
+    cuts = sorted({0, n} | allowed)
+    return {
+        (a, b): window_cost(profile, a, b, n_ctx=n_ctx, n_seq=n_seq)
+        for ia, a in enumerate(cuts)
+        for b in cuts[ia + 1 :]
+    }
+
+
+def _solve_order(
+    profile: ModelProfile, ring: Sequence[Device], costs: dict[tuple[int, int], WindowCost]
+) -> tuple[float, Assignment] | None:
+    """Best plan over every rotation of ``ring`` (each rotation fixes rank 0), or None when nothing fits."""
+    best: tuple[float, Assignment] | None = None
+    for shift in range(len(ring)):
+        rotated = tuple(ring[shift:]) + tuple(ring[:shift])
+        found = _solve_rotation(profile, rotated, costs)
+        if found is not None and (best is None or _better(found, best)):
+            best = found
+    return best
+
+
+def _solve_rotation(
+    profile: ModelProfile, devs: tuple[Device, ...], costs: dict[tuple[int, int], WindowCost]
+) -> tuple[float, Assignment] | None:
+    """DP for a fixed device sequence whose first device is rank 0; later devices may be skipped.
+
+    ``f[b][j]``: least cost of layers ``[0, b)`` with device ``j`` the last used, its window ending at ``b``.
+    ``g[a][j]``: least ``f[a][i] + hop(i, j)`` over earlier devices ``i``, i.e. the cost of handing layer
+    ``a`` to device ``j``. Both keep back-pointers.
+    """
+    n, m = profile.n_layers, len(devs)
+    inf = math.inf
+    boundary = boundary_bytes(profile)
+    hop = [[hop_ms(devs[i], devs[j], boundary) for j in range(m)] for i in range(m)]
+    budget = [d.memory_bytes for d in devs]
+    cuts = sorted({a for a, _ in costs} | {n})
+    f = {b: [inf] * m for b in cuts}
+    f_from: dict[tuple[int, int], tuple[int, int]] = {}  # (b, j) -> (a, i); i == -1 for rank 0
+    g = {a: [inf] * m for a in cuts}
+    g_from: dict[tuple[int, int], int] = {}
+    for b in cuts[1:]:
+        for j in range(m):
+            if j == 0:
+                cost = costs[0, b]
+                if cost.memory_bytes <= budget[0]:
+                    f[b][0] = compute_ms(devs[0], cost.active_bytes)
+                    f_from[b, 0] = (0, -1)
+                continue
+            for a in cuts:
+                if a == 0 or a >= b or g[a][j] == inf:
+                    continue
+                cost = costs[a, b]
+                if cost.memory_bytes > budget[j]:
+                    continue
+                value = g[a][j] + compute_ms(devs[j], cost.active_bytes)
+                if value < f[b][j]:
+                    f[b][j] = value
+                    f_from[b, j] = (a, g_from[a, j])
+        if b == n:
+            break
+        for j in range(1, m):
+            for i in range(j):
+                value = f[b][i] + hop[i][j]
+                if value < g[b][j]:
+                    g[b][j] = value
+                    g_from[b, j] = i
+
+    best_total, best_j = inf, -1
+    for j in range(m):
+        total = f[n][j] + (hop_ms(devs[j], devs[0], TOKEN_FRAME_BYTES) if j else 0.0)
+        if total < best_total:
+            best_total, best_j = total, j
+    if best_j < 0:
+        return None
+    windows: list[tuple[Device, int, int]] = []
+    b, j = n, best_j
+    while j >= 0:
+        a, i = f_from[b, j]
+        windows.append((devs[j], a, b))
+        b, j = a, i
+    return best_total, tuple(reversed(windows))
+
+
+def _gb(n: float) -> str:
+    return f"{n / _GB:.1f} GB"
+
+
+def _no_fit_reason(
+    profile: ModelProfile, devices: Sequence[Device], costs: dict[tuple[int, int], WindowCost]
+) -> str:
+    offered = sum(d.memory_bytes for d in devices)
+    whole = costs[0, profile.n_layers].memory_bytes
+    if offered < whole:
+        return (
+            f"no plan fits: total memory short by {_gb(whole - offered)} "
+            f"({profile.name} needs at least {_gb(whole)}, the devices offer {_gb(offered)})"
+        )
+    largest = max(d.memory_bytes for d in devices)
+    smallest = min(c.memory_bytes for c in costs.values())
+    if smallest > largest:
+        return (
+            f"no plan fits: the smallest window needs {_gb(smallest)}, "
+            f"the largest device budget is {_gb(largest)}"
+        )
+    return (
+        f"no plan fits: the devices offer {_gb(offered)} but contiguous windows with a "
+        f"{_gb(costs[0, profile.n_layers].overhead_bytes)} overhead per rank need more"
+    )
+
+
+def _unused_reason(
+    profile: ModelProfile, device: Device, manifest: RankManifest, costs: dict[tuple[int, int], WindowCost]
+) -> str:
+    smallest = min(c.memory_bytes for c in costs.values())
+    if smallest > device.memory_bytes:
+        return (
+            f"too little memory: its smallest window needs {_gb(smallest)}, budget {_gb(device.memory_bytes)}"
+        )
+    ring = [w.device for w in manifest.windows]
+    boundary = boundary_bytes(profile)
+    added = math.inf
+    for k, prev in enumerate(ring):
+        nxt = ring[(k + 1) % len(ring)]
+        closing = k == len(ring) - 1
+        old = hop_ms(prev, nxt, TOKEN_FRAME_BYTES if closing else boundary)
+        new = hop_ms(prev, device, boundary) + hop_ms(device, nxt, TOKEN_FRAME_BYTES if closing else boundary)
+        added = min(added, new - old)
+    link = f"joining adds ≥ {added:.2f} ms of links per token"
+    # A used device at least as fast with room for another layer would take any layer this one could.
+    min_layer = min(layer.bytes for layer in profile.layers)
+    roomy = [
+        w.device
+        for w in manifest.windows
+        if w.device.mem_bandwidth_gbs >= device.mem_bandwidth_gbs
+        and w.device.memory_bytes - w.memory_bytes >= min_layer
+    ]
+    if roomy:
+        faster = max(roomy, key=lambda d: d.mem_bandwidth_gbs)
+        return (
+            f"not needed: slower memory ({device.mem_bandwidth_gbs:g} GB/s) than {faster.name} "
+            f"({faster.mem_bandwidth_gbs:g} GB/s, which has room); {link}"
+        )
+    return f"not needed: the ring is faster without it ({link})"

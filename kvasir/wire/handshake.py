@@ -1,0 +1,62 @@
+"""The link handshake: each end sends :class:`Hello` first and refuses a neighbour that cannot join it."""
+
+from __future__ import annotations
+
+import enum
+
+from kvasir.errors import RingError
+from kvasir.wire.boundary import BoundaryDType
+from kvasir.wire.frames import BOUNDARY_FIXED_SIZE, HEADER_SIZE, MAX_BOUNDARY_TOKENS, Hello
+
+
+class Side(enum.Enum):
+    """Where the remote node sits relative to the local one."""
+
+    PREDECESSOR = "predecessor"  # it sends us boundaries / tokens
+    SUCCESSOR = "successor"  # we send it boundaries / tokens
+
+
+def check_neighbour(local: Hello, remote: Hello, side: Side) -> None:
+    """Raise :class:`RingError` with the first reason ``remote`` cannot be ``local``'s neighbour on ``side``.
+
+    Pure: both HELLOs are already valid frames (ranks inside the ring, windows inside the model); this checks
+    that they describe the same model and that the windows join in ring order, wrapping from the last rank to
+    rank 0.
+    """
+    who = f"{side.value} {remote.node_id!r} (rank {remote.rank})"
+    if remote.model_id != local.model_id:
+        raise RingError(f"{who} serves model {remote.model_id!r}, this node serves {local.model_id!r}")
+    for field in ("n_layers", "n_embd", "ring_size"):
+        theirs, ours = getattr(remote, field), getattr(local, field)
+        if theirs != ours:
+            raise RingError(f"{who} reports {field} {theirs}, this node has {ours}")
+    if local.ring_size > 1 and remote.node_id == local.node_id:
+        raise RingError(f"{who} has this node's own node id")
+    for hello, name in ((local, "this node"), (remote, who)):
+        if hello.rank == 0 and hello.window_start != 0:
+            raise RingError(f"{name} is rank 0 but its window starts at layer {hello.window_start}, not 0")
+        if hello.rank == hello.ring_size - 1 and hello.window_end != hello.n_layers:
+            raise RingError(
+                f"{name} is the last rank but its window ends at layer {hello.window_end},"
+                f" not {hello.n_layers}"
+            )
+    first, second = (remote, local) if side is Side.PREDECESSOR else (local, remote)
+    if second.rank != (first.rank + 1) % local.ring_size:
+        raise RingError(f"{who} does not follow in ring order: rank {first.rank} must be followed by "
+                        f"rank {(first.rank + 1) % local.ring_size}, not {second.rank}")  # fmt: skip
+    if second.rank != 0 and second.window_start != first.window_end:
+        raise RingError(
+            f"{who} does not join: window [{first.window_start},{first.window_end}) is followed by "
+            f"[{second.window_start},{second.window_end})"
+        )
+
+
+def choose_dtype(preferred: BoundaryDType, receiver: Hello) -> BoundaryDType:
+    """The boundary dtype to send: ``preferred`` if the receiver accepts it, else f32 (always accepted)."""
+    return preferred if preferred in receiver.dtypes else BoundaryDType.F32
+
+
+def max_chunk_tokens(max_frame_bytes: int, n_embd: int, dtype: BoundaryDType) -> int:
+    """How many tokens one BOUNDARY frame may carry under the receiver's frame limit (0 if not even one)."""
+    room = max_frame_bytes - HEADER_SIZE - BOUNDARY_FIXED_SIZE
+    return max(0, min(MAX_BOUNDARY_TOKENS, room // (n_embd * dtype.itemsize)))

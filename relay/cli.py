@@ -1,0 +1,102 @@
+"""``kvasir relay``: run the relay service."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from relay.errors import RelayConfigError
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register the ``relay`` subcommand on an ``argparse`` subparsers object."""
+    parser: argparse.ArgumentParser = subparsers.add_parser(
+        "relay",
+        help="run a relay that links ring neighbours which cannot accept connections",
+        description="Pair the two ends of each ring edge over WebSocket and forward their messages.",
+    )
+    parser.add_argument("--listen", default="127.0.0.1:8443", metavar="HOST:PORT", help="default %(default)s")
+    parser.add_argument("--tls-cert", metavar="PEM", help="certificate chain; serve wss:// (needs --tls-key)")
+    parser.add_argument("--tls-key", metavar="PEM", help="private key for --tls-cert")
+    parser.add_argument(
+        "--wait-timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="how long an end waits alone (%(default)s)",
+    )
+    secret = parser.add_mutually_exclusive_group()
+    secret.add_argument("--secret-file", metavar="PATH", help="file holding the ring secret in hex")
+    secret.add_argument("--secret-hex", metavar="HEX", help="the ring secret in hex")
+    parser.add_argument("--max-message-bytes", type=int, default=None, metavar="N", help="largest message")
+    parser.add_argument("--max-conns-per-ip", type=int, default=32, metavar="N", help="default %(default)s")
+    parser.set_defaults(run=run)
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    """Split ``HOST:PORT`` (``[v6addr]:PORT`` for IPv6) into host and port."""
+    host, sep, port_text = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise RelayConfigError(f"--listen must be HOST:PORT, got {text!r}")
+    return host, int(port_text)
+
+
+def _parse_secret(args: argparse.Namespace) -> bytes:
+    if args.secret_file is not None:
+        try:
+            text = Path(args.secret_file).read_text(encoding="ascii")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise RelayConfigError(f"cannot read --secret-file {args.secret_file}: {exc}") from exc
+        source = "--secret-file"
+    elif args.secret_hex is not None:
+        text, source = args.secret_hex, "--secret-hex"
+    else:
+        raise RelayConfigError("the ring secret is required: --secret-file or --secret-hex")
+    try:
+        return bytes.fromhex(text.strip())
+    except ValueError:
+        raise RelayConfigError(f"{source} must be hexadecimal") from None
+
+
+def build_config(args: argparse.Namespace) -> Any:
+    """The :class:`~relay.server.RelayConfig` the parsed arguments describe."""
+    from relay.server import DEFAULT_MAX_MESSAGE_BYTES, RelayConfig
+
+    host, port = parse_listen(args.listen)
+    max_message = DEFAULT_MAX_MESSAGE_BYTES if args.max_message_bytes is None else args.max_message_bytes
+    return RelayConfig(
+        secret=_parse_secret(args),
+        host=host,
+        port=port,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        wait_timeout=args.wait_timeout,
+        max_message_bytes=max_message,
+        max_conns_per_ip=args.max_conns_per_ip,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import trio
+
+    from relay.server import serve_relay
+
+    config = build_config(args)
+    scheme = "wss" if config.tls_cert else "ws"
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(serve_relay, config)
+            host = f"[{config.host}]" if ":" in config.host else config.host
+            print(f"kvasir relay: listening on {scheme}://{host}:{port}", flush=True)
+
+    trio.run(main)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit("run it as: kvasir relay ... (or python -m relay ...)")

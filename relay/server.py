@@ -1,0 +1,399 @@
+"""The relay service: pairs the two ends of a ring edge and forwards WebSocket messages between them.
+
+Ownership: :meth:`Relay.serve` owns the listeners and (through :func:`trio.serve_listeners`) one task per
+TCP connection. That task owns its connection's WebSocket reader, its inbound pump (which forwards what this
+end sends to the other end) and its keepalive. The two connection tasks of an edge meet only through the
+:class:`_Edge` record; whichever event ends the edge first decides both close codes, and each task then closes
+its own connection. Nothing is spawned outside these nurseries.
+
+Backpressure: the WebSocket layer queues no messages (queue size 0) and a pump awaits the send to the other
+end before it receives the next message, so an edge holds at most one message per direction in the relay,
+plus the one being reassembled by the reader; a slow reader stalls its sender through TCP flow control.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import ssl
+import time
+import urllib.parse
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+import trio
+import trio_websocket
+from trio_websocket import ConnectionClosed, WebSocketConnection
+
+from relay.codes import CloseCode
+from relay.errors import EdgeTokenError, EdgeTokenExpired, RelayConfigError
+from relay.token import MIN_SECRET_BYTES, Role, is_valid_edge_id, verify_edge_token
+
+__all__ = [
+    "DEFAULT_MAX_MESSAGE_BYTES",
+    "EDGE_PATH_PREFIX",
+    "Relay",
+    "RelayConfig",
+    "RelayStatistics",
+    "serve_relay",
+]
+
+logger = logging.getLogger(__name__)
+
+EDGE_PATH_PREFIX = "/v1/edge/"
+# The largest boundary frame Kvasir sends is 64 MiB of activations; 64 KiB on top leaves room for its header.
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024 + 64 * 1024
+
+
+def _positive(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
+    if not value > 0:
+        raise RelayConfigError(f"{attribute.name} must be positive, got {value!r}")
+
+
+def _port(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if not 0 <= value <= 65535:
+        raise RelayConfigError(f"port must be 0-65535, got {value}")
+
+
+@attrs.frozen
+class RelayConfig:
+    """Everything the relay needs; times in seconds, sizes in bytes."""
+
+    secret: bytes = attrs.field(repr=False)  # the ring secret that keys edge tokens
+    host: str = "127.0.0.1"
+    port: int = attrs.field(default=8443, validator=_port)
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    wait_timeout: float = attrs.field(default=60.0, validator=_positive)  # an end waiting alone for its peer
+    handshake_timeout: float = attrs.field(default=10.0, validator=_positive)  # TCP accept to WebSocket open
+    preamble_timeout: float = attrs.field(default=10.0, validator=_positive)  # WebSocket open to role byte
+    close_timeout: float = attrs.field(default=5.0, validator=_positive)  # closing handshake, then hard close
+    keepalive_interval: float = attrs.field(default=15.0, validator=_positive)
+    keepalive_timeout: float = attrs.field(default=45.0, validator=_positive)  # silence while we wait to read
+    max_message_bytes: int = attrs.field(default=DEFAULT_MAX_MESSAGE_BYTES, validator=_positive)
+    max_conns_per_ip: int = attrs.field(default=32, validator=_positive)
+    receive_buffer_bytes: int = attrs.field(default=64 * 1024, validator=_positive)
+    clock: Callable[[], float] = time.time  # Unix time for token expiry; a parameter so tests can move it
+
+    def __attrs_post_init__(self) -> None:
+        if len(self.secret) < MIN_SECRET_BYTES:
+            raise RelayConfigError(f"ring secret must be at least {MIN_SECRET_BYTES} bytes")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise RelayConfigError("--tls-cert and --tls-key go together")
+
+
+@attrs.frozen
+class RelayStatistics:
+    """A snapshot of the relay's counters."""
+
+    connections: int  # open TCP connections, including ones still in handshake
+    open_edges: int  # edges with at least one end joined
+    paired_edges: int  # edges with both ends joined
+    messages_forwarded: int
+    bytes_forwarded: int
+    rejections: int  # connections the relay closed before they joined an edge
+    rejections_by_code: Mapping[int, int] = attrs.field(eq=False)
+    wait_timeouts: int  # ends that waited alone until wait_timeout
+    keepalive_timeouts: int
+
+
+@attrs.frozen
+class _Close:
+    code: int
+    reason: str
+
+
+class _WatchedStream(trio.abc.Stream):
+    """Remembers since when the WebSocket reader has been waiting for bytes from the peer.
+
+    Keepalive judges silence only while the reader is actually waiting: when it is stalled by our own
+    backpressure the peer is not at fault, and a long message arriving slowly still counts as life.
+    """
+
+    def __init__(self, inner: trio.abc.Stream) -> None:
+        self.inner = inner
+        self._waiting_since: float | None = None
+
+    def silent_for(self) -> float:
+        return 0.0 if self._waiting_since is None else trio.current_time() - self._waiting_since
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self.inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.inner.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        self._waiting_since = trio.current_time()
+        try:
+            return await self.inner.receive_some(max_bytes)
+        finally:
+            self._waiting_since = None
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+@attrs.define(eq=False)
+class _Member:
+    role: Role
+    conn: WebSocketConnection
+    stream: _WatchedStream
+    # True while a pump is writing a message to this connection; if the edge ends then, the frame is cut short
+    # and the only honest close is a hard one.
+    mid_send: bool = False
+
+
+@attrs.define(eq=False)
+class _Edge:
+    edge_id: str
+    registry: dict[str, _Edge]
+    members: dict[Role, _Member] = attrs.field(factory=dict)
+    paired: trio.Event = attrs.field(factory=trio.Event)
+    ended: trio.Event = attrs.field(factory=trio.Event)
+    closes: dict[Role, _Close | None] = attrs.field(factory=dict)
+
+    def other(self, me: _Member) -> _Member:
+        return self.members[Role.DOWNSTREAM if me.role is Role.UPSTREAM else Role.UPSTREAM]
+
+    def end(self, culprit: _Member, close: _Close | None) -> None:
+        """End the edge because of ``culprit``; ``close`` is its close code, None if it is already closed."""
+        if self.ended.is_set():
+            return
+        for role in self.members:
+            self.closes[role] = (
+                close if role is culprit.role else _Close(CloseCode.PEER_CLOSED, "the other end left")
+            )
+        if self.registry.get(self.edge_id) is self:
+            del self.registry[self.edge_id]  # a new pair may now form under the same id
+        self.ended.set()
+
+
+class Relay:
+    """One relay service; :meth:`serve` runs it, :meth:`statistics` reads its counters at any time."""
+
+    def __init__(self, config: RelayConfig) -> None:
+        self.config = config
+        self._edges: dict[str, _Edge] = {}
+        self._per_ip: dict[str, int] = {}
+        self._connections = 0
+        self._messages = 0
+        self._bytes = 0
+        self._rejections: collections.Counter[int] = collections.Counter()
+        self._wait_timeouts = 0
+        self._keepalive_timeouts = 0
+
+    def statistics(self) -> RelayStatistics:
+        return RelayStatistics(
+            connections=self._connections,
+            open_edges=len(self._edges),
+            paired_edges=sum(1 for edge in self._edges.values() if edge.paired.is_set()),
+            messages_forwarded=self._messages,
+            bytes_forwarded=self._bytes,
+            rejections=sum(self._rejections.values()),
+            rejections_by_code=dict(self._rejections),
+            wait_timeouts=self._wait_timeouts,
+            keepalive_timeouts=self._keepalive_timeouts,
+        )
+
+    async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+        """Listen and relay until cancelled; reports the bound port through ``task_status``."""
+        listeners = await self._open_listeners()
+        port = _listener_port(listeners[0])
+        async with trio.open_nursery() as nursery:
+            await nursery.start(trio.serve_listeners, self._handle_stream, listeners)
+            logger.info("relay listening on %s port %d", self.config.host, port)
+            task_status.started(port)
+
+    async def _open_listeners(self) -> list[trio.SocketListener] | list[trio.SSLListener[trio.SocketStream]]:
+        config = self.config
+        try:
+            if config.tls_cert is None or config.tls_key is None:
+                return await trio.open_tcp_listeners(config.port, host=config.host)
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            context.load_cert_chain(config.tls_cert, config.tls_key)
+            return await trio.open_ssl_over_tcp_listeners(
+                config.port, context, host=config.host, https_compatible=True
+            )
+        except (OSError, ssl.SSLError) as exc:
+            raise RelayConfigError(f"cannot listen on {config.host}:{config.port}: {exc}") from exc
+
+    async def _handle_stream(self, stream: trio.abc.Stream) -> None:
+        ip = _peer_ip(stream)
+        self._per_ip[ip] = self._per_ip.get(ip, 0) + 1
+        self._connections += 1
+        watched = _WatchedStream(stream)
+        try:
+            async with trio.open_nursery() as nursery:
+                await self._handle_connection(
+                    nursery, watched, self._per_ip[ip] > self.config.max_conns_per_ip
+                )
+                nursery.cancel_scope.cancel()  # stops the WebSocket reader
+        except Exception:
+            # One connection's failure (a bug, or a protocol corner of the WebSocket layer) must not stop the
+            # relay for every other edge, so it ends here, logged.
+            logger.exception("relay connection from %s failed", ip)
+        finally:
+            await trio.aclose_forcefully(watched)
+            self._connections -= 1
+            self._per_ip[ip] -= 1
+            if not self._per_ip[ip]:
+                del self._per_ip[ip]
+
+    async def _handle_connection(self, nursery: trio.Nursery, stream: _WatchedStream, over_cap: bool) -> None:
+        config = self.config
+        request: trio_websocket.WebSocketRequest | None = None
+        with trio.move_on_after(config.handshake_timeout):
+            request = await trio_websocket.wrap_server_stream(
+                nursery,
+                stream,
+                message_queue_size=0,  # hand over one message at a time: backpressure, not buffering
+                max_message_size=config.max_message_bytes,
+                receive_buffer_size=config.receive_buffer_bytes,
+            )
+        if request is None:
+            return
+        try:
+            conn = await request.accept()
+        except ConnectionClosed:
+            return
+        member: _Member | None = None
+        close: _Close | None = _Close(CloseCode.GOING_AWAY, "relay shutting down")
+        try:
+            if over_cap:
+                close = self._reject(CloseCode.TOO_MANY_CONNECTIONS, "too many connections from this address")
+            else:
+                close, member = await self._session(conn, request.path, stream)
+        finally:
+            # Shielded so that a relay shutting down still says why; bounded so a dead peer cannot hold it.
+            with trio.move_on_after(config.close_timeout, shield=True):
+                if member is not None and member.mid_send:
+                    await trio.aclose_forcefully(stream)
+                elif close is not None:
+                    await conn.aclose(close.code, close.reason)
+
+    def _reject(self, code: CloseCode, reason: str) -> _Close:
+        self._rejections[int(code)] += 1
+        return _Close(code, reason)
+
+    async def _session(
+        self, conn: WebSocketConnection, target: str, stream: _WatchedStream
+    ) -> tuple[_Close | None, _Member | None]:
+        """Admit one connection to its edge and serve it; return how to close it."""
+        config = self.config
+        url = urllib.parse.urlsplit(target)
+        edge_id = url.path.removeprefix(EDGE_PATH_PREFIX)
+        if not url.path.startswith(EDGE_PATH_PREFIX) or not is_valid_edge_id(edge_id):
+            return self._reject(CloseCode.BAD_PATH, "path must be /v1/edge/{edge_id}"), None
+        tokens = urllib.parse.parse_qs(url.query, keep_blank_values=True).get("token", [])
+        if not tokens:
+            return self._reject(CloseCode.NO_TOKEN, "missing token query parameter"), None
+        if len(tokens) > 1:
+            return self._reject(CloseCode.BAD_TOKEN, "more than one token"), None
+
+        preamble: bytes | str | None = None
+        with trio.move_on_after(config.preamble_timeout):
+            try:
+                preamble = await conn.get_message()
+            except ConnectionClosed:
+                return None, None
+        if preamble is None:
+            return self._reject(CloseCode.PREAMBLE_TIMEOUT, "no role byte in time"), None
+        if not isinstance(preamble, bytes) or len(preamble) != 1:
+            return self._reject(CloseCode.BAD_PREAMBLE, "preamble must be one binary byte"), None
+        if preamble[0] not in (Role.UPSTREAM, Role.DOWNSTREAM):
+            return self._reject(CloseCode.BAD_ROLE, f"unknown role byte 0x{preamble[0]:02x}"), None
+        role = Role(preamble[0])
+        try:
+            verify_edge_token(config.secret, tokens[0], edge_id, role, int(config.clock()))
+        except EdgeTokenExpired:
+            return self._reject(CloseCode.TOKEN_EXPIRED, "edge token expired"), None
+        except EdgeTokenError:
+            return self._reject(CloseCode.BAD_TOKEN, "edge token not valid for this edge and role"), None
+
+        edge = self._edges.get(edge_id)
+        if edge is None:
+            edge = self._edges[edge_id] = _Edge(edge_id, self._edges)
+        if role in edge.members:
+            return self._reject(CloseCode.ROLE_TAKEN, f"{role.name.lower()} end already joined"), None
+        me = _Member(role, conn, stream)
+        edge.members[role] = me
+        if len(edge.members) == 2:
+            edge.paired.set()
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._pump, edge, me)
+                nursery.start_soon(self._keepalive, edge, me)
+                with trio.move_on_after(config.wait_timeout):
+                    await edge.paired.wait()
+                # Checked, not inferred from the timeout: the peer may have arrived just as it fired.
+                if not edge.paired.is_set():
+                    self._wait_timeouts += 1
+                    edge.end(me, _Close(CloseCode.WAIT_TIMEOUT, "no peer joined in time"))
+                await edge.ended.wait()
+                nursery.cancel_scope.cancel()
+        finally:
+            edge.end(me, _Close(CloseCode.GOING_AWAY, "relay shutting down"))  # no-op unless cancelled
+        return edge.closes[role], me
+
+    async def _pump(self, edge: _Edge, me: _Member) -> None:
+        """Forward what ``me`` sends to the other end, one message at a time."""
+        while True:
+            try:
+                message = await me.conn.get_message()
+            except ConnectionClosed:
+                edge.end(me, None)
+                return
+            if isinstance(message, str):
+                edge.end(me, _Close(CloseCode.UNSUPPORTED_DATA, "binary messages only"))
+                return
+            await edge.paired.wait()  # a message sent before pairing waits here, holding back the next
+            peer = edge.other(me)
+            peer.mid_send = True
+            try:
+                await peer.conn.send_message(message)
+            except ConnectionClosed:
+                edge.end(peer, None)
+                return
+            peer.mid_send = False
+            self._messages += 1
+            self._bytes += len(message)
+
+    async def _keepalive(self, edge: _Edge, me: _Member) -> None:
+        interval = self.config.keepalive_interval
+        while True:
+            with trio.move_on_after(interval):
+                try:
+                    await me.conn.ping()
+                except ConnectionClosed:
+                    return  # the pump sees the close too and ends the edge
+                await trio.sleep_forever()  # keep the period even when the pong comes at once
+            if me.stream.silent_for() > self.config.keepalive_timeout:
+                self._keepalive_timeouts += 1
+                edge.end(me, _Close(CloseCode.KEEPALIVE_TIMEOUT, "no sign of life"))
+                return
+
+
+def _listener_port(listener: trio.SocketListener | trio.SSLListener[trio.SocketStream]) -> int:
+    inner = listener.transport_listener if isinstance(listener, trio.SSLListener) else listener
+    assert isinstance(inner, trio.SocketListener)
+    port: int = inner.socket.getsockname()[1]
+    return port
+
+
+def _peer_ip(stream: trio.abc.Stream) -> str:
+    inner = stream.transport_stream if isinstance(stream, trio.SSLStream) else stream
+    if isinstance(inner, trio.SocketStream):
+        try:
+            return str(inner.socket.getpeername()[0])
+        except OSError:
+            pass
+    return "?"
+
+
+async def serve_relay(
+    config: RelayConfig, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Run a relay until cancelled; ``port = await nursery.start(serve_relay, config)``."""
+    await Relay(config).serve(task_status=task_status)
