@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 from typing import Any
@@ -88,13 +89,15 @@ def run(args: argparse.Namespace) -> int:
     config = build_config(args)
     scheme = "wss" if config.tls_cert else "ws"
 
-    async def main() -> None:
-        async with trio.open_nursery() as nursery:
-            port = await nursery.start(serve_relay, config)
-            host = f"[{config.host}]" if ":" in config.host else config.host
-            print(f"kvasir relay: listening on {scheme}://{host}:{port}", flush=True)
+    host = f"[{config.host}]" if ":" in config.host else config.host
 
-    trio.run(main)
+    class Announce:
+        # A task_status rather than a nursery around serve_relay, so a startup error is raised bare and the
+        # CLI prints it as one line instead of an exception group.
+        def started(self, value: int | None = None) -> None:
+            print(f"kvasir relay: listening on {scheme}://{host}:{value}", flush=True)
+
+    trio.run(functools.partial(serve_relay, config, task_status=Announce()))
     return 0
 
 

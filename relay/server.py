@@ -114,6 +114,7 @@ class _WatchedStream(trio.abc.Stream):
     def __init__(self, inner: trio.abc.Stream) -> None:
         self.inner = inner
         self._waiting_since: float | None = None
+        self.ended = trio.Event()  # end of stream or a broken one: no WebSocket request can come any more
 
     def silent_for(self) -> float:
         return 0.0 if self._waiting_since is None else trio.current_time() - self._waiting_since
@@ -127,9 +128,15 @@ class _WatchedStream(trio.abc.Stream):
     async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
         self._waiting_since = trio.current_time()
         try:
-            return await self.inner.receive_some(max_bytes)
+            data = await self.inner.receive_some(max_bytes)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            self.ended.set()
+            raise
         finally:
             self._waiting_since = None
+        if not data:
+            self.ended.set()
+        return data
 
     async def aclose(self) -> None:
         await self.inner.aclose()
@@ -162,9 +169,7 @@ class _Edge:
         if self.ended.is_set():
             return
         for role in self.members:
-            self.closes[role] = (
-                close if role is culprit.role else _Close(CloseCode.PEER_CLOSED, "the other end left")
-            )
+            self.closes[role] = close if role is culprit.role else _Close(CloseCode.PEER_CLOSED, "the other end left")
         if self.registry.get(self.edge_id) is self:
             del self.registry[self.edge_id]  # a new pair may now form under the same id
         self.ended.set()
@@ -213,9 +218,7 @@ class Relay:
                 return await trio.open_tcp_listeners(config.port, host=config.host)
             context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             context.load_cert_chain(config.tls_cert, config.tls_key)
-            return await trio.open_ssl_over_tcp_listeners(
-                config.port, context, host=config.host, https_compatible=True
-            )
+            return await trio.open_ssl_over_tcp_listeners(config.port, context, host=config.host, https_compatible=True)
         except (OSError, ssl.SSLError) as exc:
             raise RelayConfigError(f"cannot listen on {config.host}:{config.port}: {exc}") from exc
 
@@ -226,9 +229,7 @@ class Relay:
         watched = _WatchedStream(stream)
         try:
             async with trio.open_nursery() as nursery:
-                await self._handle_connection(
-                    nursery, watched, self._per_ip[ip] > self.config.max_conns_per_ip
-                )
+                await self._handle_connection(nursery, watched, self._per_ip[ip] > self.config.max_conns_per_ip)
                 nursery.cancel_scope.cancel()  # stops the WebSocket reader
         except Exception:
             # One connection's failure (a bug, or a protocol corner of the WebSocket layer) must not stop the
@@ -244,7 +245,9 @@ class Relay:
     async def _handle_connection(self, nursery: trio.Nursery, stream: _WatchedStream, over_cap: bool) -> None:
         config = self.config
         request: trio_websocket.WebSocketRequest | None = None
-        with trio.move_on_after(config.handshake_timeout):
+
+        async def handshake(cancel_scope: trio.CancelScope) -> None:
+            nonlocal request
             request = await trio_websocket.wrap_server_stream(
                 nursery,
                 stream,
@@ -252,6 +255,14 @@ class Relay:
                 max_message_size=config.max_message_bytes,
                 receive_buffer_size=config.receive_buffer_bytes,
             )
+            cancel_scope.cancel()
+
+        # wrap_server_stream waits for a request even after the client hung up or failed TLS; stop then.
+        with trio.move_on_after(config.handshake_timeout):
+            async with trio.open_nursery() as waiting:
+                waiting.start_soon(handshake, waiting.cancel_scope)
+                await stream.ended.wait()
+                waiting.cancel_scope.cancel()
         if request is None:
             return
         try:
@@ -392,8 +403,6 @@ def _peer_ip(stream: trio.abc.Stream) -> str:
     return "?"
 
 
-async def serve_relay(
-    config: RelayConfig, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
-) -> None:
+async def serve_relay(config: RelayConfig, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
     """Run a relay until cancelled; ``port = await nursery.start(serve_relay, config)``."""
     await Relay(config).serve(task_status=task_status)

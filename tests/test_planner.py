@@ -132,9 +132,7 @@ def build_fleet(specs: list[tuple[float, float, float, float]]) -> list[Device]:
 def test_dp_matches_brute_force_for_a_fixed_order(
     sizes: list[int], specs: list[tuple[float, float, float, float]], hybrid: bool, data: st.DataObject
 ) -> None:
-    kinds = data.draw(
-        st.lists(st.sampled_from(["attention", "recurrent"]), min_size=len(sizes), max_size=len(sizes))
-    )
+    kinds = data.draw(st.lists(st.sampled_from(["attention", "recurrent"]), min_size=len(sizes), max_size=len(sizes)))
     profile = make_profile(sizes, arch="qwen35" if hybrid else "llama", kinds=kinds if hybrid else None)
     devices = build_fleet(specs)
     order = data.draw(st.permutations([d.name for d in devices]))
@@ -208,6 +206,13 @@ def test_no_fit_names_the_shortfall() -> None:
     profile = make_profile([1_000_000_000] * 4)
     with pytest.raises(InputError, match=r"total memory short by \d+\.\d GB") as info:
         plan(profile, [dev("a", 1.0), dev("b", 1.0)])
+    assert "\n" not in str(info.value)
+
+
+def test_no_fit_when_memory_suffices_but_no_split_does() -> None:
+    profile = make_profile([1_000_000_000] * 2)
+    with pytest.raises(InputError, match="no contiguous split fits") as info:
+        plan(profile, [dev("a", 1.6), dev("b", 2.4)])
     assert "\n" not in str(info.value)
 
 
@@ -342,10 +347,7 @@ def test_tied_head_is_held_by_both_ends(tmp_path: Path) -> None:
     first = window_cost(profile, 0, 1, n_ctx=1)
     last = window_cost(profile, 1, 2, n_ctx=1)
     assert whole.weight_bytes == profile.total_bytes  # one copy on a single rank
-    assert (
-        first.weight_bytes + last.weight_bytes
-        == profile.total_bytes + profile.embd_bytes + profile.other_bytes
-    )
+    assert first.weight_bytes + last.weight_bytes == profile.total_bytes + profile.embd_bytes + profile.other_bytes
 
 
 def _data_offset(path: Path) -> int:

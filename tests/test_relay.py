@@ -74,9 +74,20 @@ async def closed_code(link_coro: Callable[[], Awaitable[bytes]]) -> int | None:
     return info.value.code
 
 
+@contextlib.asynccontextmanager
+async def raw_websocket(url: str) -> AsyncIterator[trio_websocket.WebSocketConnection]:
+    """A bare client WebSocket, for sending what open_relay_link never would."""
+    async with trio_websocket.open_websocket_url(url) as ws:
+        try:
+            yield ws
+        finally:
+            # trio-websocket leaves the socket open when the server closed first; see relay/client.py.
+            await trio.aclose_forcefully(ws._stream)
+
+
 async def raw_rejection(url: str, target: str, preamble: bytes | str | None) -> int | None:
     """Open a bare WebSocket to ``url + target``, send ``preamble``, and return the relay's close code."""
-    async with trio_websocket.open_websocket_url(url + target) as ws:
+    async with raw_websocket(url + target) as ws:
         if preamble is not None:
             # The relay may close before the preamble is written; the code is what matters.
             with contextlib.suppress(ConnectionClosed):
@@ -150,9 +161,7 @@ async def test_pairing_both_directions_order_and_bytes(start_relay: StartRelay) 
     with trio.fail_after(20):
         relay, url = await start_relay()
         rng = random.Random(7)
-        sizes = [0, 1, 2, 16 * 1024, 1 << 20, 3 * (1 << 20) + 5] + [
-            rng.randrange(0, 70_000) for _ in range(60)
-        ]
+        sizes = [0, 1, 2, 16 * 1024, 1 << 20, 3 * (1 << 20) + 5] + [rng.randrange(0, 70_000) for _ in range(60)]
         down_msgs = [rng.randbytes(n) for n in sizes]
         up_msgs = [rng.randbytes(n) for n in reversed(sizes)]
         got_up: list[bytes] = []
@@ -355,9 +364,7 @@ async def test_waiting_alone_times_out(start_relay: StartRelay) -> None:
 async def test_silent_preamble_times_out(start_relay: StartRelay) -> None:
     with trio.fail_after(10):
         relay, url = await start_relay(preamble_timeout=0.2)
-        assert (
-            await raw_rejection(url, f"/v1/edge/e?token={tok('e', UP)}", None) == CloseCode.PREAMBLE_TIMEOUT
-        )
+        assert await raw_rejection(url, f"/v1/edge/e?token={tok('e', UP)}", None) == CloseCode.PREAMBLE_TIMEOUT
         await settled(relay, connections=0)
 
 
@@ -365,7 +372,7 @@ async def test_text_message_after_pairing(start_relay: StartRelay) -> None:
     with trio.fail_after(10):
         relay, url = await start_relay()
         async with open_relay_link(url, "e", DOWN, tok("e", DOWN)) as down:
-            async with trio_websocket.open_websocket_url(edge_url(url, "e", tok("e", UP))) as ws:
+            async with raw_websocket(edge_url(url, "e", tok("e", UP))) as ws:
                 await ws.send_message(bytes([UP]))
                 await ws.send_message("text is not a frame")
                 with pytest.raises(ConnectionClosed) as info:
@@ -549,9 +556,7 @@ async def test_many_connect_disconnect_cycles_leak_nothing(start_relay: StartRel
         assert trio.lowlevel.current_statistics().tasks_living == tasks_before
         assert traced_growth < 1 << 20, f"{traced_growth} bytes still allocated after {cycles} cycles"
         assert rss_growth < 32 << 20, f"RSS grew {rss_growth} bytes"
-        print(
-            f"{cycles} cycles in {elapsed:.1f} s, traced growth {traced_growth} B, RSS growth {rss_growth} B"
-        )
+        print(f"{cycles} cycles in {elapsed:.1f} s, traced growth {traced_growth} B, RSS growth {rss_growth} B")
 
 
 # --- CLI ----------------------------------------------------------------------------------------------------

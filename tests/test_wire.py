@@ -51,6 +51,7 @@ from kvasir.wire import (
     encode_boundary,
     max_chunk_tokens,
     measure_divergence,
+    neighbour_problem,
     send_frame,
 )
 from kvasir.wire.stream import READ_CHUNK
@@ -114,9 +115,7 @@ def boundaries(draw: st.DrawFn) -> Boundary:
     dtype = draw(st.sampled_from(BoundaryDType))
     n_tokens = draw(st.integers(1, 6))
     n_embd = draw(st.integers(1, 24))
-    payload = draw(
-        st.binary(min_size=n_tokens * n_embd * dtype.itemsize, max_size=n_tokens * n_embd * dtype.itemsize)
-    )
+    payload = draw(st.binary(min_size=n_tokens * n_embd * dtype.itemsize, max_size=n_tokens * n_embd * dtype.itemsize))
     return Boundary(
         request_id=draw(request_ids),
         first_position=draw(st.integers(0, 2**31 - 1 - n_tokens)),
@@ -311,10 +310,7 @@ def raw(
     body_length: int | None = None,
 ) -> bytes:
     length = len(body) if body_length is None else body_length
-    return (
-        struct.pack("<2sBBHHQiI", magic, version, ftype, flags, reserved, request_id, latest_token, length)
-        + body
-    )
+    return struct.pack("<2sBBHHQiI", magic, version, ftype, flags, reserved, request_id, latest_token, length) + body
 
 
 def patched(frame: Frame, offset: int, fmt: str, value: float) -> bytes:
@@ -512,9 +508,7 @@ def test_error_truncating_cuts_on_a_character_boundary() -> None:
 
 
 def ring(*windows: tuple[int, int], n_layers: int = 12, model: str = "m1") -> list[Hello]:
-    return [
-        Hello(f"node-{r}", model, r, len(windows), a, b, n_layers, 64) for r, (a, b) in enumerate(windows)
-    ]
+    return [Hello(f"node-{r}", model, r, len(windows), a, b, n_layers, 64) for r, (a, b) in enumerate(windows)]
 
 
 def test_neighbours_that_join_are_accepted() -> None:
@@ -525,6 +519,7 @@ def test_neighbours_that_join_are_accepted() -> None:
         check_neighbour(succ, node, Side.PREDECESSOR)
     (solo,) = ring((0, 12))
     check_neighbour(solo, solo, Side.SUCCESSOR)
+    assert neighbour_problem(solo, solo, Side.PREDECESSOR) is None
 
 
 @pytest.mark.parametrize(
@@ -540,11 +535,14 @@ def test_neighbours_that_join_are_accepted() -> None:
         (ring((1, 4), (4, 12))[1], ring((1, 4), (4, 12))[0], Side.SUCCESSOR, "rank 0 but its window starts"),
     ],
 )
-def test_neighbours_that_do_not_join_are_refused(
-    local: Hello, remote: Hello, side: Side, reason: str
-) -> None:
+def test_neighbours_that_do_not_join_are_refused(local: Hello, remote: Hello, side: Side, reason: str) -> None:
     with pytest.raises(RingError, match=reason):
         check_neighbour(local, remote, side)
+    problem = neighbour_problem(local, remote, side)
+    assert problem is not None
+    assert problem[0] is (
+        ErrorCode.MODEL_MISMATCH if "model" in reason or "n_layers" in reason else ErrorCode.WINDOW_MISMATCH
+    )
 
 
 def test_neighbour_with_same_node_id_is_refused() -> None:

@@ -37,9 +37,7 @@ def add_parser(subparsers: Any) -> None:
         help=f"context to budget KV for (default {DEFAULT_N_CTX})",
     )
     parser.add_argument("--seqs", type=int, default=1, metavar="N", help="sequences in flight (default 1)")
-    parser.add_argument(
-        "--order", metavar="A,B,...", help="fix the ring order: every device name, comma-separated"
-    )
+    parser.add_argument("--order", metavar="A,B,...", help="fix the ring order: every device name, comma-separated")
     parser.set_defaults(run=run)
 
 
@@ -82,9 +80,7 @@ def _print_table(manifest: RankManifest) -> None:
         "link ms → next",
     )
     for column in columns:
-        table.add_column(
-            column, justify="left" if column in {"device", "kind", "layers"} else "right", no_wrap=True
-        )
+        table.add_column(column, justify="left" if column in {"device", "kind", "layers"} else "right", no_wrap=True)
     for w in manifest.windows:
         pad = f" +pad {','.join(map(str, w.padding))}" if w.padding else ""
         table.add_row(

@@ -87,9 +87,7 @@ class ModelProfile:
 # ---------------------------------------------------------------------------------------- mapping (TOML) form
 
 
-def _int_list(
-    data: Mapping[str, Any], key: str, n: int, default: Sequence[int] | None, source: str
-) -> list[int]:
+def _int_list(data: Mapping[str, Any], key: str, n: int, default: Sequence[int] | None, source: str) -> list[int]:
     value = data.get(key)
     if value is None:
         if default is None:

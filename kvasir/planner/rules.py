@@ -2,10 +2,10 @@
 
 Every supported architecture may be cut at every layer boundary (docs/stage-gguf.md: chained stage files are
 bit-exact for every split tried, 1-layer windows included). What differs is the price of some windows: the
-hybrid Qwen3.5 cache (``qwen35``, ``qwen35moe``, and ``qwen3next`` which shares it) needs at least one
-full-attention and one recurrent layer in every stage, so a window lacking a kind is padded with one identity
-copy of a layer of that kind (zeroed output projections). The copy weighs as much as the real layer, runs like
-one, and an attention copy keeps a KV cache, so the planner charges it in memory and time.
+hybrid Qwen3.5 cache (``qwen35``, ``qwen35moe``) needs at least one full-attention and one recurrent layer in
+every stage, so a window lacking a kind is padded with one identity copy of a layer of that kind (zeroed output
+projections). The copy weighs as much as the real layer, runs like one, and an attention copy keeps a KV cache,
+so the planner charges it in memory and time.
 """
 
 from __future__ import annotations
@@ -13,19 +13,17 @@ from __future__ import annotations
 from kvasir.errors import UnsupportedArchitecture
 from kvasir.planner.profile import LayerKind, ModelProfile
 
-# Archs whose stage files the recipe covers (plain attention stacks, sliding-window gemmas, hybrid qwen3.5).
-SUPPORTED_ARCHS: frozenset[str] = frozenset(
-    {"llama", "mistral", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "qwen3next", "qwen35", "qwen35moe"}
-)
+# Archs whose stage files the recipe covers and kvasir.shard slices (kept in step with kvasir/shard/arch.py by hand,
+# so the planner does not depend on the slicer).
+SUPPORTED_ARCHS: frozenset[str] = frozenset({"llama", "qwen2", "qwen3", "gemma3", "qwen35", "qwen35moe"})
 # Archs whose stages need one layer of each kind present (identity padding otherwise).
-HYBRID_ARCHS: frozenset[str] = frozenset({"qwen3next", "qwen35", "qwen35moe"})
+HYBRID_ARCHS: frozenset[str] = frozenset({"qwen35", "qwen35moe"})
 
 
 def check_arch(profile: ModelProfile) -> None:
     if profile.arch not in SUPPORTED_ARCHS:
         raise UnsupportedArchitecture(
-            f"no window rules for architecture {profile.arch!r} "
-            f"(supported: {', '.join(sorted(SUPPORTED_ARCHS))})"
+            f"no window rules for architecture {profile.arch!r} (supported: {', '.join(sorted(SUPPORTED_ARCHS))})"
         )
 
 

@@ -19,6 +19,7 @@ from kvasir.errors import InputError
 from kvasir.planner.devices import Device, check_unique
 from kvasir.planner.estimate import (
     DEFAULT_N_CTX,
+    RESERVE_BYTES,
     TOKEN_FRAME_BYTES,
     RankManifest,
     UnusedDevice,
@@ -77,9 +78,7 @@ def plan(
         raise InputError(_no_fit_reason(profile, devices, costs))
     used = {device.name for device, _, _ in best[1]}
     manifest = estimate(profile, best[1], n_ctx=n_ctx, n_seq=n_seq)
-    unused = tuple(
-        UnusedDevice(d, _unused_reason(profile, d, manifest, costs)) for d in devices if d.name not in used
-    )
+    unused = tuple(UnusedDevice(d, _unused_reason(profile, d, manifest, costs)) for d in devices if d.name not in used)
     return estimate(profile, best[1], n_ctx=n_ctx, n_seq=n_seq, unused=unused)
 
 
@@ -201,9 +200,7 @@ def _gb(n: float) -> str:
     return f"{n / _GB:.1f} GB"
 
 
-def _no_fit_reason(
-    profile: ModelProfile, devices: Sequence[Device], costs: dict[tuple[int, int], WindowCost]
-) -> str:
+def _no_fit_reason(profile: ModelProfile, devices: Sequence[Device], costs: dict[tuple[int, int], WindowCost]) -> str:
     offered = sum(d.memory_bytes for d in devices)
     whole = costs[0, profile.n_layers].memory_bytes
     if offered < whole:
@@ -214,13 +211,10 @@ def _no_fit_reason(
     largest = max(d.memory_bytes for d in devices)
     smallest = min(c.memory_bytes for c in costs.values())
     if smallest > largest:
-        return (
-            f"no plan fits: the smallest window needs {_gb(smallest)}, "
-            f"the largest device budget is {_gb(largest)}"
-        )
+        return f"no plan fits: the smallest window needs {_gb(smallest)}, the largest device budget is {_gb(largest)}"
     return (
-        f"no plan fits: the devices offer {_gb(offered)} but contiguous windows with a "
-        f"{_gb(costs[0, profile.n_layers].overhead_bytes)} overhead per rank need more"
+        f"no plan fits: {profile.name} needs {_gb(whole)} on one rank and about {_gb(RESERVE_BYTES)} more per extra "
+        f"rank, plus padding; no contiguous split fits the budgets ({_gb(offered)} in all)"
     )
 
 
@@ -229,9 +223,7 @@ def _unused_reason(
 ) -> str:
     smallest = min(c.memory_bytes for c in costs.values())
     if smallest > device.memory_bytes:
-        return (
-            f"too little memory: its smallest window needs {_gb(smallest)}, budget {_gb(device.memory_bytes)}"
-        )
+        return f"too little memory: its smallest window needs {_gb(smallest)}, budget {_gb(device.memory_bytes)}"
     ring = [w.device for w in manifest.windows]
     boundary = boundary_bytes(profile)
     added = math.inf

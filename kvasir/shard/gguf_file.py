@@ -81,9 +81,7 @@ def describe(path: Path, gg: GGUFFile | None = None) -> ModelInfo:
             per_layer[blk[0]] += t.nbytes
         else:
             outside += t.nbytes
-    tokens = gg.kvs.get("tokenizer.ggml.tokens") or gg.kvs.get(
-        TOKENIZER_STASH_PREFIX + "tokenizer.ggml.tokens"
-    )
+    tokens = gg.kvs.get("tokenizer.ggml.tokens") or gg.kvs.get(TOKENIZER_STASH_PREFIX + "tokenizer.ggml.tokens")
     start = gg.get(STAGE_PREFIX + "layer_start")
     end = gg.get(STAGE_PREFIX + "layer_end")
     return ModelInfo(

@@ -254,9 +254,7 @@ def encode_kv(key: str, value: Any, vtype: GGUFValueType, sub_type: GGUFValueTyp
         assert sub_type is not None
         out += struct.pack("<IQ", sub_type, len(value))
         for v in value:
-            out += (
-                _encode_string(v) if sub_type == GGUFValueType.STRING else struct.pack(_SCALAR[sub_type], v)
-            )
+            out += _encode_string(v) if sub_type == GGUFValueType.STRING else struct.pack(_SCALAR[sub_type], v)
     else:  # pragma: no cover
         raise ValueError(f"cannot encode GGUF type {vtype}")
     return KV(key, vtype, bytes(out), value, sub_type)

@@ -73,15 +73,20 @@ class StageLayout:
     drop_sliding_window: bool
 
 
-def plan_layout(info: ModelInfo, metadata: dict[str, Any], start: int, end: int) -> StageLayout:
-    rules = rules_for(info.arch)
+def check_window(info: ModelInfo, start: int, end: int) -> int:
+    """Raise unless [start, end) is a non-empty window of the model's main layers; returns their count."""
+    rules_for(info.arch)
     if info.stage_window is not None:
-        raise WindowError(
-            f"{info.path} is already a stage file (layers {info.stage_window[0]}:{info.stage_window[1]})"
-        )
+        raise WindowError(f"{info.path} is already a stage file (layers {info.stage_window[0]}:{info.stage_window[1]})")
     n_main = info.n_layer - info.nextn_layers
     if not 0 <= start < end <= n_main:
         raise WindowError(f"window {start}:{end} is empty or outside the model's layers 0:{n_main}")
+    return n_main
+
+
+def plan_layout(info: ModelInfo, metadata: dict[str, Any], start: int, end: int) -> StageLayout:
+    rules = rules_for(info.arch)
+    n_main = check_window(info, start, end)
     kinds_all = layer_kinds(info.arch, metadata, info.n_layer)
     sources = list(range(start, end))
     pads: list[int] = []
@@ -119,9 +124,7 @@ class SliceResult:
     model_bytes: int
 
 
-def _edited_metadata(
-    gg: GGUFFile, info: ModelInfo, layout: StageLayout, source_sha256: str | None
-) -> list[KV]:
+def _edited_metadata(gg: GGUFFile, info: ModelInfo, layout: StageLayout, source_sha256: str | None) -> list[KV]:
     arch = info.arch
     rules = rules_for(arch)
     out: list[KV] = []
@@ -130,9 +133,7 @@ def _edited_metadata(
             kv = encode_kv(key, len(layout.layer_sources), U32)
         elif key == f"{arch}.nextn_predict_layers" and not layout.last:
             kv = encode_kv(key, 0, U32)
-        elif key == rules.layer_kind_key or (
-            layout.drop_sliding_window and key == "gemma3.attention.sliding_window"
-        ):
+        elif key == rules.layer_kind_key or (layout.drop_sliding_window and key == "gemma3.attention.sliding_window"):
             continue  # rewritten below as an explicit per-layer array, or dropped
         elif not layout.last and key == f"{arch}.vocab_size":
             continue
@@ -152,9 +153,7 @@ def _edited_metadata(
         out.append(encode_kv("tokenizer.ggml.model", "none", GGUFValueType.STRING))
         out.append(encode_kv(f"{arch}.vocab_size", 1, U32))
     if layout.kinds is not None and rules.layer_kind_key is not None:
-        out.append(
-            encode_kv(rules.layer_kind_key, list(layout.kinds), GGUFValueType.ARRAY, GGUFValueType.BOOL)
-        )
+        out.append(encode_kv(rules.layer_kind_key, list(layout.kinds), GGUFValueType.ARRAY, GGUFValueType.BOOL))
     out += [
         encode_kv(STAGE_PREFIX + "layer_start", layout.start, U32),
         encode_kv(STAGE_PREFIX + "layer_end", layout.end, U32),
@@ -166,9 +165,7 @@ def _edited_metadata(
     return out
 
 
-def _stage_tensors(
-    gg: GGUFFile, info: ModelInfo, layout: StageLayout
-) -> tuple[list[TensorSource], TensorInfo | None]:
+def _stage_tensors(gg: GGUFFile, info: ModelInfo, layout: StageLayout) -> tuple[list[TensorSource], TensorInfo | None]:
     """The stage's tensors in file order, and the token embedding to append raw (first, non-last stages)."""
     by_layer: dict[int, list[TensorInfo]] = {}
     outside: dict[str, TensorInfo] = {}
@@ -192,9 +189,7 @@ def _stage_tensors(
         tensors.append(copy(t, name))
     if not layout.last:
         # Stub vocabulary: llama.cpp wants a token_embd of n_vocab (=1) rows; it is never read.
-        tensors.append(
-            TensorSource("token_embd.weight", (info.n_embd, 1), GGMLQuantizationType.F32, 4 * info.n_embd)
-        )
+        tensors.append(TensorSource("token_embd.weight", (info.n_embd, 1), GGMLQuantizationType.F32, 4 * info.n_embd))
     for new_index, src in enumerate(layout.layer_sources):
         identity = new_index in layout.pad_positions
         for t in by_layer.get(src, []):
@@ -228,14 +223,10 @@ def atomic_output(out: Path) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
 
 
-def slice_model(
-    src: Path, start: int, end: int, out: Path, *, source_sha256: str | None = None
-) -> SliceResult:
+def slice_model(src: Path, start: int, end: int, out: Path, *, source_sha256: str | None = None) -> SliceResult:
     gg = read_gguf(src)
     info = describe(src, gg)
-    small = {
-        k: gg.get(k) for k, kv in gg.kvs.items() if k.startswith(f"{info.arch}.") and kv.value is not None
-    }
+    small = {k: gg.get(k) for k, kv in gg.kvs.items() if k.startswith(f"{info.arch}.") and kv.value is not None}
     layout = plan_layout(info, small, start, end)
     kvs = _edited_metadata(gg, info, layout, source_sha256)
     tensors, embedding = _stage_tensors(gg, info, layout)
@@ -264,7 +255,5 @@ def read_embedding_block(gg: GGUFFile) -> tuple[np.ndarray[Any, Any], GGMLQuanti
         raise ModelFileError(f"{gg.path}: first-stage file lacks its token embedding block")
     if nbytes > gg.file_size or nbytes % rows:
         raise ModelFileError(f"{gg.path}: token embedding block is truncated or inconsistent")
-    block = np.memmap(
-        gg.path, dtype=np.uint8, mode="r", offset=gg.file_size - nbytes, shape=(rows, nbytes // rows)
-    )
+    block = np.memmap(gg.path, dtype=np.uint8, mode="r", offset=gg.file_size - nbytes, shape=(rows, nbytes // rows))
     return block, GGMLQuantizationType(qtype)

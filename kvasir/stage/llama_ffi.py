@@ -42,7 +42,7 @@ class GgmlTensor(ctypes.Structure):
     ]
 
 
-NAME_OFFSET: int = GgmlTensor.name.offset  # type: ignore[attr-defined]
+NAME_OFFSET: int = GgmlTensor.name.offset
 
 
 @attrs.frozen
@@ -78,7 +78,7 @@ def runtime() -> Runtime:
         base.ggml_nbytes.argtypes = [ctypes.c_void_p]
         base.ggml_nbytes.restype = ctypes.c_size_t
 
-        @llama_cpp.llama_log_callback
+        @llama_cpp.llama_log_callback  # type: ignore[untyped-decorator]
         def _log(level: int, text: bytes, _user: Any) -> None:
             # GGML_LOG_LEVEL_ERROR = 4; the rest is load chatter a user of `kvasir` should not see.
             if level == 4:
@@ -111,8 +111,6 @@ def _devices(ggml: ctypes.CDLL) -> tuple[str, ...]:
         ggml.ggml_backend_dev_name.argtypes = [ctypes.c_void_p]
         ggml.ggml_backend_dev_name.restype = ctypes.c_char_p
         n = int(ggml.ggml_backend_dev_count())
-        return tuple(
-            (ggml.ggml_backend_dev_name(ggml.ggml_backend_dev_get(i)) or b"?").decode() for i in range(n)
-        )
+        return tuple((ggml.ggml_backend_dev_name(ggml.ggml_backend_dev_get(i)) or b"?").decode() for i in range(n))
     except AttributeError:  # pragma: no cover - older ggml
         return ("CPU",)

@@ -538,9 +538,12 @@ def _tensors(spec: TinyModelSpec) -> Iterator[_Tensor]:
     hd, H, Hkv = spec.head_dim, spec.n_head, spec.n_head_kv
     q_out, kv_out = H * hd, Hkv * hd
 
-    # Token embeddings have unit RMS rows after Gemma's sqrt(n_embd) input scaling, and give
-    # unit-variance logits when tied; untied heads are unit-variance projections of the final norm.
-    yield _Tensor(name(MODEL_TENSOR.TOKEN_EMBD), (V, E), _normal(1.0 / np.sqrt(E)))
+    # Untied: embedding rows of RMS 1/sqrt(n_embd); the head is a unit-variance projection of the
+    # final norm. Tied (gemma3): the logit of the input token carries a self-similarity term
+    # ~ sqrt(n_embd) * scale**2 that makes greedy decoding repeat the last token for ever, so the
+    # shared matrix is 10x smaller (argmax does not care about the logits' overall scale).
+    embd_scale = (0.1 if spec.tie_embeddings else 1.0) / np.sqrt(E)
+    yield _Tensor(name(MODEL_TENSOR.TOKEN_EMBD), (V, E), _normal(embd_scale))
     yield _Tensor(name(MODEL_TENSOR.OUTPUT_NORM), (E,), _norm)
     if not spec.tie_embeddings:
         yield _Tensor(name(MODEL_TENSOR.OUTPUT), (V, E), _linear)

@@ -49,7 +49,7 @@ from kvasir.wire.frames import (
     decode_frame,
     decode_header,
 )
-from kvasir.wire.handshake import Side, check_neighbour, choose_dtype, max_chunk_tokens
+from kvasir.wire.handshake import Side, check_neighbour, choose_dtype, max_chunk_tokens, neighbour_problem
 from kvasir.wire.stream import FrameDecoder, FrameReader, send_frame
 
 __all__ = [
@@ -101,5 +101,6 @@ __all__ = [
     "encode_boundary",
     "max_chunk_tokens",
     "measure_divergence",
+    "neighbour_problem",
     "send_frame",
 ]

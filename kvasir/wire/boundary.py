@@ -39,9 +39,7 @@ def _check_array(array: np.ndarray) -> F32Array:
         # Silently narrowing float64 would break the bit-exact guarantee of f32 on the wire.
         raise ShapeError(f"boundary array must be float32, got {array.dtype}")
     if array.ndim != 2 or array.shape[0] < 1 or array.shape[1] < 1:
-        raise ShapeError(
-            f"boundary array must be 2-D (n_tokens, n_embd) and non-empty, got shape {array.shape}"
-        )
+        raise ShapeError(f"boundary array must be 2-D (n_tokens, n_embd) and non-empty, got shape {array.shape}")
     return array
 
 

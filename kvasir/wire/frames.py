@@ -168,6 +168,7 @@ _BODY_SIZES: dict[FrameType, tuple[int, int | None]] = {
 }
 _LINK_FRAMES = frozenset({FrameType.HELLO, FrameType.KEEPALIVE})
 _ALLOWED_FLAGS: dict[FrameType, int] = {FrameType.BOUNDARY: FLAG_FINAL}
+_TYPE_CODES = frozenset(t.value for t in FrameType)
 
 
 def check_header_prefix(data: bytes | bytearray | memoryview) -> None:
@@ -176,20 +177,16 @@ def check_header_prefix(data: bytes | bytearray | memoryview) -> None:
         raise ProtocolError(f"bad magic {bytes(data[:2])!r} (expected {MAGIC!r}; not a Kvasir peer?)")
     if len(data) >= 3 and data[2] != PROTOCOL_VERSION:
         raise ProtocolError(f"unsupported protocol version {data[2]} (this node speaks {PROTOCOL_VERSION})")
-    if len(data) >= 4 and data[3] not in FrameType._value2member_map_:
+    if len(data) >= 4 and data[3] not in _TYPE_CODES:
         raise ProtocolError(f"unknown frame type {data[3]}")
 
 
-def decode_header(
-    data: bytes | bytearray | memoryview, *, max_frame_bytes: int = MAX_FRAME_BYTES
-) -> FrameHeader:
+def decode_header(data: bytes | bytearray | memoryview, *, max_frame_bytes: int = MAX_FRAME_BYTES) -> FrameHeader:
     """Validate the first :data:`HEADER_SIZE` bytes of a frame: its body length is known before it is read."""
     if len(data) < HEADER_SIZE:
         raise ProtocolError(f"frame header truncated ({len(data)} of {HEADER_SIZE} bytes)")
     check_header_prefix(data)
-    _magic, _version, type_code, flags, reserved, request_id, latest_token, body_length = HEADER.unpack_from(
-        data
-    )
+    _magic, _version, type_code, flags, reserved, request_id, latest_token, body_length = HEADER.unpack_from(data)
     ftype = FrameType(type_code)
     name = ftype.name
     if reserved:
@@ -214,8 +211,9 @@ def decode_header(
     return FrameHeader(ftype, flags, request_id, latest_token, body_length)
 
 
-def _pack(ftype: FrameType, body: bytes, *, request_id: int = NO_REQUEST, latest_token: int = NO_TOKEN,
-          flags: int = 0) -> bytes:  # fmt: skip
+def _pack(
+    ftype: FrameType, body: bytes, *, request_id: int = NO_REQUEST, latest_token: int = NO_TOKEN, flags: int = 0
+) -> bytes:
     return HEADER.pack(MAGIC, PROTOCOL_VERSION, ftype, flags, 0, request_id, latest_token, len(body)) + body
 
 
@@ -258,9 +256,7 @@ class Hello:
         _check_int(k, "window end", self.window_end, self.window_start + 1, self.n_layers)
         _check_int(k, "n_embd", self.n_embd, 1, MAX_EMBD)
         _check_int(k, "max frame bytes", self.max_frame_bytes, MIN_FRAME_LIMIT, U32_MAX)
-        if not isinstance(self.dtypes, frozenset) or not all(
-            isinstance(d, BoundaryDType) for d in self.dtypes
-        ):
+        if not isinstance(self.dtypes, frozenset) or not all(isinstance(d, BoundaryDType) for d in self.dtypes):
             raise ProtocolError("HELLO frame: dtypes must be a frozenset of BoundaryDType")
         if BoundaryDType.F32 not in self.dtypes:
             raise ProtocolError("HELLO frame: every node must accept f32 boundaries")
@@ -275,9 +271,7 @@ class Hello:
 
     @classmethod
     def _from_body(cls, header: FrameHeader, r: BodyReader) -> Self:
-        rank, ring_size, w0, w1, n_layers, n_embd, max_frame, mask, pad = r.unpack(
-            _HELLO_FIXED, "fixed fields"
-        )
+        rank, ring_size, w0, w1, n_layers, n_embd, max_frame, mask, pad = r.unpack(_HELLO_FIXED, "fixed fields")
         r.reserved(pad)
         if mask & ~((1 << len(BoundaryDType)) - 1):
             raise r.fail(f"undefined dtype bits in mask {mask:#04x}")
@@ -523,9 +517,7 @@ class Boundary:
             raise r.fail(f"n_embd {n_embd} outside [1, {MAX_EMBD}]")
         expected = n_tokens * n_embd * dtype.itemsize
         if r.remaining != expected:
-            raise r.fail(
-                f"payload is {r.remaining} bytes, expected {n_tokens}x{n_embd}x{dtype.itemsize} = {expected}"
-            )
+            raise r.fail(f"payload is {r.remaining} bytes, expected {n_tokens}x{n_embd}x{dtype.itemsize} = {expected}")
         payload = bytes(r.take(expected, "payload"))
         return cls(
             header.request_id, first, n_tokens, n_embd, dtype, payload,
@@ -662,9 +654,7 @@ class Error:
         _check_int("ERROR", "latest token", self.latest_token, NO_TOKEN, I32_MAX)
 
     @classmethod
-    def truncating(
-        cls, code: ErrorCode, message: str, origin_rank: int, request_id: int = NO_REQUEST
-    ) -> Self:
+    def truncating(cls, code: ErrorCode, message: str, origin_rank: int, request_id: int = NO_REQUEST) -> Self:
         """Build from any message, cutting it on a character boundary to fit the wire limit."""
         raw = message.encode("utf-8", "replace")[:MAX_ERROR_MESSAGE_BYTES]
         return cls(code, raw.decode("utf-8", "ignore"), origin_rank, request_id)
@@ -728,9 +718,7 @@ _CLASSES: dict[FrameType, type[Frame]] = {
 def decode_body(header: FrameHeader, body: bytes | bytearray | memoryview) -> Frame:
     """Decode a body whose header :func:`decode_header` already validated."""
     if len(body) != header.body_length:
-        raise ProtocolError(
-            f"{header.type.name} frame: body is {len(body)} bytes, header says {header.body_length}"
-        )
+        raise ProtocolError(f"{header.type.name} frame: body is {len(body)} bytes, header says {header.body_length}")
     cls = _CLASSES[header.type]
     reader = BodyReader(header.type.name, body)
     frame = cls._from_body(header, reader)

@@ -83,8 +83,7 @@ class FrameDecoder:
         """The stream ended: an error if it ended inside a frame."""
         if self._buf:
             raise ProtocolError(
-                f"stream ended inside a frame ({len(self._buf)} bytes buffered,"
-                f" {self.wanted()} more expected)"
+                f"stream ended inside a frame ({len(self._buf)} bytes buffered, {self.wanted()} more expected)"
             )
 
 

@@ -1,0 +1,5 @@
+import sys
+
+from kvasir.cli import main
+
+sys.exit(main())

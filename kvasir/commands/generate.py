@@ -1,0 +1,69 @@
+"""``kvasir generate [MODEL.gguf] [--splits 0,6,12,18] --prompt TEXT``: the stages chained in one process."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from typing import Any
+
+from kvasir.commands.common import add_model_arg, add_sampling_args, print_json, resolve_model, sampling_from_args
+from kvasir.shard.cache import default_cache_dir, parse_splits, stage_files
+from kvasir.shard.gguf_file import describe
+from kvasir.stage.engine import Stage, StageConfig
+from kvasir.stage.pipeline import LocalPipeline
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("generate", help="generate text with the model's stages chained in this process")
+    add_model_arg(p, optional=True)
+    p.add_argument("--splits", help="layer cuts, e.g. 0,6,12,18 (default: one stage, the whole model)")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.add_argument("--threads", type=int, default=None, help="llama.cpp threads per stage (default: all cores)")
+    p.add_argument("--ctx", type=int, default=2048, help="context length (default 2048)")
+    p.add_argument("--gpu-layers", type=int, default=0, help="layers to offload to a GPU backend (-1: all)")
+    add_sampling_args(p)
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    params = sampling_from_args(args)
+    model = resolve_model(args.model)
+    info = describe(model)
+    n_main = info.n_layer - info.nextn_layers
+    windows = parse_splits(args.splits, n_main) if args.splits else [(0, n_main)]
+    paths = stage_files(model, windows, default_cache_dir())
+    with contextlib.ExitStack() as stack:
+        stages = [
+            stack.enter_context(
+                Stage.load(
+                    StageConfig(p, n_ctx=args.ctx, n_seq_max=1, n_threads=args.threads, n_gpu_layers=args.gpu_layers)
+                )
+            )
+            for p in paths
+        ]
+        pipe = LocalPipeline(stages)
+        vocab = stages[0].vocab
+        if args.chat:
+            text = vocab.chat_prompt([("user", args.prompt)], stages[0].chat_template())
+            prompt = vocab.tokenize(text, add_special=False, parse_special=True)
+        else:
+            prompt = vocab.tokenize(args.prompt, add_special=True, parse_special=False)
+
+        def echo(_token: int, delta: str) -> None:
+            sys.stdout.write(delta)
+            sys.stdout.flush()
+
+        result = pipe.generate(prompt, params, args.max_tokens, stop=args.stop, on_token=None if args.json else echo)
+    if args.json:
+        print_json(result.to_json())
+    else:
+        sys.stdout.write("\n")
+        print(
+            f"[{len(result.tokens)} tokens, prefill {result.prefill_ms:.1f} ms, "
+            f"decode {result.decode_ms_per_token:.1f} ms/token, stop: {result.stop_reason}]",
+            file=sys.stderr,
+        )
+    return 0

@@ -1,0 +1,348 @@
+"""The stage engine: one llama.cpp context that runs one contiguous window of a model's layers.
+
+Input is token ids (first stage) or the previous stage's hidden states; output is the residual stream after the
+window's last layer for every token (``l_out-{n-1}``, copied out of the graph by an eval callback before the
+buffer is reused), or, on the last stage, the logits of the last token and a sampled token. See
+docs/stage-gguf.md for the recipe and why each step is there.
+
+All methods block; call them from a worker thread (:meth:`Stage.run`), one at a time per stage.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import attrs
+import numpy as np
+import trio
+
+from kvasir.errors import InputError, ShapeError, StageError
+from kvasir.shard.arch import rules_for
+from kvasir.shard.gguf_file import STAGE_PREFIX, describe
+from kvasir.shard.gguf_io import GGUFFile, read_gguf
+from kvasir.shard.slice import read_embedding_block
+from kvasir.stage.embedding import TokenEmbedding
+from kvasir.stage.llama_ffi import GGML_TYPE_F32, NAME_OFFSET, GgmlTensor, runtime
+from kvasir.stage.sampling import Sampler
+from kvasir.stage.vocab import Vocab
+from kvasir.wire import SamplingParams
+
+T = TypeVar("T")
+FloatArray = np.ndarray[Any, np.dtype[np.float32]]
+
+
+@attrs.frozen
+class StageConfig:
+    """How to run one stage. Built once (from CLI flags or a manifest) and passed down whole."""
+
+    path: Path
+    #: Context length per sequence.
+    n_ctx: int = 2048
+    #: Sequences (requests) that may be in flight at once in this context.
+    n_seq_max: int = 4
+    #: Largest batch handed to llama.cpp in one call; longer inputs are split by the caller.
+    n_batch: int = 512
+    n_threads: int | None = None
+    n_gpu_layers: int = 0
+    #: Let llama.cpp's load chatter through to stderr.
+    verbose: bool = False
+
+
+@attrs.frozen
+class StageInfo:
+    arch: str
+    #: Window [start, end) in the whole model's layers.
+    start: int
+    end: int
+    source_layers: int
+    n_embd: int
+    n_vocab: int
+    first: bool
+    last: bool
+    #: The model's identity: sha256 of the whole GGUF when the stage file records it.
+    model_sha256: str | None
+    backend: str
+    n_threads: int
+
+    def to_json(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+
+class _Batch:
+    """A llama_batch whose arrays are numpy buffers we own (no per-element ctypes copies)."""
+
+    def __init__(self, L: Any, n_max: int, positions_per_token: int) -> None:
+        self.n_max = n_max
+        self.ppt = positions_per_token
+        self.token = np.zeros(n_max, np.int32)
+        self.pos = np.zeros(n_max * positions_per_token, np.int32)
+        self.n_seq_id = np.ones(n_max, np.int32)
+        self.seq = np.zeros(n_max, np.int32)
+        self.logits = np.zeros(n_max, np.int8)
+        base = self.seq.ctypes.data
+        self.seq_ptrs = (ctypes.POINTER(ctypes.c_int32) * n_max)(
+            *[ctypes.cast(base + 4 * i, ctypes.POINTER(ctypes.c_int32)) for i in range(n_max)]
+        )
+        self.batch = L.llama_batch()
+        self.batch.pos = self.pos.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        self.batch.n_seq_id = self.n_seq_id.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        self.batch.seq_id = ctypes.cast(self.seq_ptrs, ctypes.POINTER(ctypes.POINTER(ctypes.c_int32)))
+        self.batch.logits = self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+
+    def fill(self, seq_id: int, pos0: int, n: int, all_outputs: bool) -> None:
+        positions = np.arange(pos0, pos0 + n, dtype=np.int32)
+        if self.ppt == 1:
+            self.pos[:n] = positions
+        else:
+            # M-RoPE/IMROPE embedding batches read ppt planes of n positions: [p…][p…][p…][0…].
+            for plane in range(self.ppt):
+                self.pos[plane * n : (plane + 1) * n] = positions if plane < 3 else 0
+        self.seq[:n] = seq_id
+        self.logits[:n] = 1 if all_outputs else 0
+        self.logits[n - 1] = 1
+        self.batch.n_tokens = n
+
+
+class Stage:
+    """One window of layers in its own llama.cpp context. Create with :meth:`load`; close with :meth:`close`."""
+
+    def __init__(self) -> None:  # use Stage.load
+        self.info: StageInfo
+        self.config: StageConfig
+        self.limiter = trio.CapacityLimiter(1)
+        self._model: Any = None
+        self._gg: GGUFFile
+        self._ctx: Any = None
+        self._vocab: Vocab | None = None
+        self._embedding: TokenEmbedding | None = None
+        self._callback: Any = None
+        self._out: FloatArray = np.zeros((0, 0), np.float32)
+        self._out_rows = 0
+
+    # ------------------------------------------------------------------------------------------------ lifecycle
+
+    @classmethod
+    def load(cls, config: StageConfig) -> Stage:
+        rt = runtime()
+        L = rt.llama
+        gg = read_gguf(config.path)
+        model_info = describe(config.path, gg)
+        rules = rules_for(model_info.arch)
+        n_main = model_info.n_layer - model_info.nextn_layers
+        start, end = model_info.stage_window or (0, n_main)
+        source_layers = int(model_info.source_layers or n_main)
+        self = cls()
+        self.config = config
+        first, last = start == 0, end == source_layers
+        mp = L.llama_model_default_params()
+        mp.n_gpu_layers = config.n_gpu_layers
+        model = L.llama_model_load_from_file(str(config.path).encode(), mp)
+        if not model:
+            raise StageError(f"{config.path}: llama.cpp could not load this stage file")
+        self._model = model
+        try:
+            n_threads = config.n_threads or max(1, os.cpu_count() or 1)
+            self._batch_init(L, config, rules.positions_per_token)
+            n_layer = int(L.llama_model_n_layer(model))
+            cp = L.llama_context_default_params()
+            cp.n_ctx = config.n_ctx * config.n_seq_max
+            cp.n_batch = config.n_batch
+            cp.n_ubatch = config.n_batch
+            cp.n_seq_max = config.n_seq_max
+            cp.n_threads = n_threads
+            cp.n_threads_batch = n_threads
+            cp.kv_unified = False  # each sequence its own stream: results independent of other requests
+            cp.no_perf = True
+            if not last:
+                self._callback = L.ggml_backend_sched_eval_callback(self._make_callback(n_layer, model_info.n_embd))
+                cp.cb_eval = self._callback
+            ctx = L.llama_init_from_model(model, cp)
+            if not ctx:
+                raise StageError(f"{config.path}: llama.cpp could not create a context (n_ctx={cp.n_ctx})")
+            self._ctx = ctx
+            if first and not last:
+                rows, qtype = read_embedding_block(gg)
+                self._embedding = TokenEmbedding(rows, qtype, model_info.n_embd, rules.scales_token_embedding)
+            self._gg = gg
+            self.info = StageInfo(
+                arch=model_info.arch,
+                start=start,
+                end=end,
+                source_layers=source_layers,
+                n_embd=model_info.n_embd,
+                n_vocab=model_info.n_vocab,
+                first=first,
+                last=last,
+                model_sha256=gg.get(STAGE_PREFIX + "source_sha256"),
+                backend=_backend_name(rt.devices, config.n_gpu_layers),
+                n_threads=n_threads,
+            )
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _batch_init(self, L: Any, config: StageConfig, ppt: int) -> None:
+        self._b = _Batch(L, config.n_batch, ppt)
+
+    def close(self) -> None:
+        L = runtime().llama
+        if self._vocab is not None:
+            self._vocab.close()
+            self._vocab = None
+        if self._ctx is not None:
+            L.llama_free(self._ctx)
+            self._ctx = None
+        if self._model is not None:
+            L.llama_model_free(self._model)
+            self._model = None
+
+    def __enter__(self) -> Stage:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------------------------------ vocabulary
+
+    @property
+    def vocab(self) -> Vocab:
+        """The model's real tokenizer (loaded on first use on stages that carry it stashed)."""
+        if self._vocab is None:
+            if self.info.last:
+                self._vocab = Vocab(self._model, self.info.arch, owns_model=False)
+            else:
+                self._vocab = Vocab.from_stashed(self._gg, self.info.arch)
+        return self._vocab
+
+    def chat_template(self) -> str | None:
+        tmpl = self._gg.get("tokenizer.chat_template") or self._gg.get("kvasir.tokenizer.chat_template")
+        return tmpl if isinstance(tmpl, str) else None
+
+    # ------------------------------------------------------------------------------------------------ compute
+
+    def _make_callback(self, n_layer: int, n_embd: int) -> Callable[[int, bool, Any], bool]:
+        target = f"l_out-{n_layer - 1}".encode() + b"\0"
+        size = len(target)
+        base = runtime().ggml_base
+
+        def on_eval(t: int, ask: bool, _user: Any) -> bool:
+            # Called for every graph node: keep the common path (not our node) as cheap as possible.
+            if ctypes.string_at(t + NAME_OFFSET, size) != target:
+                return not ask
+            if ask:
+                return True
+            tensor = GgmlTensor.from_address(t)
+            rows = int(tensor.ne[1])
+            if tensor.type != GGML_TYPE_F32 or int(tensor.ne[0]) != n_embd or self._out_rows + rows > len(self._out):
+                self._out_rows = -1  # reported by forward(); raising through C is not an option
+                return True
+            dst = self._out[self._out_rows : self._out_rows + rows]
+            base.ggml_backend_tensor_get(t, dst.ctypes.data, 0, rows * n_embd * 4)
+            self._out_rows += rows
+            return True
+
+        return on_eval
+
+    def embed(self, tokens: Sequence[int]) -> FloatArray:
+        """Token embeddings as llama.cpp computes them for token input (first stages only)."""
+        if self._embedding is None:
+            raise StageError("this stage holds no token embedding (not a first stage)")
+        return self._embedding.lookup(tokens)
+
+    def forward(
+        self,
+        seq_id: int,
+        pos0: int,
+        *,
+        tokens: Sequence[int] | None = None,
+        hidden: FloatArray | None = None,
+    ) -> FloatArray | None:
+        """Run the window on one chunk of one sequence at absolute positions ``pos0…``.
+
+        Returns the boundary ``[n, n_embd]`` on non-last stages, None on the last stage (its logits stay in the
+        context for :meth:`sample` / :meth:`logits`).
+        """
+        info = self.info
+        if not 0 <= seq_id < self.config.n_seq_max:
+            raise InputError(f"sequence id {seq_id} outside [0, {self.config.n_seq_max})")
+        if (tokens is None) == (hidden is None):
+            raise InputError("forward() takes tokens or hidden states, not both")
+        if tokens is not None:
+            if not info.first:
+                raise InputError("only the first stage takes token ids")
+            if self._embedding is not None:
+                hidden = self._embedding.lookup(tokens)
+                tokens = None
+        n = len(tokens) if tokens is not None else len(hidden)  # type: ignore[arg-type]
+        if n == 0 or n > self.config.n_batch:
+            raise InputError(f"chunk of {n} tokens outside [1, {self.config.n_batch}]")
+        if pos0 < 0 or pos0 + n > self.config.n_ctx:
+            raise InputError(f"positions {pos0}..{pos0 + n} exceed the context of {self.config.n_ctx}")
+        b = self._b
+        b.fill(seq_id, pos0, n, all_outputs=not info.last)
+        if tokens is not None:
+            if self._vocab is not None:
+                self._vocab.check_tokens(tokens)
+            b.token[:n] = tokens
+            b.batch.token = b.token.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+            b.batch.embd = None
+        else:
+            assert hidden is not None
+            if hidden.ndim != 2 or hidden.shape[1] != info.n_embd:
+                raise ShapeError(f"hidden state of shape {tuple(hidden.shape)}, expected (n, {info.n_embd})")
+            emb = np.ascontiguousarray(hidden, dtype=np.float32)
+            b.batch.token = None
+            b.batch.embd = emb.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+        if not info.last:
+            self._out = np.empty((n, info.n_embd), np.float32)
+            self._out_rows = 0
+        rc = runtime().llama.llama_decode(self._ctx, b.batch)
+        if rc != 0:
+            raise StageError(f"llama_decode failed with code {rc} (sequence {seq_id}, positions {pos0}..{pos0 + n})")
+        if info.last:
+            return None
+        if self._out_rows != n:
+            raise StageError(f"boundary capture failed: got {self._out_rows} of {n} rows")
+        out = self._out
+        self._out = np.zeros((0, 0), np.float32)
+        return out
+
+    def logits(self) -> FloatArray:
+        """A copy of the last output row's logits (last stage only)."""
+        if not self.info.last:
+            raise StageError("only the last stage has logits")
+        ptr = runtime().llama.llama_get_logits_ith(self._ctx, -1)
+        return np.ctypeslib.as_array(ptr, shape=(self.info.n_vocab,)).copy()
+
+    def new_sampler(self, params: SamplingParams) -> Sampler:
+        return Sampler(params, self.config.n_ctx)
+
+    def sample(self, sampler: Sampler) -> int:
+        if not self.info.last:
+            raise StageError("only the last stage samples")
+        return sampler.sample(self._ctx)
+
+    def free_sequence(self, seq_id: int) -> None:
+        """Drop one sequence's cache, leaving the others untouched."""
+        L = runtime().llama
+        L.llama_memory_seq_rm(L.llama_get_memory(self._ctx), seq_id, -1, -1)
+
+    def clear(self) -> None:
+        L = runtime().llama
+        L.llama_memory_clear(L.llama_get_memory(self._ctx), True)
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run a blocking stage call in a worker thread, one at a time per stage (llama.cpp releases the GIL)."""
+        return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter)
+
+
+def _backend_name(devices: Sequence[str], n_gpu_layers: int) -> str:
+    accel = [d for d in devices if d.upper() != "CPU"]
+    if n_gpu_layers != 0 and accel:
+        return accel[0]
+    return "CPU"

@@ -1,0 +1,139 @@
+"""Stages chained in one process: ``kvasir generate`` and the reference the ring is tested against.
+
+Data flow is the ring's: tokens → first stage → boundary → … → last stage → sampled token → first stage.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+
+from kvasir.errors import InputError
+from kvasir.stage.engine import FloatArray, Stage
+from kvasir.stage.vocab import TextStream
+from kvasir.wire import SamplingParams
+
+
+@attrs.frozen
+class GenerationResult:
+    tokens: list[int]
+    text: str
+    prompt_tokens: int
+    stop_reason: str  # "eog" | "max_tokens" | "stop"
+    prefill_ms: float
+    decode_ms_per_token: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "tokens": self.tokens,
+            "text": self.text,
+            "prompt_tokens": self.prompt_tokens,
+            "stop_reason": self.stop_reason,
+            "prefill_ms": round(self.prefill_ms, 3),
+            "decode_ms_per_token": round(self.decode_ms_per_token, 3),
+        }
+
+
+def find_stop(text: str, stops: Sequence[str]) -> int | None:
+    """Index where the earliest stop string starts in ``text``, or None (pure)."""
+    hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+    return min(hits) if hits else None
+
+
+class LocalPipeline:
+    def __init__(self, stages: Sequence[Stage]) -> None:
+        if not stages or not stages[0].info.first or not stages[-1].info.last:
+            raise InputError("a pipeline needs stages from the first layer to the last")
+        for a, b in itertools.pairwise(stages):
+            if a.info.end != b.info.start:
+                raise InputError(f"stage windows do not join: {a.info.end} != {b.info.start}")
+        self.stages = list(stages)
+        self.n_batch = min(s.config.n_batch for s in stages)
+
+    @property
+    def last(self) -> Stage:
+        return self.stages[-1]
+
+    def step(self, seq_id: int, pos0: int, tokens: Sequence[int]) -> None:
+        """Run one chunk through every stage; the last stage then holds its logits."""
+        hidden: FloatArray | None = self.stages[0].forward(seq_id, pos0, tokens=tokens)
+        for stage in self.stages[1:]:
+            assert hidden is not None
+            hidden = stage.forward(seq_id, pos0, hidden=hidden)
+
+    def prefill(self, seq_id: int, tokens: Sequence[int], pos0: int = 0) -> None:
+        for i in range(0, len(tokens), self.n_batch):
+            self.step(seq_id, pos0 + i, tokens[i : i + self.n_batch])
+
+    def free(self, seq_id: int) -> None:
+        for stage in self.stages:
+            stage.free_sequence(seq_id)
+
+    def generate(
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        max_tokens: int,
+        *,
+        seq_id: int = 0,
+        stop: Sequence[str] = (),
+        on_token: Callable[[int, str], None] | None = None,
+    ) -> GenerationResult:
+        if not prompt:
+            raise InputError("empty prompt")
+        n_ctx = min(s.config.n_ctx for s in self.stages)
+        if len(prompt) + max_tokens > n_ctx:
+            raise InputError(f"prompt ({len(prompt)}) + max tokens ({max_tokens}) exceed the context of {n_ctx}")
+        vocab = self.last.vocab
+        vocab.check_tokens(prompt)
+        sampler = self.last.new_sampler(params)
+        stream = TextStream(vocab)
+        out: list[int] = []
+        text = ""
+        reason = "max_tokens"
+        try:
+            for t in prompt:
+                sampler.accept(t)
+            t0 = time.perf_counter()
+            self.prefill(seq_id, prompt)
+            token = self.last.sample(sampler)
+            t1 = time.perf_counter()
+            pos = len(prompt)
+            steps = 0
+            while True:
+                if vocab.is_eog(token):
+                    reason = "eog"
+                    break
+                out.append(token)
+                delta = stream.push(token)
+                text += delta
+                if on_token is not None:
+                    on_token(token, delta)
+                cut = find_stop(text, stop)
+                if cut is not None:
+                    text = text[:cut]
+                    reason = "stop"
+                    break
+                if len(out) >= max_tokens:
+                    break
+                self.step(seq_id, pos, [token])
+                pos += 1
+                steps += 1
+                token = self.last.sample(sampler)
+            t2 = time.perf_counter()
+            text += stream.flush() if reason != "stop" else ""
+        finally:
+            sampler.close()
+            self.free(seq_id)
+        return GenerationResult(
+            tokens=out,
+            text=text,
+            prompt_tokens=len(prompt),
+            stop_reason=reason,
+            prefill_ms=(t1 - t0) * 1e3,
+            decode_ms_per_token=(t2 - t1) * 1e3 / steps if steps else 0.0,
+        )
