@@ -19,6 +19,9 @@ _COMMAND_MODULES = (
     "kvasir.commands.inspect",
     "kvasir.commands.slice",
     "kvasir.commands.generate",
+    "kvasir.commands.node",
+    "kvasir.commands.ring",
+    "kvasir.commands.status",
     "kvasir.commands.plan",
 )
 

@@ -441,22 +441,33 @@ async def test_slow_reader_gets_backpressure_not_buffering(start_relay: StartRel
             open_relay_link(url, "e", UP, tok("e", UP)) as up,
             open_relay_link(url, "e", DOWN, tok("e", DOWN)) as down,
         ):
-            sent = 0
-            with trio.move_on_after(1.0):
-                while True:
-                    await up.send_message(sent.to_bytes(4, "big") * (chunk // 4))
+            total, sent = 64, 0
+
+            async def sender() -> None:
+                nonlocal sent
+                for i in range(total):
+                    await up.send_message(i.to_bytes(4, "big") * (chunk // 4))
                     sent += 1
-            # Held back: socket buffers plus one message per stage, nowhere near a second's worth of loopback.
-            assert sent < 40, sent
-            assert relay.statistics().messages_forwarded <= sent
-            for i in range(sent):
-                assert (await down.receive_message())[:4] == i.to_bytes(4, "big")
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(sender)
+                await trio.sleep(1.0)  # loopback could move all 64 MiB in far less than this
+                # Held back: socket buffers plus about one message per stage, not everything the sender had.
+                stalled_at = sent
+                assert stalled_at < 24, stalled_at
+                assert relay.statistics().messages_forwarded <= stalled_at
+                for i in range(total):
+                    assert (await down.receive_message())[:4] == i.to_bytes(4, "big")
+            print(f"sender stalled after {stalled_at} of {total} 1 MiB messages")
 
 
 # --- TLS ----------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+# trio-websocket 0.12 does not close its socket when the opening handshake times out; the failed plain ws://
+# attempt below leaves one for the garbage collector, collected (and its warning silenced) inside this test.
+@pytest.mark.filterwarnings("ignore:unclosed <socket:ResourceWarning")
 async def test_wss(start_relay: StartRelay, tmp_path: Path) -> None:
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     command = [
@@ -487,6 +498,7 @@ async def test_wss(start_relay: StartRelay, tmp_path: Path) -> None:
             async with open_relay_link(url, "e", UP, tok("e", UP), connect_timeout=2):
                 pass
         await settled(relay, connections=0)
+    gc.collect()
 
 
 async def test_connect_errors_are_ring_errors(start_relay: StartRelay) -> None:

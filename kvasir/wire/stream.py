@@ -99,6 +99,8 @@ class FrameReader(trio.abc.ReceiveChannel[Frame]):
         self._decoder = FrameDecoder(max_frame_bytes=max_frame_bytes)
         self._ready: list[Frame] = []
         self._busy = False
+        #: Bytes read from the stream so far (for link statistics).
+        self.bytes_received = 0
 
     async def receive(self) -> Frame:
         if self._busy:
@@ -113,6 +115,7 @@ class FrameReader(trio.abc.ReceiveChannel[Frame]):
                 if not data:
                     self._decoder.eof()
                     raise trio.EndOfChannel
+                self.bytes_received += len(data)
                 self._ready.extend(self._decoder.feed(data))
             return self._ready.pop(0)
         finally:

@@ -1,0 +1,65 @@
+"""What the HTTP API needs from a ring node: exactly the parts of :class:`kvasir.ring.node.Node` it uses.
+
+Written as structural protocols so the real ``Node`` satisfies them unchanged and tests can serve a small fake.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AbstractAsyncContextManager
+from typing import Protocol, TypeVar
+
+from kvasir.ring.requests import ClientEvent
+from kvasir.wire import SamplingParams
+
+#: The backend's handle for one submitted request (``RequestHandle`` on a real node); opaque to the API.
+HandleT = TypeVar("HandleT")
+
+
+class ApiVocab(Protocol):
+    def tokenize(self, text: str, *, add_special: bool = ..., parse_special: bool = ...) -> list[int]: ...
+
+    def chat_prompt(self, messages: Sequence[tuple[str, str]], template: str | None) -> str: ...
+
+
+class ApiStageConfig(Protocol):
+    @property
+    def n_ctx(self) -> int: ...
+
+
+class ApiStage(Protocol):
+    @property
+    def vocab(self) -> ApiVocab: ...
+
+    @property
+    def config(self) -> ApiStageConfig: ...
+
+    def chat_template(self) -> str | None: ...
+
+
+class ApiManifest(Protocol):
+    @property
+    def model_name(self) -> str: ...
+
+
+class ApiBackend(Protocol[HandleT]):
+    """A node that accepts requests: ``Node`` is an ``ApiBackend[RequestHandle]``."""
+
+    @property
+    def manifest(self) -> ApiManifest: ...
+
+    @property
+    def stage(self) -> ApiStage: ...
+
+    def request(
+        self, prompt: Sequence[int], params: SamplingParams, max_tokens: int, stop: Sequence[str] = ...
+    ) -> AbstractAsyncContextManager[HandleT]:
+        """Submit a request; raises InputError (bad input) or RingError (ring trouble) on entry.
+
+        Leaving the context before the request ended cancels it.
+        """
+        ...
+
+    def events(self, handle: HandleT) -> AsyncIterator[ClientEvent]:
+        """TokenEvents (text deltas, possibly empty), then exactly one EndEvent."""
+        ...

@@ -1,0 +1,52 @@
+"""``kvasir status [--socket PATH] [--json]``: print a running node's view of the ring once."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from kvasir.commands.common import print_json
+from kvasir.control.client import ControlClient
+from kvasir.control.paths import find_socket
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("status", help="show a running node's ring status")
+    p.add_argument("--socket", type=Path, default=None, help="control socket (default: the local node's)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    path = args.socket or find_socket()
+    with ControlClient(path, timeout=10) as client:
+        st = client.status()
+    if args.json:
+        print_json(st)
+        return 0
+    c = Console()
+    c.print(
+        f"[bold]{st['model']['name']}[/] rank {st['rank']}/{st['ring_size']} layers {st['window'][0]}:{st['window'][1]}"
+        f" on {st['backend']} — {'[green]ready[/]' if st['ready'] else '[yellow]linking[/]'}"
+    )
+    t = Table("rank", "layers", "address")
+    for r in st["ranks"]:
+        mark = " ◀ this node" if r["rank"] == st["rank"] else ""
+        t.add_row(str(r["rank"]), f"{r['layers'][0]}:{r['layers'][1]}", r["address"] + mark)
+    c.print(t)
+    lt = Table("link", "state", "frames out/in", "bytes out/in", "rtt ms")
+    for name, link in st["links"].items():
+        lt.add_row(
+            name,
+            link["state"],
+            f"{link.get('frames_out', 0)}/{link.get('frames_in', 0)}",
+            f"{link.get('bytes_out', 0)}/{link.get('bytes_in', 0)}",
+            str(link.get("rtt_ms") or "-"),
+        )
+    c.print(lt)
+    c.print(f"requests: {st['requests']}  contribution: {st['contribution']}  memory: {st['memory']}")
+    return 0

@@ -1,0 +1,60 @@
+"""A small client of the control socket (``kvasir status``, ``kvasir ring up``, tests)."""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from kvasir.errors import RingError
+
+
+class ControlClient:
+    """Blocking JSON-lines client; one per connection."""
+
+    def __init__(self, path: Path, timeout: float | None = 30.0) -> None:
+        self.path = path
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(timeout)
+        try:
+            self._sock.connect(str(path))
+        except OSError as exc:
+            self._sock.close()
+            raise RingError(f"cannot reach the node at {path} ({exc.strerror or exc})") from None
+        self._file = self._sock.makefile("rb")
+
+    def send(self, obj: dict[str, Any]) -> None:
+        self._sock.sendall(json.dumps(obj).encode() + b"\n")
+
+    def read(self) -> dict[str, Any]:
+        line = self._file.readline()
+        if not line:
+            raise RingError(f"the node at {self.path} closed the control connection")
+        obj = json.loads(line)
+        if obj.get("type") == "error":
+            raise RingError(str(obj.get("error")))
+        return obj  # type: ignore[no-any-return]
+
+    def status(self) -> dict[str, Any]:
+        self.send({"op": "status"})
+        return self.read()["status"]  # type: ignore[no-any-return]
+
+    def generate(self, **request: Any) -> Iterator[dict[str, Any]]:
+        self.send({"op": "generate", **request})
+        while True:
+            msg = self.read()
+            yield msg
+            if msg.get("type") == "end":
+                return
+
+    def close(self) -> None:
+        self._file.close()
+        self._sock.close()
+
+    def __enter__(self) -> ControlClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

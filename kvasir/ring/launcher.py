@@ -1,0 +1,143 @@
+"""Start a whole ring on this machine: one ``kvasir node`` process per rank (``kvasir ring up``, tests, benches)."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import attrs
+
+from kvasir.control.client import ControlClient
+from kvasir.errors import RingError
+from kvasir.ring.manifest import Manifest, RankEntry
+from kvasir.shard.cache import model_sha256, stage_files
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@attrs.define
+class LocalRing:
+    manifest: Manifest
+    run_dir: Path
+    processes: list[subprocess.Popen[bytes]]
+    sockets: list[Path]
+    api_port: int | None
+
+    def log_tail(self, rank: int, lines: int = 20) -> str:
+        try:
+            return "\n".join((self.run_dir / f"rank{rank}.log").read_text().splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def wait_ready(self, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        pending = set(range(len(self.processes)))
+        while pending:
+            for k in sorted(pending):
+                code = self.processes[k].poll()
+                if code is not None:
+                    raise RingError(f"rank {k} exited with code {code}:\n{self.log_tail(k)}")
+                if not self.sockets[k].exists():
+                    continue
+                try:
+                    with ControlClient(self.sockets[k], timeout=5) as c:
+                        if c.status()["ready"]:
+                            pending.discard(k)
+                except (RingError, OSError):
+                    pass
+            if time.monotonic() > deadline:
+                raise RingError(f"ring not ready after {timeout:.0f} s (waiting for ranks {sorted(pending)})")
+            if pending:
+                time.sleep(0.1)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        for p in self.processes:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for p in self.processes:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def start_ring(
+    model: Path,
+    windows: Sequence[tuple[int, int]],
+    cache_dir: Path,
+    *,
+    run_dir: Path | None = None,
+    api_port: int | None = None,
+    threads: int | None = None,
+    ctx: int = 2048,
+    seqs: int = 8,
+    host: str = "127.0.0.1",
+    extra_args: Sequence[str] = (),
+) -> LocalRing:
+    """Cut the stage files, write the manifest, start one node process per window."""
+    paths = stage_files(model, windows, cache_dir)
+    sha = model_sha256(model, cache_dir)
+    run_dir = run_dir or Path(tempfile.mkdtemp(prefix="kvasir-ring-"))
+    ports = free_ports(len(windows), host)
+    manifest = Manifest(
+        model_sha256=sha,
+        n_layers=windows[-1][1],
+        ranks=tuple(RankEntry(k, a, b, host, ports[k], str(paths[k])) for k, (a, b) in enumerate(windows)),
+        model_name=model.stem,
+        secret=secrets.token_hex(16),
+    )
+    manifest_path = run_dir / "ring.toml"
+    manifest.write(manifest_path)
+    procs: list[subprocess.Popen[bytes]] = []
+    socks: list[Path] = []
+    env = dict(os.environ)
+    for k in range(len(windows)):
+        sock = run_dir / f"rank{k}.sock"
+        cmd = [
+            sys.executable,
+            "-m",
+            "kvasir",
+            "node",
+            "--manifest",
+            str(manifest_path),
+            "--rank",
+            str(k),
+            "--control",
+            str(sock),
+            "--ctx",
+            str(ctx),
+            "--seqs",
+            str(seqs),
+            *extra_args,
+        ]
+        if threads:
+            cmd += ["--threads", str(threads)]
+        if api_port is not None and k == 0:
+            cmd += ["--api-port", str(api_port)]
+        with (run_dir / f"rank{k}.log").open("wb") as log_file:
+            procs.append(
+                subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            )
+        socks.append(sock)
+    return LocalRing(manifest, run_dir, procs, socks, api_port)

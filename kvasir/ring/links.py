@@ -1,0 +1,159 @@
+"""Ring links: a message-oriented connection to one neighbour, over TCP or a relay bridge.
+
+A link carries whole wire frames. Over TCP they are length-prefixed on the byte stream (``FrameReader``); over a
+relay each frame is one WebSocket message. Both count frames and bytes each way and measure the hop's round trip
+with KEEPALIVE echoes, which the TUI and ``kvasir status`` show.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable
+from typing import Protocol
+
+import attrs
+import trio
+
+from kvasir.errors import ProtocolError, RingError
+from kvasir.wire import (
+    MAX_FRAME_BYTES,
+    Error,
+    ErrorCode,
+    Frame,
+    FrameReader,
+    Hello,
+    Side,
+    decode_frame,
+    neighbour_problem,
+)
+
+HANDSHAKE_TIMEOUT = 10.0
+
+
+@attrs.define
+class LinkStats:
+    """Counters for one link; read by the control socket, written only by the link's owner."""
+
+    kind: str = "direct"
+    peer: str = ""
+    frames_out: int = 0
+    bytes_out: int = 0
+    frames_in: int = 0
+    bytes_in: int = 0
+    #: Last measured round-trip of a KEEPALIVE echo, seconds (None until measured).
+    rtt: float | None = None
+    connected_at: float = attrs.field(factory=time.monotonic)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "kind": self.kind,
+            "peer": self.peer,
+            "frames_out": self.frames_out,
+            "bytes_out": self.bytes_out,
+            "frames_in": self.frames_in,
+            "bytes_in": self.bytes_in,
+            "rtt_ms": None if self.rtt is None else round(self.rtt * 1e3, 3),
+            "up_s": round(time.monotonic() - self.connected_at, 1),
+        }
+
+
+class Link(Protocol):
+    stats: LinkStats
+
+    async def send(self, frame: Frame) -> None: ...
+
+    async def receive(self) -> Frame:
+        """The next frame; raises ``trio.EndOfChannel`` when the peer closed, ProtocolError on bad data."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+class StreamLink:
+    """A link over a byte stream (TCP): frames back to back, one sender at a time."""
+
+    def __init__(self, stream: trio.abc.Stream, peer: str, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
+        self._stream = stream
+        self._reader = FrameReader(stream, max_frame_bytes=max_frame_bytes)
+        self._send_lock = trio.Lock()
+        self.stats = LinkStats(kind="direct", peer=peer)
+
+    async def send(self, frame: Frame) -> None:
+        data = frame.to_wire()
+        async with self._send_lock:
+            await self._stream.send_all(data)
+        self.stats.frames_out += 1
+        self.stats.bytes_out += len(data)
+
+    async def receive(self) -> Frame:
+        frame = await self._reader.receive()
+        self.stats.frames_in += 1
+        self.stats.bytes_in = self._reader.bytes_received
+        return frame
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+
+class MessageLink:
+    """A link over a message transport (a relay's WebSocket): one frame per message."""
+
+    def __init__(
+        self,
+        send_message: Callable[[bytes], Awaitable[None]],
+        receive_message: Callable[[], Awaitable[bytes]],
+        close: Callable[[], Awaitable[None]],
+        peer: str,
+        max_frame_bytes: int = MAX_FRAME_BYTES,
+    ) -> None:
+        self._send_message = send_message
+        self._receive_message = receive_message
+        self._close = close
+        self._max = max_frame_bytes
+        self._send_lock = trio.Lock()
+        self.stats = LinkStats(kind="relay", peer=peer)
+
+    async def send(self, frame: Frame) -> None:
+        data = frame.to_wire()
+        async with self._send_lock:
+            await self._send_message(data)
+        self.stats.frames_out += 1
+        self.stats.bytes_out += len(data)
+
+    async def receive(self) -> Frame:
+        data = await self._receive_message()
+        frame = decode_frame(data, max_frame_bytes=self._max)
+        self.stats.frames_in += 1
+        self.stats.bytes_in += len(data)
+        return frame
+
+    async def aclose(self) -> None:
+        await self._close()
+
+
+async def handshake(link: Link, local: Hello, side: Side, *, send_first: bool) -> Hello:
+    """Exchange HELLOs; refuse (ERROR frame, then RingError) a neighbour that cannot join this node."""
+    with trio.fail_after(HANDSHAKE_TIMEOUT):
+        if send_first:
+            await link.send(local)
+        try:
+            remote = await link.receive()
+        except trio.EndOfChannel:
+            raise RingError(f"{side.value} closed the link during the handshake") from None
+        if isinstance(remote, Error):
+            raise RingError(f"{side.value} refused this node: {remote.message}")
+        if not isinstance(remote, Hello):
+            raise ProtocolError(f"expected HELLO from the {side.value}, got {type(remote).__name__}")
+        problem = neighbour_problem(local, remote, side)
+        if problem is not None:
+            code, reason = problem
+            with trio.move_on_after(1):
+                await link.send(Error.truncating(code, reason, local.rank))
+            raise RingError(reason)
+        if not send_first:
+            await link.send(local)
+    return remote
+
+
+def link_error(reason: str, rank: int) -> Error:
+    return Error.truncating(ErrorCode.PROTOCOL, reason, rank)

@@ -1,0 +1,101 @@
+"""Real node processes on loopback: the ring gives exactly the whole model's greedy tokens."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from kvasir.control.client import ControlClient
+from tests.ringutil import ring_generate, running_ring, whole_model_tokens
+
+PROMPTS = [
+    "The ring passes the hidden state on",
+    "Once upon a time",
+    "Numbers: 1, 2, 3,",
+    "A stage holds a window of layers",
+    "Tokens travel back to the first rank",
+    "Hello world",
+    "The last rank samples",
+    "Every node sees the stream",
+]
+
+
+@pytest.mark.parametrize(
+    ("arch", "windows"), [("llama", [(0, 2), (2, 4), (4, 6)]), ("gemma3", [(0, 1), (1, 3), (3, 5), (5, 6)])]
+)
+def test_ring_matches_whole_model(
+    arch: str, windows: list[tuple[int, int]], tiny_model: Callable[..., Path], cache_dir: Path
+) -> None:
+    model = tiny_model(arch, "q8_0")
+    want = whole_model_tokens(model, PROMPTS[0], 16)
+    with running_ring(model, windows, cache_dir) as ring:
+        got = ring_generate(ring.sockets[0], PROMPTS[0], 16)
+        assert got["tokens"] == want and got["reason"] in ("max_tokens", "eog")
+        # A request may enter at any node: here the last one and a middle one.
+        for k in (len(windows) - 1, 1):
+            assert ring_generate(ring.sockets[k], PROMPTS[0], 16)["tokens"] == want
+
+
+def test_gemma_three_process_ring(gemma_path: Path, cache_dir: Path) -> None:
+    prompt = "The capital of France is"
+    want = whole_model_tokens(gemma_path, prompt, 10)
+    with running_ring(gemma_path, [(0, 6), (6, 12), (12, 18)], cache_dir) as ring:
+        got = ring_generate(ring.sockets[1], prompt, 10)
+        assert got["tokens"] == want
+        assert got["text"].strip()
+
+
+def test_eight_concurrent_requests_each_equal_solo(tiny_model: Callable[..., Path], cache_dir: Path) -> None:
+    model = tiny_model("qwen3", "f32")
+    solo = [whole_model_tokens(model, p, 10) for p in PROMPTS]
+    results: list[dict[str, object] | None] = [None] * len(PROMPTS)
+    with running_ring(model, [(0, 2), (2, 4), (4, 6)], cache_dir) as ring:
+
+        def one(i: int) -> None:
+            results[i] = ring_generate(ring.sockets[i % 3], PROMPTS[i], 10)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=180)
+        for i, r in enumerate(results):
+            assert r is not None and r["tokens"] == solo[i], f"request {i}"
+        with ControlClient(ring.sockets[2]) as c:
+            st = c.status()
+        assert st["requests"]["in_flight"] == 0 and st["requests"]["free_sequences"] == 8
+
+
+def test_cancel_one_of_several(tiny_model: Callable[..., Path], cache_dir: Path) -> None:
+    model = tiny_model("llama", "f32")
+    solo = [whole_model_tokens(model, p, 40) for p in PROMPTS[:3]]
+    with running_ring(model, [(0, 3), (3, 6)], cache_dir) as ring:
+        results: dict[int, dict[str, object]] = {}
+
+        def one(i: int) -> None:
+            results[i] = ring_generate(ring.sockets[0], PROMPTS[i], 40)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in (0, 2)]
+        for t in threads:
+            t.start()
+        with ControlClient(ring.sockets[1], timeout=60) as c:
+            stream = c.generate(prompt=PROMPTS[1], max_tokens=40)
+            accepted = next(stream)
+            assert accepted["type"] == "accepted"
+            for msg in stream:
+                if msg["type"] == "token":
+                    break
+            with ControlClient(ring.sockets[1]) as c2:
+                c2.send({"op": "cancel", "request": accepted["request"]})
+                assert c2.read()["type"] == "cancelled"
+            end = [m for m in stream if m["type"] == "end"][0]
+            assert end["reason"] == "cancelled"
+        for t in threads:
+            t.join(timeout=120)
+        assert results[0]["tokens"] == solo[0] and results[2]["tokens"] == solo[2]
+        for sock in ring.sockets:
+            with ControlClient(sock) as c:
+                assert c.status()["requests"]["in_flight"] == 0

@@ -1,0 +1,106 @@
+"""One real node in-process on loopback, poked by hand-made peers: refused neighbours, bad frames, waiting."""
+
+from __future__ import annotations
+
+import logging
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import trio
+
+from kvasir.ring.links import StreamLink
+from kvasir.ring.manifest import Manifest, RankEntry
+from kvasir.ring.node import Node, NodeConfig
+from kvasir.shard.cache import model_sha256, stage_files
+from kvasir.stage.engine import Stage, StageConfig
+from kvasir.wire import MAGIC, PROTOCOL_VERSION, Error, ErrorCode, FrameType, Hello, Keepalive
+
+
+async def _node(model: Path, cache_dir: Path) -> tuple[Node, Stage, Manifest]:
+    windows = [(0, 3), (3, 6)]
+    paths = stage_files(model, windows, cache_dir)
+    sha = model_sha256(model, cache_dir)
+    manifest = Manifest(sha, 6, (RankEntry(0, 0, 3, "127.0.0.1", 1), RankEntry(1, 3, 6, "127.0.0.1", 0)))
+    stage = await trio.to_thread.run_sync(
+        lambda: Stage.load(StageConfig(paths[1], n_ctx=128, n_seq_max=2, n_threads=1))
+    )
+    return Node(NodeConfig(manifest, 1), stage), stage, manifest
+
+
+def _hello(manifest: Manifest, model_id: str | None = None, node_id: str = "rogue") -> Hello:
+    return Hello(
+        node_id=node_id,
+        model_id=model_id or manifest.model_sha256,
+        rank=0,
+        ring_size=2,
+        window_start=0,
+        window_end=3,
+        n_layers=6,
+        n_embd=64,
+    )
+
+
+async def test_bad_peers_are_refused_and_the_node_keeps_serving(
+    tiny_model: Callable[..., Path], cache_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="kvasir.node")
+    node, stage, manifest = await _node(tiny_model("llama", "f32"), cache_dir)
+    try:
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                port = await nursery.start(node.serve)
+                await trio.sleep(0.3)
+                # The successor (rank 0) is not up: the node says it is waiting and keeps retrying.
+                assert "waiting for rank 0" in node.status()["links"]["successor"]["state"]
+
+                async def raw(data: bytes) -> bytes:
+                    s = await trio.open_tcp_stream("127.0.0.1", port)
+                    await s.send_all(data)
+                    out = b""
+                    with trio.move_on_after(5):
+                        while chunk := await s.receive_some(65536):
+                            out += chunk
+                    await s.aclose()
+                    return out
+
+                await raw(b"GET / HTTP/1.1\r\n\r\n" + b"x" * 64)  # not a frame at all
+                await raw(MAGIC + bytes([PROTOCOL_VERSION + 1, FrameType.HELLO]) + bytes(20))  # wrong version
+                await raw(MAGIC + bytes([PROTOCOL_VERSION, FrameType.HELLO, 0, 0]) + struct.pack("<qiI", 0, -1, 2**31))
+                # A neighbour serving another model is refused with MODEL_MISMATCH.
+                s = await trio.open_tcp_stream("127.0.0.1", port)
+                link = StreamLink(s, "test")
+                await link.send(_hello(manifest, model_id="f" * 64))
+                reply = await link.receive()
+                assert isinstance(reply, Error) and reply.code == ErrorCode.MODEL_MISMATCH
+                await link.aclose()
+                assert node.status()["links"]["predecessor"]["state"] == "waiting"
+
+                # A proper predecessor links, then sends a malformed frame: that link is closed with a reason.
+                s = await trio.open_tcp_stream("127.0.0.1", port)
+                link = StreamLink(s, "test")
+                await link.send(_hello(manifest))
+                assert isinstance(await link.receive(), Hello)
+                await link.send(Keepalive())
+                assert isinstance(await link.receive(), Keepalive)  # keepalives are echoed
+                await s.send_all(MAGIC + bytes([PROTOCOL_VERSION, 99]) + bytes(20))  # unknown frame type
+                with trio.move_on_after(5):
+                    while True:
+                        try:
+                            await link.receive()
+                        except (trio.EndOfChannel, trio.BrokenResourceError, Exception):
+                            break
+                await trio.sleep(0.1)
+                assert any("closing predecessor link" in r.message for r in caplog.records)
+                # ...and the node still accepts a good predecessor afterwards.
+                s = await trio.open_tcp_stream("127.0.0.1", port)
+                link = StreamLink(s, "test")
+                await link.send(_hello(manifest, node_id="good"))
+                assert isinstance(await link.receive(), Hello)
+                await trio.sleep(0.1)
+                assert node.status()["links"]["predecessor"]["state"].startswith("connected")
+                await link.aclose()
+                nursery.cancel_scope.cancel()
+    finally:
+        stage.close()
