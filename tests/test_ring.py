@@ -91,7 +91,7 @@ def test_cancel_one_of_several(tiny_model: Callable[..., Path], cache_dir: Path)
             with ControlClient(ring.sockets[1]) as c2:
                 c2.send({"op": "cancel", "request": accepted["request"]})
                 assert c2.read()["type"] == "cancelled"
-            end = [m for m in stream if m["type"] == "end"][0]
+            end = next(m for m in stream if m["type"] == "end")
             assert end["reason"] == "cancelled"
         for t in threads:
             t.join(timeout=120)

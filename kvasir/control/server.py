@@ -7,6 +7,8 @@ client leaves; ``generate`` streams the request's tokens and its end; ``cancel``
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import logging
 import os
@@ -28,7 +30,7 @@ MAX_LINE = 1 << 20
 async def serve_control(
     node: Node, path: Path, *, task_status: trio.TaskStatus[Path] = trio.TASK_STATUS_IGNORED
 ) -> None:
-    path.unlink(missing_ok=True)
+    _unlink(path)
     sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
     old = os.umask(0o177)  # the socket file is created 0600
     try:
@@ -40,9 +42,16 @@ async def serve_control(
     try:
         async with trio.open_nursery() as nursery:
             task_status.started(path)
-            await trio.serve_listeners(lambda s: _serve_client(node, s), [listener], handler_nursery=nursery)
+            await trio.serve_listeners(
+                functools.partial(_serve_client, node), [listener], handler_nursery=nursery
+            )
     finally:
-        path.unlink(missing_ok=True)
+        _unlink(path)
+
+
+def _unlink(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 class _Lines:
@@ -69,7 +78,7 @@ class _Lines:
         await self.stream.send_all(json.dumps(obj).encode() + b"\n")
 
 
-async def _serve_client(node: Node, stream: trio.abc.Stream) -> None:
+async def _serve_client(node: Node, stream: trio.SocketStream) -> None:
     lines = _Lines(stream)
     try:
         while True:

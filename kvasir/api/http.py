@@ -1,0 +1,242 @@
+"""A small HTTP/1.1 server connection on a trio stream with h11: keep-alive, bounded reads, timeouts, SSE.
+
+Every read and write is bounded in size or time, so one slow or hostile client costs one task and one socket,
+never the server.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from typing import Any
+
+import attrs
+import h11
+import trio
+
+RECEIVE_BYTES = 64 * 1024
+
+
+@attrs.frozen
+class ApiLimits:
+    #: Largest request body; a larger Content-Length is refused (413) before any of the body is read.
+    max_body_bytes: int = 4 * 1024 * 1024
+    #: Largest request line plus headers (431 beyond).
+    max_header_bytes: int = 64 * 1024
+    #: How long an open connection may sit idle before (or between) requests.
+    idle_timeout: float = 60.0
+    #: From a request's first byte to the end of its headers.
+    header_timeout: float = 30.0
+    #: For the whole request body.
+    body_timeout: float = 60.0
+    #: For any one write to the client (a client that stops reading is treated as gone).
+    send_timeout: float = 60.0
+    #: Concurrent connections; more are answered 503 and closed.
+    max_connections: int = 256
+    #: How long a closing connection keeps draining unread request bytes so the client sees our reply.
+    linger: float = 1.0
+
+
+class ClientGone(Exception):
+    """The client closed the connection, broke it, or stopped reading."""
+
+
+class RequestTooLarge(Exception):
+    """The request body exceeds ``max_body_bytes``."""
+
+
+class RequestTimeout(Exception):
+    """The client was too slow sending its request."""
+
+
+@attrs.frozen
+class HttpRequest:
+    method: str
+    target: str
+    headers: tuple[tuple[str, str], ...]
+    body: bytes
+
+    @property
+    def path(self) -> str:
+        return self.target.split("?", 1)[0]
+
+
+class HttpConnection:
+    """One server-side connection. Not for concurrent use, except :meth:`watch` alongside a handler."""
+
+    def __init__(self, stream: trio.abc.Stream, limits: ApiLimits) -> None:
+        self.stream = stream
+        self.limits = limits
+        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_header_bytes)
+        self.peer_closed = False
+        self._watch_buffered = 0
+
+    # ------------------------------------------------------------------------------------------ reading
+
+    async def _receive(self) -> None:
+        try:
+            data = await self.stream.receive_some(RECEIVE_BYTES)
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            raise ClientGone(str(exc)) from None
+        if not data:
+            self.peer_closed = True
+        self.h11.receive_data(bytes(data))
+
+    async def _next_event(self) -> Any:
+        while True:
+            event = self.h11.next_event()
+            if event is h11.NEED_DATA:
+                await self._receive()
+                continue
+            return event
+
+    async def read_request(self) -> HttpRequest | None:
+        """The next request, or None when the client closed or idled out between requests.
+
+        Raises h11.RemoteProtocolError (malformed), RequestTimeout, RequestTooLarge or ClientGone.
+        """
+        started = bool(self.h11.trailing_data[0])
+        deadline = trio.current_time() + (self.limits.header_timeout if started else self.limits.idle_timeout)
+        while True:
+            event = self.h11.next_event()
+            if event is not h11.NEED_DATA:
+                break
+            with trio.move_on_at(deadline):
+                await self._receive()
+                if not started and self.h11.trailing_data[0]:
+                    started = True
+                    deadline = trio.current_time() + self.limits.header_timeout
+                continue
+            if started:
+                raise RequestTimeout("request headers not received in time")
+            return None  # idle keep-alive connection
+        if isinstance(event, h11.ConnectionClosed):
+            return None
+        if not isinstance(event, h11.Request):
+            raise h11.RemoteProtocolError(f"unexpected {type(event).__name__}")
+        headers = tuple((k.decode("latin-1"), v.decode("latin-1")) for k, v in event.headers)
+        method, target = event.method.decode("ascii"), event.target.decode("latin-1")
+        length = next((int(v) for k, v in headers if k == "content-length"), None)
+        if length is not None and length > self.limits.max_body_bytes:
+            raise RequestTooLarge(f"request body of {length} bytes exceeds {self.limits.max_body_bytes}")
+        body = await self._read_body()
+        return HttpRequest(method, target, headers, body)
+
+    async def _read_body(self) -> bytes:
+        if self.h11.client_is_waiting_for_100_continue:
+            await self.send(h11.InformationalResponse(status_code=100, headers=[]))
+        parts: list[bytes] = []
+        size = 0
+        with trio.move_on_after(self.limits.body_timeout):
+            while True:
+                event = await self._next_event()
+                if isinstance(event, h11.Data):
+                    size += len(event.data)
+                    if size > self.limits.max_body_bytes:
+                        raise RequestTooLarge(f"request body exceeds {self.limits.max_body_bytes} bytes")
+                    parts.append(bytes(event.data))
+                elif isinstance(event, h11.EndOfMessage):
+                    return b"".join(parts)
+                elif isinstance(event, h11.ConnectionClosed):
+                    raise ClientGone("connection closed mid-request")
+        raise RequestTimeout("request body not received in time")
+
+    async def watch(self, on_gone: trio.CancelScope) -> None:
+        """While a request is handled: cancel ``on_gone`` if the client disconnects; buffer pipelined bytes."""
+        while self._watch_buffered < self.limits.max_header_bytes + self.limits.max_body_bytes:
+            try:
+                data = await self.stream.receive_some(RECEIVE_BYTES)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                data = b""
+            if not data:
+                self.peer_closed = True
+                on_gone.cancel()
+                return
+            self._watch_buffered += len(data)
+            self.h11.receive_data(bytes(data))
+        await trio.sleep_forever()  # enough buffered: stop reading until the handler is done
+
+    # ------------------------------------------------------------------------------------------ writing
+
+    async def send(self, event: Any) -> None:
+        data = self.h11.send(event)
+        if not data:
+            return
+        with trio.move_on_after(self.limits.send_timeout) as scope:
+            try:
+                await self.stream.send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                raise ClientGone(str(exc)) from None
+        if scope.cancelled_caught:
+            raise ClientGone("the client stopped reading")
+
+    async def send_json(
+        self, status: int, obj: object, headers: Iterable[tuple[str, str]] = (), *, close: bool = False
+    ) -> None:
+        body = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        hdrs = [
+            ("content-type", "application/json"),
+            ("content-length", str(len(body))),
+            *_common_headers(close),
+            *headers,
+        ]
+        await self.send(h11.Response(status_code=status, headers=hdrs))
+        await self.send(h11.Data(data=body))
+        await self.send(h11.EndOfMessage())
+
+    async def start_sse(self) -> None:
+        hdrs = [
+            ("content-type", "text/event-stream; charset=utf-8"),
+            ("cache-control", "no-cache"),
+            ("x-accel-buffering", "no"),
+            *_common_headers(False),
+        ]
+        await self.send(h11.Response(status_code=200, headers=hdrs))
+
+    async def send_sse(self, obj: object) -> None:
+        data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+        await self.send(h11.Data(data=f"data: {data}\n\n".encode()))
+
+    async def end_message(self) -> None:
+        await self.send(h11.EndOfMessage())
+
+    @property
+    def response_started(self) -> bool:
+        return self.h11.our_state is not h11.IDLE and self.h11.our_state is not h11.SEND_RESPONSE
+
+    @property
+    def can_respond(self) -> bool:
+        return self.h11.our_state in (h11.IDLE, h11.SEND_RESPONSE)
+
+    def next_cycle(self) -> bool:
+        """Prepare for the next request on this connection; False if it must close instead."""
+        if self.peer_closed or self.h11.our_state is not h11.DONE or self.h11.their_state is not h11.DONE:
+            return False
+        self.h11.start_next_cycle()
+        self._watch_buffered = 0
+        return True
+
+    async def close(self) -> None:
+        """Close; if the client may still be sending, half-close and drain briefly so it can read our reply."""
+        try:
+            unread = self.h11.their_state not in (h11.DONE, h11.IDLE, h11.CLOSED, h11.MUST_CLOSE)
+            if unread and not self.peer_closed and isinstance(self.stream, trio.SocketStream):
+                with trio.move_on_after(self.limits.linger):
+                    await self.stream.send_eof()
+                    drained = 0
+                    while drained < self.limits.max_body_bytes:
+                        data = await self.stream.receive_some(RECEIVE_BYTES)
+                        if not data:
+                            break
+                        drained += len(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
+        finally:
+            await trio.aclose_forcefully(self.stream)
+
+
+def _common_headers(close: bool) -> list[tuple[str, str]]:
+    hdrs = [("server", "kvasir")]
+    if close:
+        hdrs.append(("connection", "close"))
+    return hdrs

@@ -1,0 +1,329 @@
+"""OpenAI request bodies in, OpenAI-shaped response objects out (pure: no I/O, no backend).
+
+Fields the API cannot honour are refused with a 400 rather than silently ignored, except the few that clients
+send by habit and whose neutral value changes nothing (see docs/api.md).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import attrs
+
+from kvasir.errors import ProtocolError
+from kvasir.wire import SamplingParams
+from kvasir.wire.frames import MAX_NEW_TOKENS, MAX_PROMPT_TOKENS, MAX_STOP_BYTES, MAX_STOP_STRINGS
+
+Json = dict[str, Any]
+Kind = Literal["completion", "chat"]
+
+#: OpenAI's default for ``max_tokens`` on the legacy completions endpoint.
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+#: Chat roles passed to the chat template as they are; ``developer`` (OpenAI's newer name) becomes ``system``.
+CHAT_ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
+
+FINISH_REASONS = {"eog": "stop", "stop": "stop", "max_tokens": "length"}
+
+
+class ApiError(Exception):
+    """An error reply: HTTP status plus OpenAI's ``{"error": {message, type, param, code}}`` body."""
+
+    def __init__(
+        self, status: int, message: str, *, type: str, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    @classmethod
+    def invalid(cls, message: str, *, param: str | None = None, code: str | None = None) -> ApiError:
+        return cls(400, message, type="invalid_request_error", param=param, code=code)
+
+    def body(self) -> Json:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@attrs.frozen
+class GenerationRequest:
+    """A validated ``/v1/completions`` or ``/v1/chat/completions`` body."""
+
+    kind: Kind
+    #: completions: the prompt text, or token ids given directly; chat: None
+    prompt: str | tuple[int, ...] | None
+    #: chat: (role, content) pairs for the chat template; completions: empty
+    messages: tuple[tuple[str, str], ...]
+    params: SamplingParams
+    #: None: as much as the context leaves (chat only)
+    max_tokens: int | None
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+
+
+def new_id(kind: Kind) -> str:
+    return ("cmpl-" if kind == "completion" else "chatcmpl-") + secrets.token_hex(12)
+
+
+# ---------------------------------------------------------------------------------------------------- parsing
+
+
+def parse_generation(kind: Kind, body: object) -> GenerationRequest:
+    if not isinstance(body, dict):
+        raise ApiError.invalid("the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ApiError.invalid("'model' must be a string", param="model")
+    _refuse_unsupported(kind, body)
+    if kind == "completion":
+        prompt = _parse_prompt(body)
+        messages: tuple[tuple[str, str], ...] = ()
+        max_tokens = _opt_int(body, "max_tokens", 1, MAX_NEW_TOKENS)
+        if max_tokens is None:
+            max_tokens = COMPLETION_DEFAULT_MAX_TOKENS
+    else:
+        prompt = None
+        messages = _parse_messages(body)
+        max_tokens = _opt_int(body, "max_completion_tokens", 1, MAX_NEW_TOKENS)
+        if max_tokens is None:
+            max_tokens = _opt_int(body, "max_tokens", 1, MAX_NEW_TOKENS)
+    stream = _opt_bool(body, "stream", False)
+    include_usage = False
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise ApiError.invalid("'stream_options' must be an object", param="stream_options")
+        include_usage = _opt_bool(options, "include_usage", False, param="stream_options.include_usage")
+    return GenerationRequest(
+        kind=kind,
+        prompt=prompt,
+        messages=messages,
+        params=_parse_sampling(body),
+        max_tokens=max_tokens,
+        stop=_parse_stop(body),
+        stream=stream,
+        include_usage=include_usage and stream,
+    )
+
+
+def _refuse_unsupported(kind: Kind, body: Mapping[str, Any]) -> None:
+    n = body.get("n")
+    if n is not None and (type(n) is not int or n != 1):
+        raise ApiError.invalid("only n=1 is supported", param="n")
+    best_of = body.get("best_of")
+    if best_of is not None and (type(best_of) is not int or best_of != 1):
+        raise ApiError.invalid("only best_of=1 is supported", param="best_of")
+    if kind == "completion":
+        if body.get("echo"):
+            raise ApiError.invalid("'echo' is not supported", param="echo")
+        if body.get("suffix"):
+            raise ApiError.invalid("'suffix' is not supported", param="suffix")
+        if body.get("logprobs") is not None:
+            raise ApiError.invalid("'logprobs' is not supported", param="logprobs")
+    else:
+        if body.get("logprobs"):
+            raise ApiError.invalid("'logprobs' is not supported", param="logprobs")
+        for name in ("tools", "functions"):
+            if body.get(name):
+                raise ApiError.invalid(f"'{name}' is not supported", param=name)
+        fmt = body.get("response_format")
+        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+            raise ApiError.invalid("only response_format {'type': 'text'} is supported", param="response_format")
+    if body.get("logit_bias"):
+        raise ApiError.invalid("'logit_bias' is not supported", param="logit_bias")
+
+
+def _parse_prompt(body: Mapping[str, Any]) -> str | tuple[int, ...]:
+    if "prompt" not in body or body["prompt"] is None:
+        raise ApiError.invalid("'prompt' is required", param="prompt")
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return _text(prompt, "prompt")
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        if len(prompt) > MAX_PROMPT_TOKENS:
+            raise ApiError.invalid("'prompt' has too many tokens", param="prompt", code="context_length_exceeded")
+        return tuple(prompt)
+    raise ApiError.invalid(
+        "'prompt' must be a string, a list with one string, or a non-empty list of token ids", param="prompt"
+    )
+
+
+def _parse_messages(body: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError.invalid("'messages' must be a non-empty array", param="messages")
+    out: list[tuple[str, str]] = []
+    for i, msg in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise ApiError.invalid(f"'{where}' must be an object", param=where)
+        role = msg.get("role")
+        if not isinstance(role, str) or role not in CHAT_ROLES:
+            raise ApiError.invalid(
+                f"'{where}.role' must be one of {', '.join(sorted(CHAT_ROLES))}", param=f"{where}.role"
+            )
+        out.append(("system" if role == "developer" else role, _content(msg.get("content"), f"{where}.content")))
+    return tuple(out)
+
+
+def _content(content: object, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return _text(content, where)
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ApiError.invalid(f"'{where}[{j}]': only text content parts are supported", param=where)
+            parts.append(_text(part["text"], where))
+        return "".join(parts)
+    raise ApiError.invalid(f"'{where}' must be a string or an array of text parts", param=where)
+
+
+def _text(value: str, param: str) -> str:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError.invalid(f"'{param}' is not valid Unicode (lone surrogate)", param=param) from None
+    return value
+
+
+def _parse_stop(body: Mapping[str, Any]) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    items = [stop] if isinstance(stop, str) else stop
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise ApiError.invalid("'stop' must be a string or an array of strings", param="stop")
+    out = tuple(_text(s, "stop") for s in items if s)
+    if len(out) > MAX_STOP_STRINGS:
+        raise ApiError.invalid(f"'stop' may hold at most {MAX_STOP_STRINGS} strings", param="stop")
+    if any(len(s.encode("utf-8")) > MAX_STOP_BYTES for s in out):
+        raise ApiError.invalid(f"each 'stop' string may be at most {MAX_STOP_BYTES} bytes", param="stop")
+    return out
+
+
+def _parse_sampling(body: Mapping[str, Any]) -> SamplingParams:
+    defaults = SamplingParams()
+    kwargs: dict[str, Any] = {
+        # OpenAI's defaults for OpenAI's fields ...
+        "temperature": _opt_number(body, "temperature", 1.0),
+        "top_p": _opt_number(body, "top_p", 1.0),
+        # ... llama.cpp's for the extensions.
+        "min_p": _opt_number(body, "min_p", defaults.min_p),
+        "repeat_penalty": _opt_number(body, "repeat_penalty", defaults.repeat_penalty),
+    }
+    for name, default in (("top_k", defaults.top_k), ("repeat_last_n", defaults.repeat_last_n), ("seed", None)):
+        value = body.get(name)
+        if value is None:
+            kwargs[name] = default
+        elif type(value) is not int:
+            raise ApiError.invalid(f"'{name}' must be an integer", param=name)
+        else:
+            kwargs[name] = value
+    try:
+        return SamplingParams(**kwargs)
+    except ProtocolError as exc:
+        # SamplingParams validates on construction; its message ends with .problem()'s phrase, field name first.
+        problem = str(exc).split("sampling ", 1)[-1]
+        raise ApiError.invalid(problem, param=problem.split(" ", 1)[0]) from None
+
+
+def _opt_number(body: Mapping[str, Any], name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ApiError.invalid(f"'{name}' must be a number", param=name)
+    return float(value)
+
+
+def _opt_int(body: Mapping[str, Any], name: str, lo: int, hi: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if type(value) is not int or not lo <= value <= hi:
+        raise ApiError.invalid(f"'{name}' must be an integer in [{lo}, {hi}]", param=name)
+    return value
+
+
+def _opt_bool(body: Mapping[str, Any], name: str, default: bool, *, param: str | None = None) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ApiError.invalid(f"'{param or name}' must be a boolean", param=param or name)
+    return value
+
+
+# ---------------------------------------------------------------------------------------------------- responses
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> Json:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def model_object(model: str, created: int) -> Json:
+    return {"id": model, "object": "model", "created": created, "owned_by": "kvasir"}
+
+
+def model_list(model: str, created: int) -> Json:
+    return {"object": "list", "data": [model_object(model, created)]}
+
+
+def response(kind: Kind, rid: str, created: int, model: str, text: str, finish: str, use: Json) -> Json:
+    choice: Json
+    if kind == "completion":
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        obj = "text_completion"
+    else:
+        message = {"role": "assistant", "content": text, "refusal": None}
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+        obj = "chat.completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice], "usage": use}
+
+
+def chunk(
+    kind: Kind,
+    rid: str,
+    created: int,
+    model: str,
+    *,
+    text: str | None = None,
+    role: bool = False,
+    finish: str | None = None,
+    include_usage: bool = False,
+) -> Json:
+    """One streamed chunk: a text delta, the chat's opening role delta, or the closing one with ``finish``."""
+    choice: Json
+    if kind == "completion":
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        obj = "text_completion"
+    else:
+        delta: Json = {}
+        if role:
+            delta = {"role": "assistant", "content": ""}
+        elif text is not None:
+            delta = {"content": text}
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        obj = "chat.completion.chunk"
+    out: Json = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+    if include_usage:
+        out["usage"] = None
+    return out
+
+
+def usage_chunk(kind: Kind, rid: str, created: int, model: str, use: Json) -> Json:
+    obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": use}
