@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import struct
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,6 +15,7 @@ from kvasir.ring.node import Node, NodeConfig
 from kvasir.shard.cache import model_sha256, stage_files
 from kvasir.stage.engine import Stage, StageConfig
 from kvasir.wire import MAGIC, PROTOCOL_VERSION, Error, ErrorCode, FrameType, Hello, Keepalive
+from kvasir.wire.frames import HEADER
 
 
 async def _node(model: Path, cache_dir: Path) -> tuple[Node, Stage, Manifest]:
@@ -66,8 +66,9 @@ async def test_bad_peers_are_refused_and_the_node_keeps_serving(
                     return out
 
                 await raw(b"GET / HTTP/1.1\r\n\r\n" + b"x" * 64)  # not a frame at all
-                await raw(MAGIC + bytes([PROTOCOL_VERSION + 1, FrameType.HELLO]) + bytes(20))  # wrong version
-                await raw(MAGIC + bytes([PROTOCOL_VERSION, FrameType.HELLO, 0, 0]) + struct.pack("<qiI", 0, -1, 2**31))
+                await raw(HEADER.pack(MAGIC, PROTOCOL_VERSION + 1, FrameType.HELLO, 0, 0, 0, -1, 10))  # wrong version
+                # A header announcing a 2 GiB body is refused before anything is allocated.
+                await raw(HEADER.pack(MAGIC, PROTOCOL_VERSION, FrameType.HELLO, 0, 0, 0, -1, 2**31))
                 # A neighbour serving another model is refused with MODEL_MISMATCH.
                 s = await trio.open_tcp_stream("127.0.0.1", port)
                 link = StreamLink(s, "test")
@@ -84,13 +85,14 @@ async def test_bad_peers_are_refused_and_the_node_keeps_serving(
                 assert isinstance(await link.receive(), Hello)
                 await link.send(Keepalive())
                 assert isinstance(await link.receive(), Keepalive)  # keepalives are echoed
-                await s.send_all(MAGIC + bytes([PROTOCOL_VERSION, 99]) + bytes(20))  # unknown frame type
+                await s.send_all(HEADER.pack(MAGIC, PROTOCOL_VERSION, 99, 0, 0, 0, -1, 0))  # unknown frame type
                 with trio.move_on_after(5):
                     while True:
                         try:
                             await link.receive()
                         except (trio.EndOfChannel, trio.BrokenResourceError, Exception):
                             break
+                await link.aclose()
                 await trio.sleep(0.1)
                 assert any("closing predecessor link" in r.message for r in caplog.records)
                 # ...and the node still accepts a good predecessor afterwards.
@@ -100,6 +102,11 @@ async def test_bad_peers_are_refused_and_the_node_keeps_serving(
                 assert isinstance(await link.receive(), Hello)
                 await trio.sleep(0.1)
                 assert node.status()["links"]["predecessor"]["state"].startswith("connected")
+                assert any("refused" in r.message and "bad magic" in r.message for r in caplog.records)
+                assert any("protocol version" in r.message for r in caplog.records)
+                assert any("too large" in r.message or "exceeds" in r.message for r in caplog.records), [
+                    r.message for r in caplog.records
+                ]
                 await link.aclose()
                 nursery.cancel_scope.cancel()
     finally:

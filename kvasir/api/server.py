@@ -11,6 +11,8 @@ import functools
 import json
 import logging
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import h11
@@ -33,7 +35,7 @@ from kvasir.api.schema import (
     usage_chunk,
 )
 from kvasir.errors import InputError, KvasirError, ProtocolError, RingError
-from kvasir.ring.requests import EndEvent, TokenEvent
+from kvasir.ring.requests import ClientEvent, EndEvent, TokenEvent
 
 log = logging.getLogger("kvasir.api")
 
@@ -221,11 +223,12 @@ class ApiServer:
                     return
                 text: list[str] = []
                 end: EndEvent | None = None
-                async for event in self.node.events(handle):
-                    if isinstance(event, TokenEvent):
-                        text.append(event.text)
-                    else:
-                        end = event
+                async with _closing(self.node.events(handle)) as events:
+                    async for event in events:
+                        if isinstance(event, TokenEvent):
+                            text.append(event.text)
+                        else:
+                            end = event
         except (InputError, ProtocolError) as exc:
             raise ApiError.invalid(str(exc), param=param) from None
         except RingError as exc:
@@ -251,20 +254,32 @@ class ApiServer:
         await http.start_sse()
         if req.kind == "chat":
             await http.send_sse(piece(role=True))
-        async for event in self.node.events(handle):
-            if isinstance(event, TokenEvent):
-                if event.text:
-                    await http.send_sse(piece(text=event.text))
-                continue
-            finish = _finish_reason(event)  # raises ApiError: sent as an SSE error object
-            await http.send_sse(piece(finish=finish))
-            if req.include_usage:
-                use = usage(event.prompt_tokens, event.generated_tokens)
-                await http.send_sse(usage_chunk(req.kind, rid, created, model, use))
-            await http.send_sse("[DONE]")
-            await http.end_message()
-            return
+        async with _closing(self.node.events(handle)) as events:
+            async for event in events:
+                if isinstance(event, TokenEvent):
+                    if event.text:
+                        await http.send_sse(piece(text=event.text))
+                    continue
+                finish = _finish_reason(event)  # raises ApiError: sent as an SSE error object
+                await http.send_sse(piece(finish=finish))
+                if req.include_usage:
+                    use = usage(event.prompt_tokens, event.generated_tokens)
+                    await http.send_sse(usage_chunk(req.kind, rid, created, model, use))
+                await http.send_sse("[DONE]")
+                await http.end_message()
+                return
         raise _ring_error("the request ended without a result")
+
+
+@asynccontextmanager
+async def _closing(events: AsyncIterator[ClientEvent]) -> AsyncIterator[AsyncIterator[ClientEvent]]:
+    """Close an async generator of events when we stop early (contextlib.aclosing needs a declared aclose)."""
+    try:
+        yield events
+    finally:
+        aclose = getattr(events, "aclose", None)
+        if aclose is not None:
+            await aclose()
 
 
 def _finish_reason(end: EndEvent) -> str:

@@ -42,9 +42,7 @@ async def serve_control(
     try:
         async with trio.open_nursery() as nursery:
             task_status.started(path)
-            await trio.serve_listeners(
-                functools.partial(_serve_client, node), [listener], handler_nursery=nursery
-            )
+            await trio.serve_listeners(functools.partial(_serve_client, node), [listener], handler_nursery=nursery)
     finally:
         _unlink(path)
 

@@ -1,0 +1,621 @@
+"""The OpenAI-compatible HTTP API against a scripted fake node: routing, shapes, SSE, errors, disconnects, and
+the official ``openai`` client (run in a worker thread while the server runs in the test's nursery)."""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import h11
+import pytest
+import trio
+
+from kvasir.api import ApiBackend, ApiLimits, serve_api
+from kvasir.errors import InputError, RingError
+from kvasir.ring.requests import ClientEvent, EndEvent, TokenEvent
+from kvasir.wire import SamplingParams
+
+if TYPE_CHECKING:
+    from kvasir.ring.node import Node, RequestHandle
+
+    def _node_is_a_backend(node: Node) -> None:
+        backend: ApiBackend[RequestHandle] = node  # mypy proves the real Node satisfies the protocol
+        del backend
+
+
+MODEL = "fake-model"
+TIMEOUT = 10
+
+
+# ---------------------------------------------------------------------------------------------------- the fake
+
+
+class FakeVocab:
+    """One token per whitespace-separated word (id = length of the word), plus BOS=1 with add_special."""
+
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
+        return ([1] if add_special else []) + [len(w) + 2 for w in text.split()]
+
+    def chat_prompt(self, messages: Sequence[tuple[str, str]], template: str | None) -> str:
+        return "".join(f"<{role}> {content} " for role, content in messages) + "<assistant>"
+
+
+@attrs.define
+class FakeStageConfig:
+    n_ctx: int = 64
+
+
+@attrs.define
+class FakeStage:
+    vocab: FakeVocab = attrs.field(factory=FakeVocab)
+    config: FakeStageConfig = attrs.field(factory=FakeStageConfig)
+
+    def chat_template(self) -> str | None:
+        return None
+
+
+@attrs.frozen
+class FakeManifest:
+    model_name: str = MODEL
+
+
+@attrs.define
+class Call:
+    prompt: list[int]
+    params: SamplingParams
+    max_tokens: int
+    stop: tuple[str, ...]
+    ended: bool = False
+    cancelled: bool = False
+
+
+@attrs.define
+class FakeBackend:
+    """Streams ``pieces`` (one TokenEvent each, ``delay`` apart), then ends with ``reason``.
+
+    ``max_tokens`` truncates with reason max_tokens; ``refuse`` makes request() raise on entry.
+    """
+
+    pieces: list[str] = attrs.field(factory=lambda: ["Hello", ",", " world", "", "!"])
+    reason: str = "eog"
+    error: str | None = None
+    delay: float = 0.0
+    refuse: Exception | None = None
+    manifest: FakeManifest = attrs.field(factory=FakeManifest)
+    stage: FakeStage = attrs.field(factory=FakeStage)
+    calls: list[Call] = attrs.field(factory=list)
+    cancelled: trio.Event = attrs.field(factory=trio.Event)
+
+    @asynccontextmanager
+    async def request(
+        self, prompt: Sequence[int], params: SamplingParams, max_tokens: int, stop: Sequence[str] = ()
+    ) -> AsyncIterator[Call]:
+        if self.refuse is not None:
+            raise self.refuse
+        call = Call(list(prompt), params, max_tokens, tuple(stop))
+        self.calls.append(call)
+        try:
+            yield call
+        finally:
+            if not call.ended:  # like Node: leaving before the end cancels the request
+                call.cancelled = True
+                self.cancelled.set()
+
+    async def events(self, handle: Call) -> AsyncIterator[ClientEvent]:
+        n = 0
+        text = ""
+        for i, piece in enumerate(self.pieces):
+            if i >= handle.max_tokens:
+                break
+            await trio.sleep(self.delay)
+            n += 1
+            text += piece
+            yield TokenEvent(i, 100 + i, piece)
+        reason = "max_tokens" if len(self.pieces) > handle.max_tokens else self.reason
+        handle.ended = True
+        yield EndEvent(reason, len(handle.prompt), n, text, self.error)
+
+
+_fake_is_a_backend: ApiBackend[Call] = FakeBackend()
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+
+
+async def start(nursery: trio.Nursery, backend: FakeBackend, **limits: Any) -> int:
+    port: int = await nursery.start(functools.partial(serve_api, backend, "127.0.0.1", 0, limits=ApiLimits(**limits)))
+    return port
+
+
+@attrs.frozen
+class Reply:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+    def events(self) -> list[Any]:
+        """The SSE ``data:`` payloads, parsed (``[DONE]`` kept as a string)."""
+        assert self.headers["content-type"].startswith("text/event-stream")
+        out: list[Any] = []
+        for block in self.body.decode().split("\n\n"):
+            if block:
+                assert block.startswith("data: "), block
+                data = block[len("data: ") :]
+                out.append(data if data == "[DONE]" else json.loads(data))
+        return out
+
+
+class Client:
+    """A raw HTTP/1.1 keep-alive client on one trio connection."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self.h11 = h11.Connection(h11.CLIENT)
+
+    @classmethod
+    async def connect(cls, port: int) -> Client:
+        return cls(await trio.open_tcp_stream("127.0.0.1", port))
+
+    async def send(self, method: str, path: str, body: object = None, headers: Sequence[tuple[str, str]] = ()) -> None:
+        if self.h11.our_state is h11.DONE:
+            self.h11.start_next_cycle()
+        data = b"" if body is None else body if isinstance(body, bytes) else json.dumps(body).encode()
+        hdrs = [("host", "test"), ("content-length", str(len(data))), *headers]
+        out = self.h11.send(h11.Request(method=method, target=path, headers=hdrs))
+        out += self.h11.send(h11.Data(data=data)) if data else b""
+        out += self.h11.send(h11.EndOfMessage())
+        await self.stream.send_all(out)
+
+    async def _event(self) -> Any:
+        while True:
+            event = self.h11.next_event()
+            if event is not h11.NEED_DATA:
+                return event
+            self.h11.receive_data(await self.stream.receive_some(65536))
+
+    async def head(self) -> tuple[int, dict[str, str]]:
+        event = await self._event()
+        assert isinstance(event, h11.Response), event
+        return event.status_code, {k.decode(): v.decode() for k, v in event.headers}
+
+    async def receive(self) -> Reply:
+        status, headers = await self.head()
+        body = b""
+        while not isinstance(event := await self._event(), h11.EndOfMessage):
+            assert isinstance(event, h11.Data), event
+            body += event.data
+        return Reply(status, headers, body)
+
+    async def call(self, method: str, path: str, body: object = None) -> Reply:
+        await self.send(method, path, body)
+        return await self.receive()
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+async def call(port: int, method: str, path: str, body: object = None) -> Reply:
+    client = await Client.connect(port)
+    try:
+        return await client.call(method, path, body)
+    finally:
+        await client.aclose()
+
+
+async def raw(port: int, data: bytes) -> bytes:
+    """Send raw bytes, read until the server closes."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    async with stream:
+        await stream.send_all(data)
+        out = b""
+        while chunk := await stream.receive_some(65536):
+            out += chunk
+        return out
+
+
+def assert_error(reply: Reply, status: int, param: str | None = None) -> dict[str, Any]:
+    assert reply.status == status, reply
+    err: dict[str, Any] = reply.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["message"]
+    if param is not None:
+        assert err["param"] == param
+    return err
+
+
+# ---------------------------------------------------------------------------------------------------- routes
+
+
+async def test_models(nursery: trio.Nursery) -> None:
+    with trio.fail_after(TIMEOUT):
+        port = await start(nursery, FakeBackend())
+        reply = await call(port, "GET", "/v1/models")
+        assert reply.status == 200
+        assert reply.headers["content-type"] == "application/json"
+        body = reply.json()
+        assert body["object"] == "list"
+        [model] = body["data"]
+        assert model["id"] == MODEL and model["object"] == "model" and model["owned_by"] == "kvasir"
+        assert isinstance(model["created"], int)
+        one = await call(port, "GET", f"/v1/models/{MODEL}")
+        assert one.json() == model
+        assert assert_error(await call(port, "GET", "/v1/models/gpt-4"), 404)["code"] == "model_not_found"
+
+
+async def test_completion_shape(nursery: trio.Nursery) -> None:
+    with trio.fail_after(TIMEOUT):
+        fake = FakeBackend()
+        port = await start(nursery, fake)
+        reply = await call(port, "POST", "/v1/completions", {"model": MODEL, "prompt": "say hi", "max_tokens": 8})
+        assert reply.status == 200, reply
+        body = reply.json()
+        assert body["id"].startswith("cmpl-")
+        assert body["object"] == "text_completion"
+        assert body["model"] == MODEL and isinstance(body["created"], int)
+        assert body["choices"] == [{"index": 0, "text": "Hello, world!", "logprobs": None, "finish_reason": "stop"}]
+        assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+        [c] = fake.calls
+        assert c.prompt == [1, 5, 4]  # BOS + one token per word: add_special=True
+        assert c.max_tokens == 8 and c.stop == () and not c.cancelled
+        # OpenAI's defaults for OpenAI's fields, llama.cpp's for the extensions
+        assert (c.params.temperature, c.params.top_p, c.params.top_k, c.params.min_p) == (1.0, 1.0, 40, 0.05)
+        assert c.params.seed is None
+
+
+async def test_completion_params_and_prompt_forms(nursery: trio.Nursery) -> None:
+    with trio.fail_after(TIMEOUT):
+        fake = FakeBackend()
+        port = await start(nursery, fake)
+        body = {
+            "prompt": ["a b"],
+            "temperature": 0,
+            "top_p": 0.5,
+            "seed": 7,
+            "stop": "\n",
+            "top_k": 3,
+            "min_p": 0.1,
+            "repeat_penalty": 1.1,
+            "n": 1,
+        }
+        assert (await call(port, "POST", "/v1/completions", body)).status == 200
+        c = fake.calls[-1]
+        assert c.prompt == [1, 3, 3]
+        assert c.params == SamplingParams(temperature=0.0, top_k=3, top_p=0.5, min_p=0.1, repeat_penalty=1.1, seed=7)
+        assert c.params.greedy and c.stop == ("\n",)
+        assert c.max_tokens == 16  # OpenAI's completions default
+        assert (await call(port, "POST", "/v1/completions", {"prompt": [5, 6, 7], "stop": ["x", "y"]})).status == 200
+        assert fake.calls[-1].prompt == [5, 6, 7] and fake.calls[-1].stop == ("x", "y")
+
+
+async def test_finish_reason_length(nursery: trio.Nursery) -> None:
+    with trio.fail_after(TIMEOUT):
+        port = await start(nursery, FakeBackend())
+        body = (await call(port, "POST", "/v1/completions", {"prompt": "x", "max_tokens": 2})).json()
+        assert body["choices"][0]["text"] == "Hello,"
+        assert body["choices"][0]["finish_reason"] == "length"
+        assert body["usage"]["completion_tokens"] == 2
+
+
+async def test_chat_shape(nursery: trio.Nursery) -> None:
+    with trio.fail_after(TIMEOUT):
+        fake = FakeBackend(reason="stop")
+        port = await start(nursery, fake)
+        messages = [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": " there"}]},
+        ]
+        body = {"model": "anything", "messages": messages, "max_completion_tokens": 9, "max_tokens": 3}
+        reply = await call(port, "POST", "/v1/chat/completions", body)
+        assert reply.status == 200, reply
+        out = reply.json()
+        assert out["id"].startswith("chatcmpl-") and out["object"] == "chat.completion" and out["model"] == MODEL
+        [choice] = out["choices"]
+        assert choice["message"]["role"] == "assistant" and choice["message"]["content"] == "Hello, world!"
+        assert choice["finish_reason"] == "stop" and choice["index"] == 0
+        [c] = fake.calls
+        # "<system> be brief <user> hi there <assistant>" without BOS (add_special=False)
+        assert c.prompt == [10, 4, 7, 8, 4, 7, 13]
+        assert c.max_tokens == 9  # max_completion_tokens wins
+        assert out["usage"] == {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}
+
+
+async def test_chat_default_max_tokens_fills_the_context(nursery: trio.Nursery) -> None:
+    with trio.fail_after(TIMEOUT):
+        fake = FakeBackend()
+        port = await start(nursery, fake)
+        reply = await call(port, "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+        assert reply.status == 200
+        assert fake.calls[0].max_tokens == 64 - len(fake.calls[0].prompt)
+
+
+# ---------------------------------------------------------------------------------------------------- streaming
+
+
+async def test_completion_stream(nursery: trio.Nursery) -> None:
+    with trio.fail_after(TIMEOUT):
+        port = await start(nursery, FakeBackend())
+        reply = await call(port, "POST", "/v1/completions", {"prompt": "x", "stream": True})
+        assert reply.status == 200
+        events = reply.events()
+        assert events[-1] == "[DONE]"
+        chunks = events[:-1]
+        assert len({c["id"] for c in chunks}) == 1 and chunks[0]["id"].startswith("cmpl-")
+        assert all(c["object"] == "text_completion" and c["model"] == MODEL for c in chunks)
+        assert [c["choices"][0]["text"] for c in chunks] == ["Hello", ",", " world", "!", ""]  # empty delta skipped
+        assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * 4 + ["stop"]
+        assert all("usage" not in c for c in chunks)
+
+
+async def test_chat_stream_with_usage(nursery: trio.Nursery) -> None:
+    with trio.fail_after(TIMEOUT):
+        port = await start(nursery, FakeBackend())
+        body = {
+            "messages": [{"role": "user", "content": "hi"}],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "max_tokens": 3,
+        }
+        events = (await call(port, "POST", "/v1/chat/completions", body)).events()
+        assert events[-1] == "[DONE]"
+        chunks = events[:-1]
+        assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert [c["choices"][0]["delta"] for c in chunks[1:4]] == [{"content": t} for t in ("Hello", ",", " world")]
+        assert chunks[4]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
+        assert all(c["usage"] is None for c in chunks[:5])
+        assert chunks[5]["choices"] == []
+        assert chunks[5]["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+
+
+async def test_stream_error_is_an_sse_error_object(nursery: trio.Nursery) -> None:
+    with trio.fail_after(TIMEOUT):
+        port = await start(nursery, FakeBackend(reason="error", error="rank 2 failed"))
+        reply = await call(port, "POST", "/v1/completions", {"prompt": "x", "stream": True})
+        assert reply.status == 200
+        events = reply.events()
+        assert "[DONE]" not in events
+        assert events[-1]["error"]["message"] == "rank 2 failed"
+        assert set(events[-1]["error"]) == {"message", "type", "param", "code"}
+
+
+async def test_non_stream_ring_error_is_503(nursery: trio.Nursery) -> None:
+    with trio.fail_after(TIMEOUT):
+        port = await start(nursery, FakeBackend(reason="error", error="the ring made no progress (stalled)"))
+        err = assert_error(await call(port, "POST", "/v1/completions", {"prompt": "x"}), 503)
+        assert err["message"] == "the ring made no progress (stalled)" and err["type"] == "server_error"
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_client_disconnect_cancels_the_request(nursery: trio.Nursery, stream: bool) -> None:
+    with trio.fail_after(TIMEOUT):
+        fake = FakeBackend(pieces=["tok"] * 1000, delay=0.01)
+        port = await start(nursery, fake)
+        client = await Client.connect(port)
+        await client.send("POST", "/v1/completions", {"prompt": "x", "max_tokens": 1000, "stream": stream})
+        if stream:
+            assert (await client.head())[0] == 200
+        await trio.sleep(0.05)
+        await client.aclose()
+        await fake.cancelled.wait()
+        assert fake.calls[0].cancelled
+        # ... and the server still serves
+        assert (await call(port, "GET", "/v1/models")).status == 200
+
+
+# ---------------------------------------------------------------------------------------------------- errors
+
+
+async def test_request_errors(nursery: trio.Nursery) -> None:
+    with trio.fail_after(TIMEOUT):
+        port = await start(nursery, FakeBackend())
+        client = await Client.connect(port)
+        chat = "/v1/chat/completions"
+        comp = "/v1/completions"
+        cases: list[tuple[str, str, object, int, str | None]] = [
+            ("GET", "/nope", None, 404, None),
+            ("POST", "/v1/models", {}, 405, None),
+            ("GET", comp, None, 405, None),
+            ("POST", comp, b"{not json", 400, None),
+            ("POST", comp, b"", 400, None),
+            ("POST", comp, b"[1]", 400, None),
+            ("POST", comp, b"[" * 100000, 400, None),
+            ("POST", comp, {}, 400, "prompt"),
+            ("POST", comp, {"prompt": 5}, 400, "prompt"),
+            ("POST", comp, {"prompt": ["a", "b"]}, 400, "prompt"),
+            ("POST", comp, {"prompt": "x", "n": 2}, 400, "n"),
+            ("POST", comp, {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+            ("POST", comp, {"prompt": "x", "temperature": -1}, 400, "temperature"),
+            ("POST", comp, {"prompt": "x", "top_p": 0}, 400, "top_p"),
+            ("POST", comp, {"prompt": "x", "seed": 1.5}, 400, "seed"),
+            ("POST", comp, {"prompt": "x", "seed": -1}, 400, "seed"),
+            ("POST", comp, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+            ("POST", comp, {"prompt": "x", "max_tokens": True}, 400, "max_tokens"),
+            ("POST", comp, {"prompt": "x", "stop": [1]}, 400, "stop"),
+            ("POST", comp, {"prompt": "x", "stop": ["s"] * 17}, 400, "stop"),
+            ("POST", comp, {"prompt": "x", "stream": "yes"}, 400, "stream"),
+            ("POST", comp, {"prompt": "x", "echo": True}, 400, "echo"),
+            ("POST", comp, {"prompt": "x", "logprobs": 2}, 400, "logprobs"),
+            ("POST", comp, {"prompt": "x", "max_tokens": 64}, 400, "prompt"),  # 2 + 64 > n_ctx 64
+            ("POST", comp, {"prompt": "\ud800"}, 400, "prompt"),
+            ("POST", chat, {"messages": []}, 400, "messages"),
+            ("POST", chat, {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
+            ("POST", chat, {"messages": [{"role": "user", "content": 3}]}, 400, "messages[0].content"),
+            ("POST", chat, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, None),
+            ("POST", chat, {"messages": [{"role": "user", "content": "x"}], "tools": [{}]}, 400, "tools"),
+            ("POST", chat, {"messages": [{"role": "user", "content": "x " * 70}]}, 400, "messages"),
+        ]
+        for method, path, body, status, param in cases:
+            reply = await client.call(method, path, body)  # one keep-alive connection survives every error
+            err = assert_error(reply, status, param)
+            if status == 405:
+                assert "allow" in reply.headers
+            if status == 400:
+                assert err["type"] == "invalid_request_error"
+        assert (await client.call("POST", comp, {"prompt": "x"})).status == 200
+        await client.aclose()
+
+
+@pytest.mark.parametrize(
+    ("refuse", "status"),
+    [(InputError("prompt token id 99 out of range"), 400), (RingError("no link to the successor"), 503)],
+)
+async def test_node_refusals(nursery: trio.Nursery, refuse: Exception, status: int) -> None:
+    with trio.fail_after(TIMEOUT):
+        port = await start(nursery, FakeBackend(refuse=refuse))
+        for stream in (False, True):
+            err = assert_error(await call(port, "POST", "/v1/completions", {"prompt": "x", "stream": stream}), status)
+            assert err["message"] == str(refuse)
+
+
+async def test_internal_error_is_500_and_server_survives(nursery: trio.Nursery) -> None:
+    with trio.fail_after(TIMEOUT):
+        port = await start(nursery, FakeBackend(refuse=ZeroDivisionError("boom")))
+        err = assert_error(await call(port, "POST", "/v1/completions", {"prompt": "x"}), 500)
+        assert err["type"] == "server_error" and "boom" not in err["message"]
+        assert (await call(port, "GET", "/v1/models")).status == 200
+
+
+async def test_body_too_large_is_refused_before_reading(nursery: trio.Nursery) -> None:
+    with trio.fail_after(TIMEOUT):
+        port = await start(nursery, FakeBackend(), max_body_bytes=1000)
+        # Content-Length announces 10 MB; only the head is sent: the 413 must come without the body.
+        head = b"POST /v1/completions HTTP/1.1\r\nhost: t\r\ncontent-length: 10000000\r\n\r\n"
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        async with stream:
+            await stream.send_all(head)
+            data = await stream.receive_some(65536)
+        assert data.startswith(b"HTTP/1.1 413 ")
+        # chunked bodies are counted as they arrive
+        body = b"x" * 2000
+        chunked = (
+            b"POST /v1/completions HTTP/1.1\r\nhost: t\r\ntransfer-encoding: chunked\r\n\r\n"
+            + f"{len(body):x}\r\n".encode()
+            + body
+            + b"\r\n0\r\n\r\n"
+        )
+        assert (await raw(port, chunked)).startswith(b"HTTP/1.1 413 ")
+        assert (await call(port, "GET", "/v1/models")).status == 200
+
+
+async def test_malformed_http_gets_400(nursery: trio.Nursery) -> None:
+    with trio.fail_after(TIMEOUT):
+        port = await start(nursery, FakeBackend())
+        assert (await raw(port, b"GARBAGE\r\n\r\n")).startswith(b"HTTP/1.1 400 ")
+        big = b"GET /v1/models HTTP/1.1\r\nhost: t\r\nx-big: " + b"a" * 100_000 + b"\r\n\r\n"
+        assert (await raw(port, big)).startswith(b"HTTP/1.1 431 ")
+        assert (await call(port, "GET", "/v1/models")).status == 200
+
+
+async def test_timeouts_close_slow_and_idle_connections(nursery: trio.Nursery) -> None:
+    with trio.fail_after(TIMEOUT):
+        port = await start(nursery, FakeBackend(), idle_timeout=0.2, header_timeout=0.2)
+        with trio.fail_after(2):
+            assert await raw(port, b"") == b""  # idle: closed without a word
+            assert (await raw(port, b"GET /v1/models HTTP/1.1\r\n")).startswith(b"HTTP/1.1 408 ")
+        client = await Client.connect(port)
+        assert (await client.call("GET", "/v1/models")).status == 200
+        await trio.sleep(0.5)
+        with pytest.raises((trio.BrokenResourceError, h11.RemoteProtocolError)):
+            await client.call("GET", "/v1/models")
+
+
+async def test_keep_alive_and_pipelining(nursery: trio.Nursery) -> None:
+    with trio.fail_after(TIMEOUT):
+        port = await start(nursery, FakeBackend(delay=0.01))
+        client = await Client.connect(port)
+        for _ in range(3):
+            assert (await client.call("POST", "/v1/completions", {"prompt": "x"})).status == 200
+        await client.aclose()
+        one = b"GET /v1/models HTTP/1.1\r\nhost: t\r\n\r\n"
+        post = json.dumps({"prompt": "x"}).encode()
+        two = b"POST /v1/completions HTTP/1.1\r\nhost: t\r\ncontent-length: %d\r\n\r\n%s" % (len(post), post)
+        last = b"GET /v1/models HTTP/1.1\r\nhost: t\r\nconnection: close\r\n\r\n"
+        out = await raw(port, two + one + last)
+        assert out.count(b"HTTP/1.1 200 ") == 3
+        assert out.index(b"text_completion") < out.index(b'"object":"list"')
+
+
+async def test_concurrent_clients(nursery: trio.Nursery) -> None:
+    with trio.fail_after(TIMEOUT):
+        fake = FakeBackend(delay=0.01)
+        port = await start(nursery, fake)
+        results: list[int] = []
+
+        async def one() -> None:
+            results.append((await call(port, "POST", "/v1/completions", {"prompt": "x", "stream": True})).status)
+
+        async with trio.open_nursery() as inner:
+            for _ in range(8):
+                inner.start_soon(one)
+        assert results == [200] * 8 and len(fake.calls) == 8
+
+
+# ---------------------------------------------------------------------------------------------------- openai client
+
+
+def _openai_client(port: int) -> Any:
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=TIMEOUT)
+
+
+async def test_openai_client(nursery: trio.Nursery) -> None:
+    with trio.fail_after(TIMEOUT * 2):
+        port = await start(nursery, FakeBackend())
+
+        def use() -> None:
+            with _openai_client(port) as client:
+                assert [m.id for m in client.models.list()] == [MODEL]
+                comp = client.completions.create(model=MODEL, prompt="hi there", max_tokens=4, temperature=0)
+                assert comp.choices[0].text == "Hello, world" and comp.choices[0].finish_reason == "length"
+                assert comp.usage is not None and comp.usage.total_tokens == 3 + 4
+                chat = client.chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": "hi"}], seed=3, stop=["\n"]
+                )
+                assert chat.choices[0].message.content == "Hello, world!"
+                assert chat.choices[0].finish_reason == "stop"
+                parts = [
+                    c.choices[0].text
+                    for c in client.completions.create(model=MODEL, prompt="hi", max_tokens=10, stream=True)
+                ]
+                assert "".join(parts) == "Hello, world!"
+                stream = client.chat.completions.create(
+                    model=MODEL,
+                    messages=[{"role": "user", "content": "hi"}],
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+                chunks = list(stream)
+                text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+                assert text == "Hello, world!"
+                assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5
+
+        await trio.to_thread.run_sync(use)
+
+
+async def test_openai_client_errors(nursery: trio.Nursery) -> None:
+    openai = pytest.importorskip("openai")
+    with trio.fail_after(TIMEOUT * 2):
+        port = await start(nursery, FakeBackend(reason="error", error="stage failed"))
+
+        def use() -> None:
+            with _openai_client(port) as client:
+                with pytest.raises(openai.BadRequestError) as bad:
+                    client.completions.create(model=MODEL, prompt="x", n=2)
+                assert bad.value.param == "n"
+                with pytest.raises(openai.InternalServerError, match="stage failed"):
+                    client.completions.create(model=MODEL, prompt="x")
+                with pytest.raises(openai.APIError, match="stage failed"):
+                    list(
+                        client.chat.completions.create(
+                            model=MODEL, messages=[{"role": "user", "content": "x"}], stream=True
+                        )
+                    )
+
+        await trio.to_thread.run_sync(use)
