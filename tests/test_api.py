@@ -395,7 +395,7 @@ async def test_non_stream_ring_error_is_503(nursery: trio.Nursery) -> None:
 @pytest.mark.parametrize("stream", [True, False])
 async def test_client_disconnect_cancels_the_request(nursery: trio.Nursery, stream: bool) -> None:
     with trio.fail_after(TIMEOUT):
-        fake = FakeBackend(pieces=["tok"] * 1000, delay=0.01)
+        fake = FakeBackend(pieces=["tok"] * 1000, delay=0.01, stage=FakeStage(config=FakeStageConfig(n_ctx=4096)))
         port = await start(nursery, fake)
         client = await Client.connect(port)
         await client.send("POST", "/v1/completions", {"prompt": "x", "max_tokens": 1000, "stream": stream})

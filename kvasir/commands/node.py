@@ -37,6 +37,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--seqs", type=int, default=8, help="requests in flight at once")
     p.add_argument("--gpu-layers", type=int, default=0)
     p.add_argument("--prefill-chunk", type=int, default=64)
+    p.add_argument(
+        "--relay",
+        default=None,
+        metavar="URL",
+        help="send both links through this relay (ws://host:port or wss://host:port)",
+    )
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(run=run)
 
@@ -72,11 +78,11 @@ async def serve_node(manifest: Manifest, rank: int, config: StageConfig, args: a
     stage = await trio.to_thread.run_sync(Stage.load, config)
     try:
         await trio.to_thread.run_sync(lambda: stage.vocab)  # load the tokenizer before serving
-        node = Node(NodeConfig(manifest, rank, prefill_chunk=args.prefill_chunk), stage)
+        node = Node(NodeConfig(manifest, rank, prefill_chunk=args.prefill_chunk, relay=args.relay), stage)
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with trio.open_nursery() as nursery:
-                port = await nursery.start(node.serve)
-                control = args.control or node_socket_path(rank, port)
+                await nursery.start(node.serve)
+                control = args.control or node_socket_path(rank, manifest.rank(rank).port)
                 await nursery.start(serve_control, node, control)
                 if args.api_port is not None:
                     from kvasir.api import serve_api

@@ -29,6 +29,7 @@ def add_parser(sub: Any) -> None:
     up.add_argument("--json", action="store_true", help="print one JSON object (like `kvasir generate --json`)")
     up.add_argument("--api-port", type=int, default=None, help="serve the OpenAI-compatible API on rank 0")
     up.add_argument("--threads", type=int, default=None, help="llama.cpp threads per node")
+    up.add_argument("--relay", action="store_true", help="start a local relay and send every link through it")
     up.add_argument("--ctx", type=int, default=2048)
     up.add_argument("--seqs", type=int, default=8, help="concurrent requests per node")
     add_sampling_args(up)
@@ -111,6 +112,8 @@ def _serve_forever(ring: Any, args: argparse.Namespace) -> int:
     for k, sock in enumerate(ring.sockets):
         w = ring.manifest.ranks[k]
         print(f"  rank {k}: layers {w.start}:{w.end} at {w.address}, control {sock}")
+    if ring.relay_url:
+        print(f"  relay: {ring.relay_url} (every link goes through it)")
     if args.api_port is not None:
         print(f"OpenAI API: http://127.0.0.1:{args.api_port}/v1")
     print(f"watch it:   kvasir tui --socket {ring.sockets[0]}")

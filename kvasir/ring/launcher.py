@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import signal
@@ -41,6 +42,8 @@ class LocalRing:
     processes: list[subprocess.Popen[bytes]]
     sockets: list[Path]
     api_port: int | None
+    relay: subprocess.Popen[bytes] | None = None
+    relay_url: str | None = None
 
     def log_tail(self, rank: int, lines: int = 20) -> str:
         try:
@@ -70,11 +73,12 @@ class LocalRing:
                 time.sleep(0.1)
 
     def stop(self, timeout: float = 10.0) -> None:
-        for p in self.processes:
+        procs = [*self.processes, *([self.relay] if self.relay else [])]
+        for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout
-        for p in self.processes:
+        for p in procs:
             try:
                 p.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -94,6 +98,7 @@ def start_ring(
     seqs: int = 8,
     host: str = "127.0.0.1",
     extra_args: Sequence[str] = (),
+    relay: bool = False,
 ) -> LocalRing:
     """Cut the stage files, write the manifest, start one node process per window."""
     paths = stage_files(model, windows, cache_dir)
@@ -112,6 +117,30 @@ def start_ring(
     procs: list[subprocess.Popen[bytes]] = []
     socks: list[Path] = []
     env = dict(os.environ)
+    relay_proc: subprocess.Popen[bytes] | None = None
+    relay_url = None
+    if relay:
+        (relay_port,) = free_ports(1, host)
+        with (run_dir / "relay.log").open("wb") as log_file:
+            relay_proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "kvasir",
+                    "relay",
+                    "--listen",
+                    f"{host}:{relay_port}",
+                    "--secret-hex",
+                    manifest.secret or "",
+                ],
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+        relay_url = f"ws://{host}:{relay_port}"
+        wait_listening(host, relay_port, relay_proc, timeout=30)
+        extra_args = [*extra_args, "--relay", relay_url]
     for k in range(len(windows)):
         sock = run_dir / f"rank{k}.sock"
         cmd = [
@@ -140,4 +169,15 @@ def start_ring(
                 subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
             )
         socks.append(sock)
-    return LocalRing(manifest, run_dir, procs, socks, api_port)
+    return LocalRing(manifest, run_dir, procs, socks, api_port, relay_proc, relay_url)
+
+
+def wait_listening(host: str, port: int, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RingError(f"process exited with code {proc.returncode} before listening on {host}:{port}")
+        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=1):
+            return
+        time.sleep(0.05)
+    raise RingError(f"nothing listening on {host}:{port} after {timeout:.0f} s")

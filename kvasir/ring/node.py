@@ -24,6 +24,7 @@ import attrs
 import trio
 
 from kvasir.errors import InputError, KvasirError, ProtocolError, RingError
+from kvasir.ring.edges import RingEdges
 from kvasir.ring.events import EventHub
 from kvasir.ring.links import Link, StreamLink, handshake, link_error
 from kvasir.ring.manifest import Manifest
@@ -62,6 +63,8 @@ class NodeConfig:
     #: A request with no progress for this long is failed at its entry node.
     stall_timeout: float = 120.0
     keepalive_interval: float = 1.0
+    #: Send both links through this relay (``ws://`` or ``wss://``), whatever the manifest says.
+    relay: str | None = None
 
 
 @attrs.define
@@ -103,6 +106,7 @@ class Node:
             n_layers=m.n_layers,
             n_embd=info.n_embd,
         )
+        self.edges = RingEdges.for_node(m, config.rank, config.relay)
         self._requests: dict[int, RequestState] = {}
         self._seqs = SeqPool(stage.config.n_seq_max)
         self._admission = trio.Semaphore(stage.config.n_seq_max)
@@ -122,16 +126,20 @@ class Node:
     # ------------------------------------------------------------------------------------------ service
 
     async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
-        """Listen for the predecessor, keep the successor link; ``started(port)`` once listening."""
+        """Keep both links (TCP or relay); ``started(port)`` once listening (0 when the predecessor is relayed)."""
         me = self.manifest.rank(self.rank)
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            listeners = await nursery.start(
-                functools.partial(trio.serve_tcp, self._serve_predecessor, me.port, host=me.host)
-            )
+            port = 0
+            if self.edges.predecessor_relayed:
+                nursery.start_soon(self._keep_relay_predecessor)
+            else:
+                listeners = await nursery.start(
+                    functools.partial(trio.serve_tcp, self._serve_predecessor, me.port, host=me.host)
+                )
+                port = listeners[0].socket.getsockname()[1]
             nursery.start_soon(self._keep_successor)
-            port = listeners[0].socket.getsockname()[1]
-            log.info("rank %d listening on %s:%d, layers %d:%d", self.rank, me.host, port, me.start, me.end)
+            log.info("rank %d up (port %d), layers %d:%d", self.rank, port, me.start, me.end)
             task_status.started(port)
 
     @property
@@ -153,7 +161,24 @@ class Node:
             peer = "{}:{}".format(*stream.socket.getpeername()[:2])
         except OSError:
             peer = "?"
-        link = StreamLink(stream, peer)
+        await self._run_predecessor(StreamLink(stream, peer), peer)
+
+    async def _keep_relay_predecessor(self) -> None:
+        """Predecessor edge through the relay: dial out as the downstream end, redial with backoff."""
+        backoff = 0.05
+        while True:
+            self.predecessor_state = f"dialing relay edge {self.edges.edge_in}"
+            try:
+                async with self.edges.open_relay(self.edges.edge_in, upstream=False) as link:
+                    backoff = 0.05
+                    self.predecessor_state = f"waiting on relay edge {self.edges.edge_in}"
+                    await self._run_predecessor(link, f"relay:{self.edges.edge_in}")
+            except RingError as exc:  # relay unreachable, refused or closed
+                self.predecessor_state = f"relay edge {self.edges.edge_in}: {exc}"
+            await trio.sleep(backoff)
+            backoff = min(backoff * 2, 2.0)
+
+    async def _run_predecessor(self, link: Link, peer: str) -> None:
         try:
             remote = await handshake(link, self.hello, Side.PREDECESSOR, send_first=False)
         except (RingError, ProtocolError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
@@ -185,7 +210,7 @@ class Node:
             self.counters["errors"] += 1
             with trio.move_on_after(1):
                 await link.send(link_error(str(exc), self.rank))
-        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+        except (trio.BrokenResourceError, trio.ClosedResourceError, RingError) as exc:
             log.info("rank %d: predecessor link lost: %s", self.rank, exc)
         finally:
             if self._pred is link:
@@ -193,49 +218,62 @@ class Node:
                 self.predecessor_state = "waiting"
             await link.aclose()
 
+    @asynccontextmanager
+    async def _open_successor(self) -> AsyncIterator[Link]:
+        target = self.manifest.successor(self.rank)
+        if self.edges.successor_relayed:
+            async with self.edges.open_relay(self.edges.edge_out, upstream=True) as link:
+                yield link
+            return
+        try:
+            stream = await trio.open_tcp_stream(target.host, target.port)
+        except OSError as exc:
+            raise RingError(f"waiting for rank {target.rank} at {target.address} ({exc.strerror or exc})") from None
+        link = StreamLink(stream, target.address)
+        try:
+            yield link
+        finally:
+            await link.aclose()
+
     async def _keep_successor(self) -> None:
         backoff = 0.05
         target = self.manifest.successor(self.rank)
+        via = f"relay edge {self.edges.edge_out}" if self.edges.successor_relayed else target.address
         while True:
-            self.successor_state = f"dialing rank {target.rank} at {target.address}"
+            self.successor_state = f"dialing rank {target.rank} via {via}"
             try:
-                stream = await trio.open_tcp_stream(target.host, target.port)
-            except OSError as exc:
-                self.successor_state = f"waiting for rank {target.rank} at {target.address} ({exc.strerror})"
-                await trio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
-                continue
-            link = StreamLink(stream, target.address)
-            try:
-                self._succ_hello = await handshake(link, self.hello, Side.SUCCESSOR, send_first=True)
-            except (RingError, ProtocolError, trio.TooSlowError, trio.BrokenResourceError) as exc:
-                self.successor_state = f"refused by rank {target.rank}: {exc}"
-                log.warning("rank %d: successor handshake failed: %s", self.rank, exc)
-                await link.aclose()
-                await trio.sleep(max(backoff, 1.0))
-                backoff = min(backoff * 2, 5.0)
-                continue
-            backoff = 0.05
-            self._succ = link
-            self._succ_ready.set()
-            self.successor_state = f"connected to rank {target.rank} ({target.address})"
-            try:
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._keepalive, link)
-                    await self._read_successor(link)
-                    nursery.cancel_scope.cancel()
-            finally:
-                self._succ = None
-                self._succ_ready = trio.Event()
-                await link.aclose()
-            self.successor_state = f"lost rank {target.rank}; redialing"
+                async with self._open_successor() as link:
+                    try:
+                        self._succ_hello = await handshake(link, self.hello, Side.SUCCESSOR, send_first=True)
+                    except (ProtocolError, trio.TooSlowError, trio.BrokenResourceError) as exc:
+                        raise RingError(f"handshake with rank {target.rank} failed: {exc}") from None
+                    backoff = 0.05
+                    self._succ = link
+                    self._succ_ready.set()
+                    self.successor_state = f"connected to rank {target.rank} via {via}"
+                    try:
+                        async with trio.open_nursery() as nursery:
+                            nursery.start_soon(self._keepalive, link)
+                            await self._read_successor(link)
+                            nursery.cancel_scope.cancel()
+                    finally:
+                        self._succ = None
+                        self._succ_ready = trio.Event()
+                    self.successor_state = f"lost rank {target.rank}; redialing"
+            except RingError as exc:
+                self.successor_state = str(exc) if "waiting" in str(exc) else f"rank {target.rank}: {exc}"
+                if "waiting" not in str(exc):
+                    log.warning("rank %d: successor link: %s", self.rank, exc)
+                    backoff = max(backoff, 1.0)
+            await trio.sleep(backoff)
+            backoff = min(backoff * 2, 2.0)
 
     async def _keepalive(self, link: Link) -> None:
         while True:
             self._keepalive_sent = time.perf_counter()
             try:
                 await link.send(Keepalive())
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
+            except (trio.BrokenResourceError, trio.ClosedResourceError, RingError):
                 return
             await trio.sleep(self.config.keepalive_interval)
 
@@ -249,7 +287,7 @@ class Node:
                 elif isinstance(frame, Error):
                     log.warning("rank %d: successor reports: %s", self.rank, frame.message)
                     return
-        except (trio.EndOfChannel, trio.BrokenResourceError, trio.ClosedResourceError, ProtocolError):
+        except (trio.EndOfChannel, trio.BrokenResourceError, trio.ClosedResourceError, ProtocolError, RingError):
             return
 
     async def _send(self, frame: Frame) -> None:

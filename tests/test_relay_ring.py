@@ -1,0 +1,120 @@
+"""Rings whose links run through the real relay: on loopback, and with a phone behind a carrier NAT."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from kvasir.control.client import ControlClient
+from kvasir.ring.launcher import LocalRing
+from kvasir.ring.manifest import Manifest, RankEntry
+from kvasir.shard.cache import model_sha256, stage_files
+from tests.netns import PHONE_IP, PUB_IP, carrier_nat, listening_tcp, netns_unavailable
+from tests.ringutil import ring_generate, running_ring, whole_model_tokens
+
+PROMPT = "The relay bridges one ring edge"
+
+
+def test_every_link_through_the_relay(tiny_model: Callable[..., Path], cache_dir: Path) -> None:
+    model = tiny_model("llama", "q8_0")
+    want = whole_model_tokens(model, PROMPT, 12)
+    with running_ring(model, [(0, 2), (2, 4), (4, 6)], cache_dir, relay=True) as ring:
+        got = ring_generate(ring.sockets[1], PROMPT, 12)
+        assert got["tokens"] == want
+        for rank in range(3):
+            with ControlClient(ring.sockets[rank]) as c:
+                links = c.status()["links"]
+            assert links["successor"]["kind"] == "relay" and links["predecessor"]["kind"] == "relay"
+
+
+@pytest.mark.skipif(netns_unavailable() is not None, reason=str(netns_unavailable()))
+def test_phone_behind_carrier_nat_as_middle_stage(
+    tiny_model: Callable[..., Path], cache_dir: Path, tmp_path: Path
+) -> None:
+    model = tiny_model("llama", "q8_0")
+    want = whole_model_tokens(model, PROMPT, 12)
+    windows = [(0, 2), (2, 4), (4, 6)]
+    paths = stage_files(model, windows, cache_dir)
+    secret = "ab" * 16
+    manifest = Manifest(
+        model_sha256=model_sha256(model, cache_dir),
+        n_layers=6,
+        ranks=(
+            RankEntry(0, 0, 2, PUB_IP, 7100, str(paths[0]), link="direct"),  # edge 2 -> 0: direct TCP in "pub"
+            RankEntry(1, 2, 4, PHONE_IP, 7101, str(paths[1]), link="relay"),  # the phone: both edges relayed
+            RankEntry(2, 4, 6, PUB_IP, 7102, str(paths[2]), link="relay"),
+        ),
+        secret=secret,
+        relay=f"ws://{PUB_IP}:8443",
+    )
+    manifest.write(tmp_path / "ring.toml")
+    with carrier_nat() as nat:
+        logs = [(tmp_path / f"{name}.log").open("wb") for name in ("relay", "rank0", "rank1", "rank2")]
+        relay = subprocess.Popen(
+            [
+                *nat.exec_prefix(nat.pub),
+                sys.executable,
+                "-m",
+                "kvasir",
+                "relay",
+                "--listen",
+                f"{PUB_IP}:8443",
+                "--secret-hex",
+                secret,
+            ],
+            stdout=logs[0],
+            stderr=subprocess.STDOUT,
+        )
+        nodes = []
+        socks = [tmp_path / f"rank{k}.sock" for k in range(3)]
+        ring = LocalRing(manifest, tmp_path, nodes, socks, None, relay, manifest.relay)
+        try:
+            # The NAT is real: nothing in "pub" can open a connection to the phone.
+            probe = subprocess.run(
+                [
+                    *nat.exec_prefix(nat.pub),
+                    sys.executable,
+                    "-c",
+                    f"import socket; socket.create_connection(('{PHONE_IP}', 7101), timeout=2)",
+                ],
+                capture_output=True,
+                text=True,
+            )
+            assert probe.returncode != 0
+            for k, ns in enumerate((nat.pub, nat.phone, nat.pub)):
+                nodes.append(
+                    subprocess.Popen(
+                        [
+                            *nat.exec_prefix(ns),
+                            sys.executable,
+                            "-m",
+                            "kvasir",
+                            "node",
+                            "--manifest",
+                            str(tmp_path / "ring.toml"),
+                            "--rank",
+                            str(k),
+                            "--control",
+                            str(socks[k]),
+                            "--threads",
+                            "1",
+                            "--ctx",
+                            "512",
+                        ],
+                        stdout=logs[k + 1],
+                        stderr=subprocess.STDOUT,
+                    )
+                )
+            ring.wait_ready(timeout=120)
+            got = ring_generate(socks[0], PROMPT, 12)
+            assert got["tokens"] == want
+            assert listening_tcp(nat.phone) == [], "the phone must open no listening TCP socket"
+            assert listening_tcp(nat.pub)  # while rank 0, rank 2 and the relay do listen
+        finally:
+            ring.stop()
+            for f in logs:
+                f.close()
