@@ -23,6 +23,7 @@ _COMMAND_MODULES = (
     "kvasir.commands.ring",
     "kvasir.commands.status",
     "kvasir.commands.plan",
+    "kvasir.commands.tui",
     "relay.cli",
 )
 

@@ -524,6 +524,7 @@ async def test_timeouts_close_slow_and_idle_connections(nursery: trio.Nursery) -
         await trio.sleep(0.5)
         with pytest.raises((trio.BrokenResourceError, h11.RemoteProtocolError)):
             await client.call("GET", "/v1/models")
+        await client.aclose()
 
 
 async def test_keep_alive_and_pipelining(nursery: trio.Nursery) -> None:

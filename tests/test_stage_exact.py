@@ -62,6 +62,9 @@ ARCH_SPLITS = {
     "qwen3": ["0,1,2,3,4,5,6", "0,2,5,6"],
     # gemma3 (global layer every 6th: layer 5): cuts inside the sliding period, a global-only window [5,6).
     "gemma3": ["0,1,2,3,4,5,6", "0,3,6", "0,4,5,6", "0,2,5,6"],
+    # hybrid (full attention every 4th layer: 3): 1-layer windows get an identity layer of the missing kind.
+    "qwen35": ["0,1,2,3,4,5,6", "0,3,6", "0,4,6"],
+    "qwen35moe": ["0,1,2,3,4,5,6", "0,2,5,6"],
 }
 
 

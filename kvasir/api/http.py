@@ -114,6 +114,10 @@ class HttpConnection:
             return None
         if not isinstance(event, h11.Request):
             raise h11.RemoteProtocolError(f"unexpected {type(event).__name__}")
+        head_size = len(event.target) + sum(len(k) + len(v) + 4 for k, v in event.headers)
+        if head_size > self.limits.max_header_bytes:
+            # h11 bounds only incomplete heads; a complete one that arrived in one read is checked here.
+            raise h11.RemoteProtocolError("request headers too large", error_status_hint=431)
         headers = tuple((k.decode("latin-1"), v.decode("latin-1")) for k, v in event.headers)
         method, target = event.method.decode("ascii"), event.target.decode("latin-1")
         length = next((int(v) for k, v in headers if k == "content-length"), None)
@@ -173,7 +177,7 @@ class HttpConnection:
     async def send_json(
         self, status: int, obj: object, headers: Iterable[tuple[str, str]] = (), *, close: bool = False
     ) -> None:
-        body = json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        body = _encode(json.dumps(obj, ensure_ascii=False, separators=(",", ":")))
         hdrs = [
             ("content-type", "application/json"),
             ("content-length", str(len(body))),
@@ -195,7 +199,7 @@ class HttpConnection:
 
     async def send_sse(self, obj: object) -> None:
         data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
-        await self.send(h11.Data(data=f"data: {data}\n\n".encode()))
+        await self.send(h11.Data(data=_encode(f"data: {data}\n\n")))
 
     async def end_message(self) -> None:
         await self.send(h11.EndOfMessage())
@@ -233,6 +237,10 @@ class HttpConnection:
             pass
         finally:
             await trio.aclose_forcefully(self.stream)
+
+
+def _encode(text: str) -> bytes:
+    return text.encode("utf-8", "replace")  # "replace": a lone surrogate must not break the reply
 
 
 def _common_headers(close: bool) -> list[tuple[str, str]]:

@@ -102,8 +102,7 @@ class ApiServer:
             log.exception("API connection failed")
         finally:
             self.connections -= 1
-            with trio.CancelScope(shield=True):
-                await http.close()
+            await http.close()
 
     async def _read(self, http: HttpConnection) -> HttpRequest | None:
         """The next request; answers (and returns None for) requests that cannot be read whole."""

@@ -117,6 +117,9 @@ def start_ring(
     procs: list[subprocess.Popen[bytes]] = []
     socks: list[Path] = []
     env = dict(os.environ)
+    # Several nodes share this machine's cores and only one computes at a time: idle OpenMP workers must sleep,
+    # not spin, or they steal the cores the busy stage (and the relay) needs.
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     relay_proc: subprocess.Popen[bytes] | None = None
     relay_url = None
     if relay:

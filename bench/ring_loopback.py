@@ -1,0 +1,171 @@
+"""The ring on loopback: N node processes vs the whole model in one process.
+
+Prints (1) decode ms/token for the whole model and for rings of 2/3/4 processes on this machine, with the ratio;
+(2) per-hop latency p50/p99 of a 4096-wide f32 boundary frame over a loopback TCP link, and bytes per token per hop;
+(3) tokens/s with 1, 4 and 8 concurrent requests through a 4-process ring.
+
+    python3 bench/ring_loopback.py [--model PATH] [--tokens 32] [--repeats 3] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import trio
+from rich.console import Console
+from rich.table import Table
+
+from kvasir.control.client import ControlClient
+from kvasir.demo import demo_model_path
+from kvasir.ring.launcher import start_ring
+from kvasir.ring.links import StreamLink
+from kvasir.shard.cache import default_cache_dir, even_splits
+from kvasir.shard.gguf_file import describe
+from kvasir.stage.engine import Stage, StageConfig
+from kvasir.stage.pipeline import LocalPipeline
+from kvasir.wire import Boundary, SamplingParams
+from tests.ringutil import ring_generate
+
+PROMPT = "Write a short story about a ring of devices that pass hidden states to each other:"
+
+
+def whole_decode(model: Path, tokens: int, repeats: int, threads: int) -> list[float]:
+    out = []
+    with Stage.load(StageConfig(model, n_ctx=512, n_seq_max=1, n_threads=threads)) as stage:
+        pipe = LocalPipeline([stage])
+        prompt = stage.vocab.tokenize(PROMPT)
+        for r in range(repeats + 1):
+            res = pipe.generate(prompt, SamplingParams(temperature=0.0), tokens)
+            if r:
+                out.append(res.decode_ms_per_token)
+    return out
+
+
+def ring_decode(sock: Path, tokens: int, repeats: int) -> list[float]:
+    out = []
+    for r in range(repeats + 1):
+        t_first = t_last = 0.0
+        n = 0
+        with ControlClient(sock, timeout=300) as c:
+            for msg in c.generate(prompt=PROMPT, max_tokens=tokens, temperature=0.0):
+                if msg["type"] == "token" and msg["token"] >= 0:
+                    n += 1
+                    t_last = time.perf_counter()
+                    if n == 1:
+                        t_first = t_last
+        if r and n > 1:
+            out.append((t_last - t_first) * 1e3 / (n - 1))
+    return out
+
+
+async def hop_latency(n_embd: int, samples: int) -> tuple[list[float], int]:
+    """One-way latency of a decode boundary frame over a loopback TCP link (same clock at both ends)."""
+    lat: list[float] = []
+    frame = Boundary.from_array(
+        1, 100, np.random.default_rng(0).standard_normal((1, n_embd), dtype=np.float32), final=True, latest_token=5
+    )
+    size = len(frame.to_wire())
+    async with trio.open_nursery() as nursery:
+        got = trio.Event()
+        box: dict[str, StreamLink] = {}
+
+        async def handler(stream: trio.SocketStream) -> None:
+            link = StreamLink(stream, "rx")
+            box["rx"] = link
+            got.set()
+            await trio.sleep_forever()
+
+        listeners = await nursery.start(trio.serve_tcp, handler, 0, host="127.0.0.1")
+        port = listeners[0].socket.getsockname()[1]
+        tx = StreamLink(await trio.open_tcp_stream("127.0.0.1", port), "tx")
+        await got.wait()
+        rx = box["rx"]
+        for i in range(samples + 100):
+            t0 = time.perf_counter()
+            await tx.send(frame)
+            f = await rx.receive()
+            assert isinstance(f, Boundary)
+            f.to_array()
+            if i >= 100:
+                lat.append((time.perf_counter() - t0) * 1e6)
+        await tx.aclose()
+        nursery.cancel_scope.cancel()
+    return lat, size
+
+
+def concurrent_tps(sock: Path, n: int, tokens: int) -> float:
+    done = []
+
+    def one(i: int) -> None:
+        r = ring_generate(sock, f"{PROMPT} (variant {i})", tokens)
+        done.append(len(r["tokens"]))
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return sum(done) / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=None)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    args = ap.parse_args()
+    cache = default_cache_dir()
+    model = args.model or demo_model_path(cache)
+    info = describe(model)
+    console = Console()
+
+    t = Table(
+        title=f"{model.name}: decode, {args.threads} threads per process, {args.tokens} tokens, "
+        f"{args.repeats} repeats (median, min–max)"
+    )
+    for col in ("config", "decode ms/token", "spread", "ratio"):
+        t.add_column(col, justify="right")
+    base = whole_decode(model, args.tokens, args.repeats, args.threads)
+    mb = statistics.median(base)
+    t.add_row("whole model, 1 process", f"{mb:.2f}", f"{min(base):.2f}–{max(base):.2f}", "1.000x")
+    rings = {}
+    for n in (2, 3, 4):
+        ring = start_ring(model, even_splits(info.n_layer, n), cache, threads=args.threads, ctx=1024)
+        try:
+            ring.wait_ready()
+            d = ring_decode(ring.sockets[0], args.tokens, args.repeats)
+            md = statistics.median(d)
+            t.add_row(f"ring of {n} processes", f"{md:.2f}", f"{min(d):.2f}–{max(d):.2f}", f"{md / mb:.3f}x")
+            if n == 4:
+                rings[n] = {c: concurrent_tps(ring.sockets[0], c, args.tokens) for c in (1, 4, 8)}
+        finally:
+            ring.stop()
+    console.print(t)
+
+    lat, size = trio.run(hop_latency, 4096, 2000)
+    h = Table(title="one hop on loopback TCP: 4096-wide f32 decode boundary")
+    for col in ("p50 µs", "p99 µs", "mean µs", "bytes per token per hop"):
+        h.add_column(col, justify="right")
+    q = np.percentile(lat, [50, 99])
+    h.add_row(f"{q[0]:.1f}", f"{q[1]:.1f}", f"{statistics.mean(lat):.1f}", str(size))
+    console.print(h)
+
+    c = Table(title=f"4-process ring throughput ({args.tokens} tokens per request)")
+    c.add_column("concurrent requests", justify="right")
+    c.add_column("tokens/s", justify="right")
+    c.add_column("vs 1", justify="right")
+    for k, v in rings[4].items():
+        c.add_row(str(k), f"{v:.1f}", f"{v / rings[4][1]:.2f}x")
+    console.print(c)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,227 @@
+"""What the TUI knows about the node, built only from the control socket's messages (no Textual here).
+
+Everything is derived from the messages' contents, never from the wall clock: rates come from the difference of
+two status snapshots' counters over the difference of their ``uptime_s``, so a recorded stream replays to the same
+screen every time.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+#: How many samples the sparklines keep.
+HISTORY = 60
+#: Requests kept in the token stream view.
+MAX_REQUESTS = 12
+#: Characters of streamed text kept per request.
+MAX_TEXT = 4000
+#: Two snapshots closer than this (in node uptime) are not used for a rate: too noisy.
+MIN_RATE_DT = 0.5
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of layers on the coverage map: ``[start, end)`` held by ``holder`` (None: nobody holds it)."""
+
+    start: int
+    end: int
+    holder: str | None
+    reward: float | None = None
+
+
+def coverage_from_status(status: Mapping[str, Any]) -> list[Segment]:
+    """The ring's windows as segments covering ``0..layers``; layers no rank holds become ``holder=None``."""
+    n_layers = int(status.get("model", {}).get("layers", 0))
+    windows = sorted((int(r["layers"][0]), int(r["layers"][1]), f"rank {r['rank']}") for r in status.get("ranks", ()))
+    return fill_gaps(windows, n_layers)
+
+
+def fill_gaps(windows: Iterable[tuple[int, int, str | None]], n_layers: int) -> list[Segment]:
+    """Segments sorted by start, with the uncovered stretches of ``0..n_layers`` made explicit."""
+    out: list[Segment] = []
+    at = 0
+    for start, end, holder in sorted(windows, key=lambda w: (w[0], w[1])):
+        if start > at:
+            out.append(Segment(at, start, None))
+        out.append(Segment(start, end, holder))
+        at = max(at, end)
+    if at < n_layers:
+        out.append(Segment(at, n_layers, None))
+    return out
+
+
+def sanitize(text: str) -> str:
+    """Control characters (a tiny model emits them) as visible control pictures; newlines and tabs kept."""
+    if text.isprintable():
+        return text
+    out = []
+    for ch in text:
+        o = ord(ch)
+        if ch in "\n\t" or ch.isprintable():
+            out.append(ch)
+        elif o < 0x20:
+            out.append(chr(0x2400 + o))
+        elif o == 0x7F:
+            out.append("\u2421")
+        else:
+            out.append("\ufffd")
+    return "".join(out)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"  # pragma: no cover
+
+
+@dataclass
+class LinkView:
+    """One of this node's two links: its last state and the history of its rates."""
+
+    name: str
+    state: str = "unknown"
+    kind: str | None = None
+    peer: str | None = None
+    rtt_ms: float | None = None
+    frames_s: float = 0.0
+    bytes_s: float = 0.0
+    frames_hist: deque[float] = field(default_factory=lambda: deque(maxlen=HISTORY))
+    bytes_hist: deque[float] = field(default_factory=lambda: deque(maxlen=HISTORY))
+    rtt_hist: deque[float] = field(default_factory=lambda: deque(maxlen=HISTORY))
+
+    @property
+    def connected(self) -> bool:
+        return self.state.startswith("connected")
+
+
+@dataclass
+class RequestView:
+    request: int
+    text: str = ""
+    tokens: int = 0
+    state: str = "running"
+    reason: str | None = None
+    prompt_tokens: int | None = None
+    entry_rank: int | None = None
+
+    @property
+    def short_id(self) -> str:
+        return f"{self.request:016x}"[-6:]
+
+
+def _counters(link: Mapping[str, Any]) -> tuple[int, int]:
+    frames = int(link.get("frames_in", 0)) + int(link.get("frames_out", 0))
+    data = int(link.get("bytes_in", 0)) + int(link.get("bytes_out", 0))
+    return frames, data
+
+
+@dataclass
+class NodeModel:
+    """The node's state as the TUI shows it; fed with the ``watch`` stream's messages in order."""
+
+    status: dict[str, Any] | None = None
+    links: dict[str, LinkView] = field(
+        default_factory=lambda: {"predecessor": LinkView("predecessor"), "successor": LinkView("successor")}
+    )
+    requests: OrderedDict[int, RequestView] = field(default_factory=OrderedDict)
+    token_rate: float = 0.0
+    token_hist: deque[float] = field(default_factory=lambda: deque(maxlen=HISTORY))
+    events: int = 0
+    _sample: tuple[float, dict[str, tuple[int, int]], int] | None = None
+
+    def apply(self, msg: Mapping[str, Any]) -> None:
+        kind = msg.get("type")
+        if kind == "status" and isinstance(msg.get("status"), dict):
+            self.apply_status(msg["status"])
+        elif kind == "token":
+            self.events += 1
+            self._token(msg)
+        elif kind == "request":
+            self.events += 1
+            self._request(msg)
+
+    def apply_all(self, msgs: Iterable[Mapping[str, Any]]) -> None:
+        for m in msgs:
+            self.apply(m)
+
+    def apply_status(self, status: dict[str, Any]) -> None:
+        if self.status is not None and status.get("node_id") != self.status.get("node_id"):
+            self._sample = None  # another node (or a restart): counters start over
+        self.status = status
+        uptime = float(status.get("uptime_s", 0.0))
+        links = status.get("links", {})
+        for name, view in self.links.items():
+            link = links.get(name, {})
+            view.state = str(link.get("state", "unknown"))
+            view.kind = link.get("kind")
+            view.peer = link.get("peer")
+            rtt = link.get("rtt_ms")
+            view.rtt_ms = None if rtt is None else float(rtt)
+        counters = {name: _counters(links.get(name, {})) for name in self.links}
+        tokens = int(status.get("requests", {}).get("tokens", 0))
+        if self._sample is None or uptime < self._sample[0]:
+            self._sample = (uptime, counters, tokens)
+            return
+        t0, c0, tok0 = self._sample
+        dt = uptime - t0
+        if dt < MIN_RATE_DT:
+            return
+        for name, view in self.links.items():
+            f0, b0 = c0[name]
+            f1, b1 = counters[name]
+            # A counter that went down is a new link: count from zero.
+            view.frames_s = (f1 - f0 if f1 >= f0 else f1) / dt
+            view.bytes_s = (b1 - b0 if b1 >= b0 else b1) / dt
+            view.frames_hist.append(view.frames_s)
+            view.bytes_hist.append(view.bytes_s)
+            view.rtt_hist.append(view.rtt_ms or 0.0)
+        self.token_rate = (tokens - tok0 if tokens >= tok0 else tokens) / dt
+        self.token_hist.append(self.token_rate)
+        self._sample = (uptime, counters, tokens)
+
+    def _view(self, request: int) -> RequestView:
+        view = self.requests.get(request)
+        if view is None:
+            view = self.requests[request] = RequestView(request)
+            while len(self.requests) > MAX_REQUESTS:
+                self.requests.popitem(last=False)
+        return view
+
+    def _token(self, msg: Mapping[str, Any]) -> None:
+        view = self._view(int(msg.get("request", 0)))
+        view.tokens += 1
+        view.text = (view.text + str(msg.get("text", "")))[-MAX_TEXT:]
+
+    def _request(self, msg: Mapping[str, Any]) -> None:
+        view = self._view(int(msg.get("request", 0)))
+        if msg.get("state") == "start":
+            view.state = "running"
+            view.prompt_tokens = msg.get("prompt_tokens")
+            view.entry_rank = msg.get("entry_rank")
+        else:
+            view.state = "ended"
+            view.reason = msg.get("reason")
+
+    # ------------------------------------------------------------------------------------------ derived
+
+    @property
+    def rank(self) -> int | None:
+        return None if self.status is None else int(self.status["rank"])
+
+    @property
+    def window(self) -> tuple[int, int] | None:
+        if self.status is None:
+            return None
+        a, b = self.status["window"]
+        return int(a), int(b)
+
+    def coverage(self) -> list[Segment]:
+        return [] if self.status is None else coverage_from_status(self.status)
+
+    def ranks(self) -> Sequence[Mapping[str, Any]]:
+        return [] if self.status is None else list(self.status.get("ranks", ()))
