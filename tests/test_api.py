@@ -35,13 +35,15 @@ TIMEOUT = 10
 
 
 class FakeVocab:
-    """One token per whitespace-separated word (id = length of the word), plus BOS=1 with add_special."""
+    """One token per whitespace-separated word (id = length of the word + 2), plus BOS=1 with add_special."""
 
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
-        return ([1] if add_special else []) + [len(w) + 2 for w in text.split()]
+        words = [1 if parse_special and w == "<bos>" else len(w) + 2 for w in text.split()]
+        return ([1] if add_special else []) + words
 
     def chat_prompt(self, messages: Sequence[tuple[str, str]], template: str | None) -> str:
-        return "".join(f"<{role}> {content} " for role, content in messages) + "<assistant>"
+        bos = "<bos> " if template == "with-bos" else ""
+        return bos + "".join(f"<{role}> {content} " for role, content in messages) + "<assistant>"
 
 
 @attrs.define
@@ -53,9 +55,10 @@ class FakeStageConfig:
 class FakeStage:
     vocab: FakeVocab = attrs.field(factory=FakeVocab)
     config: FakeStageConfig = attrs.field(factory=FakeStageConfig)
+    template: str | None = None
 
     def chat_template(self) -> str | None:
-        return None
+        return self.template
 
 
 @attrs.frozen
@@ -320,10 +323,19 @@ async def test_chat_shape(nursery: trio.Nursery) -> None:
         assert choice["message"]["role"] == "assistant" and choice["message"]["content"] == "Hello, world!"
         assert choice["finish_reason"] == "stop" and choice["index"] == 0
         [c] = fake.calls
-        # "<system> be brief <user> hi there <assistant>" without BOS (add_special=False)
-        assert c.prompt == [10, 4, 7, 8, 4, 7, 13]
+        # BOS + "<system> be brief <user> hi there <assistant>"
+        assert c.prompt == [1, 10, 4, 7, 8, 4, 7, 13]
         assert c.max_tokens == 9  # max_completion_tokens wins
-        assert out["usage"] == {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}
+        assert out["usage"] == {"prompt_tokens": 8, "completion_tokens": 5, "total_tokens": 13}
+
+
+async def test_chat_prompt_gets_one_bos(nursery: trio.Nursery) -> None:
+    with trio.fail_after(TIMEOUT):
+        fake = FakeBackend(stage=FakeStage(template="with-bos"))  # a template whose text carries BOS itself
+        port = await start(nursery, fake)
+        reply = await call(port, "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+        assert reply.status == 200
+        assert fake.calls[0].prompt == [1, 8, 4, 13]
 
 
 async def test_chat_default_max_tokens_fills_the_context(nursery: trio.Nursery) -> None:
@@ -371,7 +383,7 @@ async def test_chat_stream_with_usage(nursery: trio.Nursery) -> None:
         assert chunks[4]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
         assert all(c["usage"] is None for c in chunks[:5])
         assert chunks[5]["choices"] == []
-        assert chunks[5]["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+        assert chunks[5]["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
 
 
 async def test_stream_error_is_an_sse_error_object(nursery: trio.Nursery) -> None:

@@ -99,3 +99,16 @@ def test_cancel_one_of_several(tiny_model: Callable[..., Path], cache_dir: Path)
         for sock in ring.sockets:
             with ControlClient(sock) as c:
                 assert c.status()["requests"]["in_flight"] == 0
+
+
+def test_bf16_boundaries_halve_the_bytes(tiny_model: Callable[..., Path], cache_dir: Path) -> None:
+    model = tiny_model("llama", "f32")
+    sent = {}
+    for dtype in ("f32", "bf16"):
+        with running_ring(model, [(0, 3), (3, 6)], cache_dir, extra_args=["--boundary-dtype", dtype]) as ring:
+            got = ring_generate(ring.sockets[0], PROMPTS[0], 8)
+            assert len(got["tokens"]) == 8 or got["reason"] == "eog"
+            with ControlClient(ring.sockets[0]) as c:
+                link = c.status()["links"]["successor"]
+            sent[dtype] = link["bytes_out"] / max(1, link["frames_out"])
+    assert sent["bf16"] < 0.75 * sent["f32"], sent

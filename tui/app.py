@@ -62,7 +62,7 @@ class KvasirTUI(App[None]):
         Binding("f2", "tab('ring')", "Ring", show=False),
         Binding("f3", "tab('tokens')", "Tokens", show=False),
         Binding("f4", "tab('chat')", "Chat", show=False),
-        Binding("f5", "settings", "Settings"),
+        Binding("f5", "settings", "Settings", key_display="F5"),
         Binding("escape", "stop", "Stop"),
         Binding("ctrl+l", "clear_chat", "Clear", show=False),
         Binding("ctrl+t", "toggle_theme", "Theme"),
@@ -99,6 +99,7 @@ class KvasirTUI(App[None]):
         self._answer_md: Markdown | None = None
         self._answer_meta: Static | None = None
         self._answers = 0
+        self.answer_done = False  # the last prompt's answer has ended (tests wait on this)
 
     # ------------------------------------------------------------------------------------------ layout
 
@@ -214,7 +215,11 @@ class KvasirTUI(App[None]):
         for name, view in m.links.items():
             self.query_one(f"#link-{name}", LinkRow).show(view)
         self.query_one(NodePanel).show(m)
+        pane = self.query_one("#tokens-pane", VerticalScroll)
+        at_end = pane.scroll_y >= pane.max_scroll_y - 1
         self.query_one(TokenStream).show(list(m.requests.values()))
+        if at_end:
+            pane.scroll_end(animate=False)
 
     # ------------------------------------------------------------------------------------------ chat
 
@@ -228,6 +233,7 @@ class KvasirTUI(App[None]):
             return
         event.input.value = ""
         self._busy = True
+        self.answer_done = False
         self.run_worker(self._generate(prompt), group="generate", exit_on_error=False)
 
     async def _generate(self, prompt: str) -> None:
@@ -270,11 +276,13 @@ class KvasirTUI(App[None]):
         if final is not None:
             self._answer = final
         self._flush_answer(final=True)
-        if self._answer_md is not None and self._answer_md.source != sanitize(self._answer):
+        if self._answer_md is not None:
+            # Re-render the whole answer once: appending fragments may leave seams in the Markdown layout.
             await self._answer_md.update(sanitize(self._answer))
         self._answer_meta.update(meta)
         self._update_chat_status()
         log.scroll_end(animate=False)
+        self.answer_done = True
 
     def _flush_answer(self, final: bool = False) -> None:
         md = self._answer_md

@@ -278,7 +278,7 @@ def render_requests(requests: Sequence[RequestView], width: int) -> Text:
         return t.append("no tokens have passed this node yet", style="dim")
     for k, req in enumerate(requests):
         mark = "●" if req.state == "running" else "○"
-        t.append(f"{mark} {req.short_id}", style="bold green" if req.state == "running" else "bold")
+        t.append(f"{mark} {req.short_id} ", style="bold green" if req.state == "running" else "bold")
         extra = f" · {req.tokens} tokens"
         if req.prompt_tokens is not None:
             extra += f" · prompt {req.prompt_tokens}"

@@ -183,7 +183,12 @@ class ApiServer:
 
             def render() -> list[int]:
                 text = vocab.chat_prompt(req.messages, template)
-                return vocab.tokenize(text, add_special=False, parse_special=True)
+                # llama.cpp's chat templates never emit BOS; add it as llama-server does (Gemma and Llama need it,
+                # without it Gemma 3 answers with blank lines), and drop a second one if the text carried its own.
+                tokens = vocab.tokenize(text, add_special=True, parse_special=True)
+                if len(tokens) >= 2 and tokens[0] == tokens[1] and tokens[:1] == vocab.tokenize("", add_special=True):
+                    del tokens[0]
+                return tokens
 
             return await trio.to_thread.run_sync(render)
         if isinstance(req.prompt, tuple):

@@ -18,6 +18,7 @@ from kvasir.ring.manifest import Manifest, load_manifest
 from kvasir.ring.node import Node, NodeConfig
 from kvasir.shard.cache import default_cache_dir, stage_files
 from kvasir.stage.engine import Stage, StageConfig
+from kvasir.wire import BoundaryDType
 
 log = logging.getLogger("kvasir.node")
 
@@ -42,6 +43,12 @@ def add_parser(sub: Any) -> None:
         default=None,
         metavar="URL",
         help="send both links through this relay (ws://host:port or wss://host:port)",
+    )
+    p.add_argument(
+        "--boundary-dtype",
+        choices=["f32", "f16", "bf16"],
+        default="f32",
+        help="encoding of the boundaries this node sends (f32 is bit-exact; default)",
     )
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(run=run)
@@ -78,7 +85,14 @@ async def serve_node(manifest: Manifest, rank: int, config: StageConfig, args: a
     stage = await trio.to_thread.run_sync(Stage.load, config)
     try:
         await trio.to_thread.run_sync(lambda: stage.vocab)  # load the tokenizer before serving
-        node = Node(NodeConfig(manifest, rank, prefill_chunk=args.prefill_chunk, relay=args.relay), stage)
+        node_config = NodeConfig(
+            manifest,
+            rank,
+            prefill_chunk=args.prefill_chunk,
+            relay=args.relay,
+            boundary_dtype=BoundaryDType[args.boundary_dtype.upper()],
+        )
+        node = Node(node_config, stage)
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with trio.open_nursery() as nursery:
                 await nursery.start(node.serve)

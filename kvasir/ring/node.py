@@ -34,6 +34,7 @@ from kvasir.stage.pipeline import find_stop
 from kvasir.stage.vocab import TextStream
 from kvasir.wire import (
     Boundary,
+    BoundaryDType,
     Cancel,
     End,
     EndReason,
@@ -46,6 +47,7 @@ from kvasir.wire import (
     Side,
     StartRequest,
     Token,
+    choose_dtype,
 )
 
 log = logging.getLogger("kvasir.node")
@@ -65,6 +67,8 @@ class NodeConfig:
     keepalive_interval: float = 1.0
     #: Send both links through this relay (``ws://`` or ``wss://``), whatever the manifest says.
     relay: str | None = None
+    #: Boundary encoding this node sends when its successor accepts it (f32 is bit-exact; f16/bf16 halve the bytes).
+    boundary_dtype: BoundaryDType = BoundaryDType.F32
 
 
 @attrs.define
@@ -105,6 +109,7 @@ class Node:
             window_end=me.end,
             n_layers=m.n_layers,
             n_embd=info.n_embd,
+            dtypes=frozenset(BoundaryDType),
         )
         self.edges = RingEdges.for_node(m, config.rank, config.relay)
         self._requests: dict[int, RequestState] = {}
@@ -302,6 +307,14 @@ class Node:
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             raise RingError("the successor link was lost") from None
 
+    def _boundary(self, request_id: int, pos: int, hidden: Any, *, final: bool, latest_token: int = -1) -> Boundary:
+        hello = self._succ_hello
+        dtype = choose_dtype(self.config.boundary_dtype, hello) if hello else BoundaryDType.F32
+        try:
+            return Boundary.from_array(request_id, pos, hidden, dtype=dtype, final=final, latest_token=latest_token)
+        except ProtocolError:  # a value beyond f16's range (gemma's BOS row reaches 8e4): send this one exact
+            return Boundary.from_array(request_id, pos, hidden, final=final, latest_token=latest_token)
+
     def _forwards(self, origin_rank: int) -> bool:
         """Whether a ring-circling frame from ``origin_rank`` goes on to our successor."""
         return (self.rank + 1) % self.manifest.size != origin_rank
@@ -387,7 +400,7 @@ class Node:
                 if hidden is None:
                     return
                 final = i + chunk >= len(prompt)
-                await self._send(Boundary.from_array(state.request_id, i, hidden, final=final))
+                await self._send(self._boundary(state.request_id, i, hidden, final=final))
         except KvasirError as exc:
             await self._originate_error(state, ErrorCode.STAGE_FAILED, str(exc))
 
@@ -410,7 +423,7 @@ class Node:
                 hidden = await self._compute(state, frame.first_position, hidden=frame.to_array())
                 if hidden is not None:
                     await self._send(
-                        Boundary.from_array(
+                        self._boundary(
                             frame.request_id,
                             frame.first_position,
                             hidden,
@@ -463,9 +476,7 @@ class Node:
             hidden = await self._compute(state, frame.position, tokens=[frame.token_id])
             if hidden is not None:
                 await self._send(
-                    Boundary.from_array(
-                        frame.request_id, frame.position, hidden, final=True, latest_token=frame.token_id
-                    )
+                    self._boundary(frame.request_id, frame.position, hidden, final=True, latest_token=frame.token_id)
                 )
         except KvasirError as exc:
             await self._originate_error(state, ErrorCode.STAGE_FAILED, str(exc))
