@@ -1,5 +1,5 @@
 """Kvasir's relay: lets ring neighbours that cannot accept connections (phones behind carrier NAT) link up
-through a WebSocket service both of them dial out to. See docs/relay.md for the protocol."""
+through a WebSocket service both of them dial out to. See docs/protocol.md § Relay edges for the protocol."""
 
 from relay.client import RelayLink, edge_url, open_relay_link
 from relay.codes import CloseCode

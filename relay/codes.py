@@ -1,4 +1,4 @@
-"""WebSocket close codes the relay sends (docs/relay.md lists them with their meaning)."""
+"""WebSocket close codes the relay sends (docs/protocol.md § Relay edges lists them with their meaning)."""
 
 from __future__ import annotations
 

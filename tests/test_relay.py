@@ -1,4 +1,4 @@
-"""Conformance tests for the relay (docs/relay.md) against a real relay on 127.0.0.1, port 0."""
+"""Conformance tests for the relay (docs/protocol.md § Relay edges) against a real relay on 127.0.0.1, port 0."""
 
 from __future__ import annotations
 

@@ -205,8 +205,9 @@ class HttpConnection:
         await self.send(h11.EndOfMessage())
 
     @property
-    def response_started(self) -> bool:
-        return self.h11.our_state is not h11.IDLE and self.h11.our_state is not h11.SEND_RESPONSE
+    def in_body(self) -> bool:
+        """A response's head is sent and its body is not finished (an SSE stream under way)."""
+        return self.h11.our_state is h11.SEND_BODY
 
     @property
     def can_respond(self) -> bool:

@@ -141,7 +141,7 @@ class ApiServer:
         try:
             if http.can_respond:
                 await http.send_json(err.status, err.body())
-            elif http.response_started and not http.peer_closed:
+            elif http.in_body and not http.peer_closed:
                 await http.send_sse(err.body())  # a stream already under way ends with an error object
                 await http.end_message()
         except ClientGone:

@@ -2,7 +2,7 @@
 
 Edge ``{ring}-e{k}`` joins rank k-1 (upstream end, role 0x01) to rank k (downstream end, role 0x02); ``ring`` is a
 short hash of the manifest's secret, so two rings of the same model never share an edge. Each end signs its own edge
-token with the manifest's secret (docs/relay.md).
+token with the manifest's secret (docs/protocol.md § Relay edges).
 """
 
 from __future__ import annotations
