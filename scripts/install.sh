@@ -20,3 +20,5 @@ if ! ls "$wheels"/llama_cpp_python-0.3.36-*.whl >/dev/null 2>&1; then
 fi
 "$py" -m pip install -q "$(ls "$wheels"/llama_cpp_python-0.3.36-*.whl | head -n 1)"
 "$py" -m pip install -q -e ".[${extras}]"
+# pyenv installs console scripts behind shims that exist only after a rehash.
+if command -v pyenv >/dev/null 2>&1; then pyenv rehash || true; fi
