@@ -12,8 +12,9 @@ stderr and exit code 2, and the protocols map them to documented error replies::
     ├── StageError                 llama.cpp refused or failed a stage operation
     │   └── ShapeError             hidden state of the wrong width or length
     ├── ProtocolError              a peer sent a malformed, oversized or wrong-version frame
-    └── RingError                  ring-level failure (neighbour mismatch, request failed, cancelled)
-        └── RequestCancelled
+    ├── RingError                  ring-level failure (neighbour mismatch, request failed, cancelled)
+    │   └── RequestCancelled
+    └── MarketError                the market refused a request (unknown window, lost claim race, lease gone)
 """
 
 from __future__ import annotations
@@ -61,3 +62,12 @@ class RingError(KvasirError):
 
 class RequestCancelled(RingError):
     """The request was cancelled by its client."""
+
+
+class MarketError(KvasirError):
+    """The market refused a request: ``status`` (404, 409, …) and a stable ``code`` (docs/protocol.md § Market API)."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code

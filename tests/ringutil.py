@@ -10,7 +10,7 @@ from typing import Any
 from kvasir.control.client import ControlClient
 from kvasir.ring.launcher import LocalRing, start_ring
 from kvasir.stage.engine import Stage, StageConfig
-from kvasir.stage.pipeline import LocalPipeline
+from kvasir.stage.pipeline import GenerationResult, LocalPipeline
 from kvasir.wire import SamplingParams
 
 
@@ -39,9 +39,13 @@ def ring_generate(sock: Path, prompt: str, max_tokens: int = 12, **params: Any) 
         return {"tokens": tokens, **end}
 
 
-def whole_model_tokens(model: Path, prompt: str, max_tokens: int = 12) -> list[int]:
-    """Greedy tokens of the whole model in one llama.cpp context (the reference)."""
+def whole_model(model: Path, prompt: str, max_tokens: int = 12) -> GenerationResult:
+    """Greedy generation of the whole model in one llama.cpp context (the reference)."""
     with Stage.load(StageConfig(model, n_ctx=512, n_seq_max=1, n_threads=2)) as stage:
         pipe = LocalPipeline([stage])
         prompt_tokens = stage.vocab.tokenize(prompt)
-        return pipe.generate(prompt_tokens, SamplingParams(temperature=0.0), max_tokens).tokens
+        return pipe.generate(prompt_tokens, SamplingParams(temperature=0.0), max_tokens)
+
+
+def whole_model_tokens(model: Path, prompt: str, max_tokens: int = 12) -> list[int]:
+    return whole_model(model, prompt, max_tokens).tokens

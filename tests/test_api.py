@@ -45,6 +45,10 @@ class FakeVocab:
         bos = "<bos> " if template == "with-bos" else ""
         return bos + "".join(f"<{role}> {content} " for role, content in messages) + "<assistant>"
 
+    def tokenize_chat(self, rendered: str) -> list[int]:
+        tokens = self.tokenize(rendered, add_special=True, parse_special=True)
+        return tokens[1:] if tokens[:2] == [1, 1] else tokens
+
 
 @attrs.define
 class FakeStageConfig:

@@ -78,7 +78,9 @@ class KvasirTUI(App[None]):
         interval: float = 1.0,
         dark: bool = True,
         clock: Callable[[], float] = time.monotonic,
+        pace: bool = True,
     ) -> None:
+        """``pace``: read status snapshots no faster than two per ``interval`` (off for replays)."""
         super().__init__()
         self.source = source
         self.sampling = sampling or Sampling()
@@ -91,6 +93,7 @@ class KvasirTUI(App[None]):
         self._busy = False
         self._dark = dark
         self._clock = clock
+        self._pace = pace
         self._pending: list[Message] = []
         self._dirty = True
         self._wake = asyncio.Event()
@@ -148,7 +151,7 @@ class KvasirTUI(App[None]):
                         self._dirty = True
                     self._queue(msg)
                     n += 1
-                    if msg.get("type") == "status":
+                    if self._pace and msg.get("type") == "status":
                         # A node that sends snapshots much faster than asked gets read more slowly (TCP holds it).
                         now = self._clock()
                         gap = self.interval / 2 - (now - last_status)

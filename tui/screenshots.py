@@ -21,7 +21,7 @@ SCREENS = ("ring", "tokens", "chat", "help", "settings")
 
 
 def replay_app(session: Path = SESSION) -> KvasirTUI:
-    return KvasirTUI(ReplaySource.from_file(session))
+    return KvasirTUI(ReplaySource.from_file(session), pace=False)
 
 
 async def show(pilot: Pilot[None], screen: str) -> None:

@@ -21,6 +21,8 @@ class ApiVocab(Protocol):
 
     def chat_prompt(self, messages: Sequence[tuple[str, str]], template: str | None) -> str: ...
 
+    def tokenize_chat(self, rendered: str) -> list[int]: ...
+
 
 class ApiStageConfig(Protocol):
     @property

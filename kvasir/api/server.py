@@ -19,7 +19,6 @@ import h11
 import trio
 
 from kvasir.api.backend import ApiBackend
-from kvasir.api.http import ApiLimits, ClientGone, HttpConnection, HttpRequest, RequestTimeout, RequestTooLarge
 from kvasir.api.schema import (
     FINISH_REASONS,
     ApiError,
@@ -35,6 +34,7 @@ from kvasir.api.schema import (
     usage_chunk,
 )
 from kvasir.errors import InputError, KvasirError, ProtocolError, RingError
+from kvasir.httpserve import ApiLimits, ClientGone, HttpConnection, HttpRequest, RequestTimeout, RequestTooLarge
 from kvasir.ring.requests import ClientEvent, EndEvent, TokenEvent
 
 log = logging.getLogger("kvasir.api")
@@ -182,13 +182,7 @@ class ApiServer:
             template = stage.chat_template()
 
             def render() -> list[int]:
-                text = vocab.chat_prompt(req.messages, template)
-                # llama.cpp's chat templates never emit BOS; add it as llama-server does (Gemma and Llama need it,
-                # without it Gemma 3 answers with blank lines), and drop a second one if the text carried its own.
-                tokens = vocab.tokenize(text, add_special=True, parse_special=True)
-                if len(tokens) >= 2 and tokens[0] == tokens[1] and tokens[:1] == vocab.tokenize("", add_special=True):
-                    del tokens[0]
-                return tokens
+                return vocab.tokenize_chat(vocab.chat_prompt(req.messages, template))
 
             return await trio.to_thread.run_sync(render)
         if isinstance(req.prompt, tuple):

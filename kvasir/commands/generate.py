@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
         vocab = stages[0].vocab
         if args.chat:
             text = vocab.chat_prompt([("user", args.prompt)], stages[0].chat_template())
-            prompt = vocab.tokenize(text, add_special=False, parse_special=True)
+            prompt = vocab.tokenize_chat(text)
         else:
             prompt = vocab.tokenize(args.prompt, add_special=True, parse_special=False)
 

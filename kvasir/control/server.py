@@ -129,7 +129,7 @@ def prompt_tokens(node: Node, text: str, chat: bool) -> list[int]:
     vocab = node.stage.vocab
     if chat:
         rendered = vocab.chat_prompt([("user", text)], node.stage.chat_template())
-        return vocab.tokenize(rendered, add_special=False, parse_special=True)
+        return vocab.tokenize_chat(rendered)
     return vocab.tokenize(text, add_special=True, parse_special=False)
 
 

@@ -16,7 +16,7 @@ import functools
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -576,15 +576,18 @@ class Node:
             raise InputError("empty prompt")
         if max_tokens < 1:
             raise InputError("max_tokens must be at least 1")
-        start = StartRequest(
-            request_id=secrets.randbits(63) | 1,
-            prompt=tuple(prompt),
-            max_tokens=max_tokens,
-            entry_rank=self.rank,
-            entry_node_id=self.config.node_id,
-            sampling=params,
-            stop=tuple(stop),
-        )
+        try:
+            start = StartRequest(
+                request_id=secrets.randbits(63) | 1,
+                prompt=tuple(prompt),
+                max_tokens=max_tokens,
+                entry_rank=self.rank,
+                entry_node_id=self.config.node_id,
+                sampling=params,
+                stop=tuple(stop),
+            )
+        except ProtocolError as exc:  # beyond a wire limit (prompt length, stop strings…): the client's input
+            raise InputError(str(exc).replace("START frame: ", "")) from None
         entry = EntryStream(TextStream(self.stage.vocab), stop, max_tokens)
         async with self._admission:
             state = self._register(start, entry)
@@ -612,7 +615,7 @@ class Node:
         except RingError as exc:
             log.warning("rank %d: cancel of %x not sent: %s", self.rank, request_id, exc)
 
-    async def events(self, handle: RequestHandle) -> AsyncIterator[ClientEvent]:
+    async def events(self, handle: RequestHandle) -> AsyncGenerator[ClientEvent, None]:
         """The request's events; a ring that makes no progress for ``stall_timeout`` ends it with an error."""
         while True:
             with trio.move_on_after(self.config.stall_timeout) as scope:

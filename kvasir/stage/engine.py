@@ -320,7 +320,7 @@ class Stage:
         return np.ctypeslib.as_array(ptr, shape=(self.info.n_vocab,)).copy()
 
     def new_sampler(self, params: SamplingParams) -> Sampler:
-        return Sampler(params, self.config.n_ctx)
+        return Sampler(params, self.info.n_vocab, self.config.n_ctx)
 
     def sample(self, sampler: Sampler) -> int:
         if not self.info.last:

@@ -15,7 +15,7 @@ RANDOM_SEED = 0xFFFFFFFF
 class Sampler:
     """One request's llama.cpp sampler chain (it keeps the penalty history, so one per request)."""
 
-    def __init__(self, params: SamplingParams, n_ctx: int) -> None:
+    def __init__(self, params: SamplingParams, n_vocab: int, n_ctx: int) -> None:
         L = runtime().llama
         self._L = L
         self.params = params
@@ -24,7 +24,11 @@ class Sampler:
             L.llama_sampler_chain_add(
                 chain,
                 L.llama_sampler_init_penalties(
-                    n_ctx if params.repeat_last_n < 0 else params.repeat_last_n, params.repeat_penalty, 0.0, 0.0
+                    n_vocab,
+                    n_ctx if params.repeat_last_n < 0 else params.repeat_last_n,
+                    params.repeat_penalty,
+                    0.0,
+                    0.0,
                 ),
             )
         if params.greedy:

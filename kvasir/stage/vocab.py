@@ -72,6 +72,21 @@ class Vocab:
             raise InputError("prompt could not be tokenized")
         return list(buf[:n])
 
+    def tokenize_chat(self, rendered: str) -> list[int]:
+        """Tokens of a rendered chat template: special tokens parsed, BOS added once.
+
+        llama.cpp's built-in templates never emit BOS; without it Gemma 3 answers with blank lines. A template that
+        already starts with the BOS text must not get a second one (llama-server does the same).
+        """
+        tokens = self.tokenize(rendered, add_special=True, parse_special=True)
+        if len(tokens) >= 2 and tokens[0] == tokens[1] and tokens[0] == self.bos:
+            tokens = tokens[1:]
+        return tokens
+
+    @property
+    def bos(self) -> int:
+        return int(self._L.llama_vocab_bos(self._vocab))
+
     def piece(self, token: int) -> bytes:
         """The bytes a token contributes to the text (special tokens render as nothing)."""
         cached = self._pieces.get(token)

@@ -1,13 +1,17 @@
-"""A small HTTP/1.1 server connection on a trio stream with h11: keep-alive, bounded reads, timeouts, SSE.
+"""A small HTTP/1.1 server on trio with h11: keep-alive, bounded reads, timeouts, SSE.
 
 Every read and write is bounded in size or time, so one slow or hostile client costs one task and one socket,
-never the server.
+never the server. :class:`HttpConnection` is one connection (the OpenAI API drives it itself); :func:`serve_http`
+runs a plain request → response service on it (the market, the model seeder), with errors as JSON
+``{"error": {"code": ..., "message": ...}}``.
 """
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Iterable
+import logging
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import attrs
@@ -15,6 +19,8 @@ import h11
 import trio
 
 RECEIVE_BYTES = 64 * 1024
+
+log = logging.getLogger("kvasir.http")
 
 
 @attrs.frozen
@@ -249,3 +255,94 @@ def _common_headers(close: bool) -> list[tuple[str, str]]:
     if close:
         hdrs.append(("connection", "close"))
     return hdrs
+
+
+# ---------------------------------------------------------------------------------------------- plain services
+
+
+class HttpError(Exception):
+    """An error reply: ``status`` and the JSON body ``{"error": {"code": code, "message": message}}``."""
+
+    def __init__(self, status: int, code: str, message: str, headers: Iterable[tuple[str, str]] = ()) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.headers = tuple(headers)
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"code": self.code, "message": self.message}}
+
+
+Handler = Callable[[HttpConnection, HttpRequest], Awaitable[None]]
+
+
+async def serve_http(
+    handler: Handler,
+    host: str,
+    port: int,
+    *,
+    limits: ApiLimits | None = None,
+    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``handler`` on ``host:port`` (0: any free port) until cancelled; ``started(bound_port)``.
+
+    The handler answers one request on the connection (it may raise :class:`HttpError`); malformed, oversized or
+    slow requests are answered here, and any other exception becomes a 500 without taking the server down.
+    """
+    limits = limits or ApiLimits()
+    listeners = await trio.open_tcp_listeners(port, host=host)
+    bound = int(listeners[0].socket.getsockname()[1])
+    state = {"connections": 0}
+    serve = functools.partial(_serve_connection, handler, limits, state)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(functools.partial(trio.serve_listeners, serve, listeners, handler_nursery=nursery))
+        task_status.started(bound)
+
+
+async def _serve_connection(
+    handler: Handler, limits: ApiLimits, state: dict[str, int], stream: trio.abc.Stream
+) -> None:
+    http = HttpConnection(stream, limits)
+    state["connections"] += 1
+    try:
+        if state["connections"] > limits.max_connections:
+            await _send_error(http, HttpError(503, "overloaded", "too many connections"), close=True)
+            return
+        while True:
+            try:
+                request = await http.read_request()
+            except h11.RemoteProtocolError as exc:
+                await _send_error(http, HttpError(exc.error_status_hint, "bad_request", f"malformed HTTP: {exc}"), True)
+                return
+            except RequestTooLarge as exc:
+                await _send_error(http, HttpError(413, "request_too_large", str(exc)), close=True)
+                return
+            except RequestTimeout as exc:
+                await _send_error(http, HttpError(408, "request_timeout", str(exc)), close=True)
+                return
+            if request is None:
+                return
+            try:
+                await handler(http, request)
+            except HttpError as err:
+                await _send_error(http, err)
+            except ClientGone:
+                raise
+            except Exception:
+                log.exception("%s %s failed", request.method, request.path)
+                await _send_error(http, HttpError(500, "internal", "internal server error"), close=True)
+            if not http.next_cycle():
+                return
+    except ClientGone:
+        pass
+    except Exception:
+        log.exception("HTTP connection failed")
+    finally:
+        state["connections"] -= 1
+        await http.close()
+
+
+async def _send_error(http: HttpConnection, err: HttpError, close: bool = False) -> None:
+    if http.can_respond:
+        await http.send_json(err.status, err.body(), err.headers, close=close)

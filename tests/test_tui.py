@@ -1,0 +1,234 @@
+"""The TUI (``tui/``): its model, reconnecting, a flood of events, and a Pilot run against a live ring.
+
+Textual runs on asyncio while the project's tests run on trio (``trio_mode``): these tests are plain synchronous
+functions that call ``asyncio.run`` around ``app.run_test()``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from textual.widgets import Markdown
+
+from tests.ringutil import ring_generate, running_ring
+from tui.app import KvasirTUI
+from tui.model import NodeModel, Segment, fill_gaps, sanitize
+from tui.screens import Sampling, parse_sampling
+from tui.source import Message, ReplaySource, SocketSource
+from tui.widgets import CoverageMap, RingView, render_coverage
+
+SESSION = Path(__file__).parent / "data" / "tui_session.jsonl"
+PROMPT = "Tell me about the ring"
+
+
+async def wait_until(cond: Callable[[], bool], limit: float = 60.0, step: float = 0.05) -> None:
+    deadline = time.monotonic() + limit
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(step)
+
+
+def _status(uptime: float, frames: int, tokens: int = 0, node_id: str = "n1") -> dict[str, Any]:
+    link = {"state": "connected", "kind": "direct", "frames_in": frames, "frames_out": 0, "bytes_in": frames * 100}
+    return {
+        "node_id": node_id,
+        "rank": 0,
+        "ring_size": 2,
+        "model": {"name": "m", "layers": 8},
+        "window": [0, 4],
+        "uptime_s": uptime,
+        "ranks": [{"rank": 0, "layers": [0, 4]}, {"rank": 1, "layers": [4, 6]}],
+        "links": {"predecessor": link, "successor": {**link, "rtt_ms": 2.5}},
+        "requests": {"tokens": tokens},
+    }
+
+
+def test_coverage_marks_uncovered_layers() -> None:
+    model = NodeModel()
+    model.apply({"type": "status", "status": _status(1.0, 0)})
+    assert model.coverage() == [Segment(0, 4, "rank 0"), Segment(4, 6, "rank 1"), Segment(6, 8, None)]
+    assert fill_gaps([(2, 3, "a")], 4) == [Segment(0, 2, None), Segment(2, 3, "a"), Segment(3, 4, None)]
+    text = render_coverage(model.coverage(), 8, 40, (0, 4), "rank 0").plain
+    assert "6:8 uncovered" in text and "rank 0 0:4 (this node)" in text and "░" in text.splitlines()[0]
+
+
+def test_rates_from_successive_snapshots() -> None:
+    model = NodeModel()
+    for k, (uptime, frames, tokens) in enumerate([(1.0, 0, 0), (1.2, 5, 1), (2.0, 20, 10), (3.0, 5, 12)]):
+        model.apply({"type": "status", "status": _status(uptime, frames, tokens)})
+        if k == 1:
+            assert not model.links["predecessor"].frames_hist  # too close to the last sample for a rate
+    pred = model.links["predecessor"]
+    assert list(pred.frames_hist) == [20.0, 5.0]  # the counter went down: a new link, counted from zero
+    assert pred.bytes_s == 500.0 and model.links["successor"].rtt_ms == 2.5
+    assert model.token_rate == 2.0
+
+
+def test_token_events_and_sanitize() -> None:
+    model = NodeModel()
+    model.apply_all(
+        [
+            {"type": "request", "state": "start", "request": 7, "prompt_tokens": 3, "entry_rank": 1},
+            {"type": "token", "request": 7, "index": 0, "token": 5, "text": "Hi"},
+            {"type": "token", "request": 7, "index": 1, "token": 6, "text": " \x02there"},
+            {"type": "request", "state": "end", "request": 7, "reason": "eog"},
+        ]
+    )
+    req = model.requests[7]
+    assert (req.text, req.tokens, req.state, req.reason) == ("Hi \x02there", 2, "ended", "eog")
+    assert sanitize(req.text) == "Hi \u2402there"
+
+
+def test_sampling_form_parsing() -> None:
+    s = parse_sampling({"temperature": "0.7", "top_k": "20", "top_p": "0.9", "max_tokens": "32", "seed": ""}, True)
+    assert s == Sampling(0.7, 20, 0.9, 32, None, True)
+    assert s.request("hi") == {
+        "temperature": 0.7,
+        "top_k": 20,
+        "top_p": 0.9,
+        "max_tokens": 32,
+        "chat": True,
+        "prompt": "hi",
+    }
+    with pytest.raises(ValueError, match="top_p"):
+        parse_sampling({"temperature": "0", "top_k": "1", "top_p": "2", "max_tokens": "1"}, True)
+
+
+def test_replay_then_chat_and_cancel() -> None:
+    async def main() -> None:
+        source = ReplaySource.from_file(SESSION)
+        app = KvasirTUI(source, pace=False)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await source.replayed.wait()
+            await wait_until(lambda: app.model.status is not None)
+            assert app.model.window == (6, 12)
+            assert app.query_one(CoverageMap).mine == (6, 12)
+            await pilot.press("f4")
+            await pilot.press("h", "i", "enter")
+            await wait_until(lambda: app.answer_done)
+            assert source.requests[-1]["prompt"] == "hi"
+            assert app.answer_text.startswith("A **ring** of nodes")
+            await pilot.press("ctrl+t")
+            assert app.theme == "textual-light"
+            await pilot.press("f5")
+            await pilot.pause()
+            await pilot.press("escape")
+            await pilot.press("f1")
+            await pilot.pause()
+            await pilot.press("escape")
+            await pilot.pause()
+            app.generating = 42
+            await pilot.press("escape")  # Esc stops the answer being generated
+            await wait_until(lambda: source.cancelled == [42])
+
+    asyncio.run(main())
+
+
+class FloodSource(ReplaySource):
+    """A node that sends events far faster than anyone could read them."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__([])
+        self.n = n
+
+    async def watch(self, interval: float) -> AsyncIterator[Message]:
+        yield {"type": "status", "status": _status(1.0, 0)}
+        for i in range(self.n):
+            yield {"type": "token", "request": 1 + i % 3, "index": i, "token": i, "text": "x"}
+        self.replayed.set()
+        await asyncio.Event().wait()
+
+
+def test_event_flood_does_not_freeze() -> None:
+    async def main() -> None:
+        source = FloodSource(100_000)
+        app = KvasirTUI(source, pace=False)
+        ticks = 0
+
+        def tick() -> None:
+            nonlocal ticks
+            ticks += 1
+
+        async with app.run_test(size=(80, 24)):
+            app.set_interval(0.02, tick)
+            await source.replayed.wait()
+            await wait_until(lambda: not app._pending, limit=30)
+            assert ticks > 0  # the UI's timers kept running while the flood was read
+            assert app.model.events + app.dropped == 100_000
+
+    asyncio.run(main())
+
+
+def test_disconnected_then_reconnects() -> None:
+    status = {"type": "status", "status": _status(1.0, 0)}
+
+    writers: list[asyncio.StreamWriter] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
+        await reader.readline()
+        writer.write(json.dumps(status).encode() + b"\n")
+        await writer.drain()
+        with contextlib.suppress(ConnectionError):
+            await reader.read()
+
+    async def main() -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            sock = Path(tmp) / "node.sock"
+            app = KvasirTUI(SocketSource(sock))
+            server: asyncio.Server | None = None
+            async with app.run_test(size=(80, 24)):
+                await wait_until(lambda: "disconnected" in app.conn_note, limit=10)
+                server = await asyncio.start_unix_server(serve, str(sock))
+                await wait_until(lambda: app.connected and app.model.status is not None, limit=10)
+                await asyncio.sleep(0.2)
+                assert "connected" in str(app.query_one("#conn").render())
+            for w in writers:
+                w.close()
+                with contextlib.suppress(ConnectionError):
+                    await w.wait_closed()
+            assert server is not None
+            server.close()
+            await server.wait_closed()
+
+    asyncio.run(main())
+
+
+@pytest.mark.slow
+def test_live_ring(tiny_model: Callable[..., Path], cache_dir: Path) -> None:
+    """Against a real two-node ring: the ring and this node's window show, a chat prompt streams its answer."""
+    with running_ring(tiny_model("llama", "f32"), [(0, 3), (3, 6)], cache_dir) as ring:
+        sock = ring.sockets[1]
+        expected = ring_generate(sock, PROMPT, max_tokens=12, temperature=0.0, chat=True)["text"]
+        assert expected
+
+        async def main() -> None:
+            app = KvasirTUI(SocketSource(sock), sampling=Sampling(temperature=0.0, max_tokens=12))
+            async with app.run_test(size=(100, 30)) as pilot:
+                await wait_until(lambda: app.connected and app.model.status is not None)
+                await pilot.pause(0.3)
+                assert app.model.window == (3, 6)
+                cover = app.query_one(CoverageMap)
+                assert (cover.mine, cover.n_layers) == ((3, 6), 6)
+                assert [s.holder for s in cover.segments] == ["rank 0", "rank 1"]
+                ring_view = app.query_one(RingView)
+                assert [r["rank"] for r in ring_view.ranks] == [0, 1] and ring_view.me == 1
+                assert "◆you" in str(ring_view.render())
+                await pilot.press("f4")
+                app.query_one("#prompt").value = PROMPT  # type: ignore[attr-defined]
+                await pilot.press("enter")
+                await wait_until(lambda: app.answer_done)
+                assert app.answer_text == expected
+                md = app.query(Markdown).last()
+                assert md.source == sanitize(expected)
+
+        asyncio.run(main())
