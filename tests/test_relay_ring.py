@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -118,3 +119,40 @@ def test_phone_behind_carrier_nat_as_middle_stage(
             ring.stop()
             for f in logs:
                 f.close()
+
+
+def test_links_redial_when_the_relay_restarts(tiny_model: Callable[..., Path], cache_dir: Path) -> None:
+    model = tiny_model("qwen3", "f32")
+    want = whole_model_tokens(model, PROMPT, 8)
+    with running_ring(model, [(0, 3), (3, 6)], cache_dir, relay=True) as ring:
+        assert ring_generate(ring.sockets[0], PROMPT, 8)["tokens"] == want
+        assert ring.relay is not None and ring.relay_url is not None
+        ring.relay.kill()
+        ring.relay.wait()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:  # both nodes notice their relayed links are gone
+            states = []
+            for sock in ring.sockets:
+                with ControlClient(sock) as c:
+                    states.append(c.status()["ready"])
+            if not any(states):
+                break
+            time.sleep(0.1)
+        assert not any(states)
+        host, port = ring.relay_url.removeprefix("ws://").rsplit(":", 1)
+        ring.relay = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kvasir",
+                "relay",
+                "--listen",
+                f"{host}:{port}",
+                "--secret-hex",
+                ring.manifest.secret or "",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        ring.wait_ready(timeout=60)
+        assert ring_generate(ring.sockets[1], PROMPT, 8)["tokens"] == want

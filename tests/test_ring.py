@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import signal
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -9,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvasir.control.client import ControlClient
+from tests.conftest import run_cli
 from tests.ringutil import ring_generate, running_ring, whole_model_tokens
 
 PROMPTS = [
@@ -112,3 +115,34 @@ def test_bf16_boundaries_halve_the_bytes(tiny_model: Callable[..., Path], cache_
                 link = c.status()["links"]["successor"]
             sent[dtype] = link["bytes_out"] / max(1, link["frames_out"])
     assert sent["bf16"] < 0.75 * sent["f32"], sent
+
+
+def test_stop_strings_and_status_cli(tiny_model: Callable[..., Path], cache_dir: Path) -> None:
+    model = tiny_model("llama", "f32")
+    full = ring_free = None
+    with running_ring(model, [(0, 3), (3, 6)], cache_dir) as ring:
+        full = ring_generate(ring.sockets[0], PROMPTS[0], 16)
+        text = full["text"]
+        assert isinstance(text, str) and len(text) > 4
+        stop = text[len(text) // 2 : len(text) // 2 + 2]
+        cut = ring_generate(ring.sockets[1], PROMPTS[0], 16, stop=[stop])
+        assert cut["reason"] == "stop" and cut["text"] == text[: text.index(stop)]
+        r = run_cli("status", "--socket", str(ring.sockets[1]), "--json")
+        assert r.returncode == 0, r.stderr
+        st = json.loads(r.stdout)
+        assert st["rank"] == 1 and st["ready"] and st["window"] == [3, 6]
+        assert st["links"]["successor"]["frames_out"] > 0 and st["contribution"]["tokens"] > 0
+        ring_free = st["requests"]["free_sequences"]
+    assert ring_free == 8
+
+
+def test_sigterm_gives_in_flight_requests_an_error_reply(tiny_model: Callable[..., Path], cache_dir: Path) -> None:
+    model = tiny_model("llama", "f32")
+    with running_ring(model, [(0, 2), (2, 4), (4, 6)], cache_dir) as ring, ControlClient(ring.sockets[0], 60) as c:
+        stream = c.generate(prompt=PROMPTS[0], max_tokens=400)
+        assert next(stream)["type"] == "accepted"
+        assert next(stream)["type"] == "token"
+        ring.processes[1].send_signal(signal.SIGTERM)
+        end = next(m for m in stream if m["type"] == "end")
+        assert end["reason"] == "error" and "shutting down" in end["error"]
+        assert ring.processes[1].wait(timeout=20) == 0

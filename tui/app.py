@@ -18,6 +18,7 @@ from textual import on
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding, BindingType
 from textual.containers import Vertical, VerticalScroll
+from textual.css.query import NoMatches
 from textual.screen import Screen
 from textual.widgets import Footer, Input, Markdown, Static, TabbedContent, TabPane
 
@@ -194,7 +195,10 @@ class KvasirTUI(App[None]):
         if not self._dirty:
             return
         self._dirty = False
-        self._redraw()
+        try:
+            self._redraw()
+        except NoMatches:  # the app is closing: its widgets are gone
+            return
 
     def _redraw(self) -> None:
         m = self.model
@@ -289,13 +293,13 @@ class KvasirTUI(App[None]):
 
     def _flush_answer(self, final: bool = False) -> None:
         md = self._answer_md
-        if md is None or self._answer_shown >= len(self._answer):
+        if md is None or not md.is_attached or self._answer_shown >= len(self._answer):
             return
         delta = self._answer[self._answer_shown :]
         self._answer_shown = len(self._answer)
         md.append(sanitize(delta))
-        if not final:
-            self.query_one(ChatLog).scroll_end(animate=False)
+        if not final and isinstance(md.parent, ChatLog):
+            md.parent.scroll_end(animate=False)
 
     @property
     def answer_text(self) -> str:

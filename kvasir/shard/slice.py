@@ -223,11 +223,33 @@ def atomic_output(out: Path) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
 
 
+def _layout(gg: GGUFFile, info: ModelInfo, start: int, end: int) -> StageLayout:
+    small = {k: gg.get(k) for k, kv in gg.kvs.items() if k.startswith(f"{info.arch}.") and kv.value is not None}
+    return plan_layout(info, small, start, end)
+
+
+def window_ranges(gg: GGUFFile, start: int, end: int) -> list[tuple[int, int]]:
+    """The source byte ranges ``(offset, length)`` the stage file of [start, end) copies (pure: header in, ranges
+    out), sorted with touching ranges merged. With the header, these are all of the source a slice reads."""
+    info = describe(gg.path, gg)
+    tensors, embedding = _stage_tensors(gg, info, _layout(gg, info, start, end))
+    spans = sorted({(t.offset, t.nbytes) for t in tensors if t.path is not None and t.nbytes})
+    if embedding is not None:
+        spans = sorted({*spans, (embedding.offset, embedding.nbytes)})
+    merged: list[tuple[int, int]] = []
+    for off, n in spans:
+        if merged and off <= merged[-1][0] + merged[-1][1]:
+            last_off, last_n = merged[-1]
+            merged[-1] = (last_off, max(last_n, off + n - last_off))
+        else:
+            merged.append((off, n))
+    return merged
+
+
 def slice_model(src: Path, start: int, end: int, out: Path, *, source_sha256: str | None = None) -> SliceResult:
     gg = read_gguf(src)
     info = describe(src, gg)
-    small = {k: gg.get(k) for k, kv in gg.kvs.items() if k.startswith(f"{info.arch}.") and kv.value is not None}
-    layout = plan_layout(info, small, start, end)
+    layout = _layout(gg, info, start, end)
     kvs = _edited_metadata(gg, info, layout, source_sha256)
     tensors, embedding = _stage_tensors(gg, info, layout)
     if embedding is not None:
