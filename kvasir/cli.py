@@ -24,6 +24,8 @@ _COMMAND_MODULES = (
     "kvasir.commands.status",
     "kvasir.commands.plan",
     "kvasir.commands.tui",
+    "kvasir.commands.market",
+    "kvasir.commands.fetch",
     "relay.cli",
 )
 

@@ -12,7 +12,6 @@ import functools
 import json
 import logging
 import os
-import time
 from pathlib import Path
 from typing import Any
 
@@ -115,14 +114,14 @@ async def _watch(node: Node, lines: _Lines, interval: float) -> None:
     interval = min(max(interval, 0.1), 10.0)
     async with node.hub.subscribe() as events:
         await lines.write({"type": "status", "status": node.status()})
-        next_status = time.monotonic() + interval
+        next_status = trio.current_time() + interval
         while True:
             with trio.move_on_at(next_status):
                 event = await events.receive()
                 await lines.write(event)
                 continue
             await lines.write({"type": "status", "status": node.status()})
-            next_status = time.monotonic() + interval
+            next_status = trio.current_time() + interval
 
 
 def prompt_tokens(node: Node, text: str, chat: bool) -> list[int]:

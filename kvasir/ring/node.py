@@ -151,6 +151,19 @@ class Node:
     def ready(self) -> bool:
         return self._succ is not None and self._pred is not None
 
+    def update_manifest(self, manifest: Manifest) -> None:
+        """Take a newer manifest of the same ring (a self-enrolled node rebuilds it from the market's coverage map).
+
+        Ranks and windows stay; addresses may change. When the successor's address changes, its link is closed so
+        the dial loop reaches the new holder.
+        """
+        if manifest.size != self.manifest.size or manifest.model_sha256 != self.manifest.model_sha256:
+            raise InputError("a manifest update must keep the ring's model and size")
+        old = self.manifest.successor(self.rank)
+        self.manifest = manifest
+        if manifest.successor(self.rank).address != old.address and self._succ is not None and self._nursery:
+            self._nursery.start_soon(self._succ.aclose)
+
     async def shutdown(self) -> None:
         """Fail every in-flight request with an error reply (not silence), then let the owner cancel us."""
         for state in list(self._requests.values()):
@@ -230,6 +243,8 @@ class Node:
             async with self.edges.open_relay(self.edges.edge_out, upstream=True) as link:
                 yield link
             return
+        if target.port == 0:
+            raise RingError(f"waiting for rank {target.rank} (no address yet)")
         try:
             stream = await trio.open_tcp_stream(target.host, target.port)
         except OSError as exc:
@@ -242,9 +257,9 @@ class Node:
 
     async def _keep_successor(self) -> None:
         backoff = 0.05
-        target = self.manifest.successor(self.rank)
-        via = f"relay edge {self.edges.edge_out}" if self.edges.successor_relayed else target.address
         while True:
+            target = self.manifest.successor(self.rank)  # re-read: the manifest may have been updated
+            via = f"relay edge {self.edges.edge_out}" if self.edges.successor_relayed else target.address
             self.successor_state = f"dialing rank {target.rank} via {via}"
             try:
                 async with self._open_successor() as link:

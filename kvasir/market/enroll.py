@@ -1,0 +1,411 @@
+"""Self-enrollment: an empty node claims a window from the market, downloads only it, joins the ring and earns.
+
+One :class:`Enrollment` owns one nursery (``run``). The loop:
+
+1. poll the coverage map; :func:`~kvasir.market.choice.choose_window` picks the best reward per byte among
+   uncovered windows that fit the memory budget (ties: a seeded random draw);
+2. claim it (state ``fetching``, a lease); a lost race (409) means choose again. Claiming *before* the download
+   means two nodes never download the same window at once, and a node that dies mid-download loses the window
+   when its lease runs out;
+3. download the window's stage (HTTP Range, verified against the market's window hash), load it, start the
+   :class:`~kvasir.ring.node.Node` and renew the lease as ``serving`` with its link endpoint;
+4. while serving: renew the lease every third of its time, follow the coverage map (the node's manifest is
+   rebuilt from it, so a replacement neighbour is dialled at its new address), report demand and credit the
+   tokens served (tokens × layers) to the ledger;
+5. a lost lease (expired and taken by another node, or a window gone from the manifest) stops the node and goes
+   back to 1; shutdown fails in-flight requests, credits what is left and releases the lease.
+
+Timeouts live in the child tasks that wait (every market call is bounded by the client's timeout).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+
+from kvasir.errors import KvasirError, MarketError
+from kvasir.market.choice import choose_window
+from kvasir.market.client import MarketClient
+from kvasir.market.records import ClaimRequest, CoverageEntry, CreditReport, DemandReport, Lease, LeaseRef
+from kvasir.ring.manifest import Manifest, RankEntry
+from kvasir.ring.node import Node, NodeConfig
+from kvasir.shard.fetch import FetchResult, fetch_window, verify_stage
+from kvasir.stage.engine import Stage, StageConfig
+
+log = logging.getLogger("kvasir.enroll")
+
+#: Address of a window nobody serves yet (the node's dial loop waits on it).
+UNKNOWN_HOST, UNKNOWN_PORT = "0.0.0.0", 0
+
+
+@attrs.frozen
+class EnrollConfig:
+    market_url: str
+    budget_bytes: int
+    stage_dir: Path
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 0
+    #: The host the market shows neighbours (default: the listen host).
+    advertise_host: str | None = None
+    lease_s: float = 30.0
+    poll_s: float = 2.0
+    seed: int | None = None
+    relay: str | None = None
+    ring_secret: str | None = None
+    node_id: str = attrs.field(factory=lambda: secrets.token_hex(6))
+    #: Stage settings and node settings (everything but the manifest and rank).
+    stage_config: Callable[[Path], StageConfig] = StageConfig
+    node_options: dict[str, Any] = attrs.field(factory=dict)
+
+    @property
+    def report_s(self) -> float:
+        return max(0.2, min(self.lease_s / 3, 5.0))
+
+
+def manifest_from_coverage(
+    windows: Sequence[CoverageEntry],
+    rank: int,
+    host: str,
+    port: int,
+    *,
+    name: str = "model",
+    relay: str | None = None,
+    secret: str | None = None,
+) -> Manifest:
+    """The rank manifest a node runs with, built from its model's coverage map (pure).
+
+    Its own rank gets ``host:port``; other ranks the endpoint of their serving holder, or an unknown address
+    (0.0.0.0:0) the node waits on until a holder appears.
+    """
+    ranks = []
+    for w in sorted(windows, key=lambda e: e.rank):
+        link = "relay" if relay is not None else "direct"
+        h, p = UNKNOWN_HOST, UNKNOWN_PORT
+        if w.rank == rank:
+            h, p = host, port
+        elif w.serving and w.endpoint is not None and not w.endpoint.startswith("relay:"):
+            eh, _, ep = w.endpoint.rpartition(":")
+            h, p = eh.strip("[]"), int(ep)
+        ranks.append(RankEntry(w.rank, w.start, w.end, h, p, None, link))
+    first = windows[0]
+    return Manifest(
+        model_sha256=first.model,
+        n_layers=max(w.end for w in windows),
+        ranks=tuple(ranks),
+        model_name=name,
+        secret=secret,
+        relay=relay,
+    )
+
+
+class LeaseLost(KvasirError):
+    """The node no longer holds its window."""
+
+
+class Enrollment:
+    """One self-enrolling node. ``run`` until cancelled; ``close`` on shutdown."""
+
+    def __init__(
+        self,
+        config: EnrollConfig,
+        *,
+        on_node: Callable[[Node, trio.Nursery], Awaitable[None]] | None = None,
+        client: MarketClient | None = None,
+    ) -> None:
+        self.config = config
+        self.market = client or MarketClient(config.market_url)
+        self.draw = random.Random(config.seed)
+        self.on_node = on_node
+        self.node: Node | None = None
+        self.lease: Lease | None = None
+        self.window: CoverageEntry | None = None
+        self.endpoint: str | None = None
+        self.state = "starting"
+        self.fetches: list[FetchResult] = []
+        self.started = time.monotonic()
+        self.joined_after: float | None = None
+        self._reported_tokens = 0
+        self._demand = {"requests": 0, "tokens": 0}
+        self._entered: set[int] = set()
+
+    # ------------------------------------------------------------------------------------------ main loop
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        try:
+            while True:
+                window, lease = await self._claim_one()
+                try:
+                    await self._hold(window, lease)
+                except LeaseLost as exc:
+                    log.warning("node %s: %s; choosing again", self.config.node_id, exc)
+                self.node, self.lease, self.window, self.endpoint = None, None, None, None
+        finally:
+            with trio.CancelScope(shield=True):
+                await self.market.aclose()
+
+    async def _claim_one(self) -> tuple[CoverageEntry, Lease]:
+        """Poll, choose, claim: until a claim succeeds."""
+        cfg = self.config
+        while True:
+            self.state = "choosing"
+            try:
+                coverage = await self.market.coverage()
+                choice = choose_window(coverage, cfg.budget_bytes, self.draw)
+                if choice is not None:
+                    req = ClaimRequest(choice.model, choice.start, choice.end, cfg.node_id, cfg.lease_s)
+                    lease = await self.market.claim(req)
+                    log.info("node %s claimed window %d:%d", cfg.node_id, choice.start, choice.end)
+                    return choice, lease
+                self.state = "waiting for an uncovered window that fits"
+            except MarketError as exc:
+                if exc.status == 409:
+                    log.info("node %s lost the race for a window: %s", cfg.node_id, exc)
+                    continue  # someone else was faster: choose again at once
+                log.warning("node %s: %s", cfg.node_id, exc)
+            await trio.sleep(cfg.poll_s)
+
+    async def _hold(self, window: CoverageEntry, lease: Lease) -> None:
+        cfg = self.config
+        self.window, self.lease = window, lease
+        lost: list[str] = []
+        async with trio.open_nursery() as nursery:
+
+            def lose(reason: str) -> None:
+                lost.append(reason)
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(self._keep_lease, lose)
+            path = await self._fetch(window)
+            self.state = "loading"
+            stage = await trio.to_thread.run_sync(Stage.load, cfg.stage_config(path))
+            try:
+                await trio.to_thread.run_sync(lambda: stage.vocab)
+                coverage = await self.market.coverage(window.model)
+                manifest = manifest_from_coverage(
+                    coverage,
+                    window.rank,
+                    cfg.listen_host,
+                    cfg.listen_port,
+                    relay=cfg.relay,
+                    secret=cfg.ring_secret,
+                )
+                node_config = NodeConfig(
+                    manifest, window.rank, node_id=cfg.node_id, relay=cfg.relay, **cfg.node_options
+                )
+                node = Node(node_config, stage)
+                port = await nursery.start(node.serve)
+                self.node = node
+                self._reported_tokens = 0
+                host = cfg.advertise_host or cfg.listen_host
+                self.endpoint = f"relay:{cfg.relay}" if cfg.relay else f"{host}:{port}"
+                node.update_manifest(attrs.evolve(manifest, ranks=_with_port(manifest.ranks, window.rank, port)))
+                await self._renew("serving")
+                self.state = "serving"
+                self.joined_after = time.monotonic() - self.started
+                log.warning(
+                    "node %s serving window %d:%d (rank %d) at %s, %.1f s after start",
+                    cfg.node_id,
+                    window.start,
+                    window.end,
+                    window.rank,
+                    self.endpoint,
+                    self.joined_after,
+                )
+                nursery.start_soon(self._follow_coverage, node, port)
+                nursery.start_soon(self._watch_demand, node)
+                nursery.start_soon(self._report_loop)
+                if self.on_node is not None:
+                    await self.on_node(node, nursery)
+                await trio.sleep_forever()
+            finally:
+                if lost and self.node is not None:
+                    with trio.CancelScope(shield=True):
+                        await self.node.shutdown()
+                stage.close()
+        if lost:
+            raise LeaseLost(lost[0])
+
+    # ------------------------------------------------------------------------------------------ fetching
+
+    async def _fetch(self, window: CoverageEntry) -> Path:
+        cfg = self.config
+        self.state = f"fetching window {window.start}:{window.end}"
+        model = await self.market.model(window.model)
+        d = cfg.stage_dir / window.model[:16]
+        d.mkdir(parents=True, exist_ok=True)
+        path = d / f"layers-{window.start}-{window.end}.gguf"
+        if await trio.to_thread.run_sync(verify_stage, path, window.sha256):
+            log.info("node %s reuses its stage %s", cfg.node_id, path)
+            return path
+        errors = []
+        for url in model.sources:
+            try:
+                result = await fetch_window(
+                    url, window.start, window.end, path, sha256=window.sha256, model_sha256=window.model
+                )
+            except KvasirError as exc:
+                errors.append(str(exc))
+                log.warning("node %s: source %s failed: %s", cfg.node_id, url, exc)
+                continue
+            self.fetches.append(result)
+            log.warning(
+                "node %s fetched window %d:%d: %d bytes (header %d + window %d) in %.2f s",
+                cfg.node_id,
+                window.start,
+                window.end,
+                result.bytes_fetched,
+                result.header_bytes,
+                result.window_bytes,
+                result.seconds,
+            )
+            return path
+        raise LeaseLost(f"no source could serve window {window.start}:{window.end}: {'; '.join(errors)}")
+
+    # ------------------------------------------------------------------------------------------ lease
+
+    async def _renew(self, state: str) -> None:
+        cfg, lease = self.config, self.lease
+        assert lease is not None
+        req = ClaimRequest(
+            lease.model,
+            lease.start,
+            lease.end,
+            cfg.node_id,
+            cfg.lease_s,
+            endpoint=self.endpoint,
+            state="serving" if state == "serving" else "fetching",
+            lease_id=lease.lease_id,
+        )
+        try:
+            self.lease = await self.market.renew(req)
+        except MarketError as exc:
+            if exc.code != "lease_expired":
+                raise
+            # Nobody took it meanwhile: claim it again (keeps serving without a gap).
+            self.lease = await self.market.claim(attrs.evolve(req, lease_id=None))
+
+    async def _keep_lease(self, lose: Callable[[str], None]) -> None:
+        cfg = self.config
+        while True:
+            await trio.sleep(cfg.lease_s / 3)
+            try:
+                await self._renew("serving" if self.node is not None and self.endpoint else "fetching")
+            except MarketError as exc:
+                if exc.status in (404, 409):
+                    lose(f"lost window: {exc}")
+                    return
+                log.warning("node %s: renewing the lease failed (will retry): %s", cfg.node_id, exc)
+
+    # ------------------------------------------------------------------------------------------ serving
+
+    async def _follow_coverage(self, node: Node, port: int) -> None:
+        cfg = self.config
+        window = self.window
+        assert window is not None
+        while True:
+            await trio.sleep(cfg.poll_s)
+            try:
+                coverage = await self.market.coverage(window.model)
+            except (MarketError, KvasirError) as exc:
+                log.info("node %s: coverage poll failed: %s", cfg.node_id, exc)
+                continue
+            if len(coverage) != node.manifest.size:
+                continue  # the manifest changed under us: the lease keeper finds out whether we still hold a window
+            node.update_manifest(
+                manifest_from_coverage(
+                    coverage,
+                    window.rank,
+                    cfg.listen_host,
+                    port,
+                    name=node.manifest.model_name,
+                    relay=cfg.relay,
+                    secret=cfg.ring_secret,
+                )
+            )
+
+    async def _watch_demand(self, node: Node) -> None:
+        """Count requests that entered the ring at this node and the tokens they generated."""
+        async with node.hub.subscribe() as events:
+            async for ev in events:
+                if ev.get("type") != "request":
+                    continue
+                if ev.get("state") == "start" and ev.get("entry_rank") == node.rank:
+                    self._entered.add(int(ev["request"]))
+                elif ev.get("state") == "end" and ev.get("request") in self._entered:
+                    self._entered.discard(int(ev["request"]))
+                    self._demand["requests"] += 1
+                    self._demand["tokens"] += int(ev.get("generated") or 0)
+
+    async def _report_loop(self) -> None:
+        while True:
+            await trio.sleep(self.config.report_s)
+            await self.report()
+
+    async def report(self) -> None:
+        """Credit tokens served since the last report, and report demand; failures are retried next time."""
+        node, lease = self.node, self.lease
+        if node is None or lease is None:
+            return
+        tokens = node.contribution_tokens - self._reported_tokens
+        demand = dict(self._demand)
+        try:
+            if demand["requests"] or demand["tokens"]:
+                await self.market.demand(DemandReport(lease.model, demand["requests"], demand["tokens"]))
+                self._demand["requests"] -= demand["requests"]
+                self._demand["tokens"] -= demand["tokens"]
+            if tokens > 0:
+                report = CreditReport(lease.model, lease.start, lease.end, self.config.node_id, lease.lease_id, tokens)
+                await self.market.credit(report)
+                self._reported_tokens += tokens
+        except (MarketError, KvasirError) as exc:
+            log.info("node %s: report failed: %s", self.config.node_id, exc)
+
+    async def close(self) -> None:
+        """Shutdown: fail in-flight requests, credit the rest, release the lease (bounded in time)."""
+        with trio.move_on_after(5):
+            if self.node is not None:
+                await self.node.shutdown()
+            await self.report()
+            lease = self.lease
+            if lease is not None:
+                try:
+                    await self.market.release(
+                        LeaseRef(lease.model, lease.start, lease.end, self.config.node_id, lease.lease_id)
+                    )
+                    log.warning("node %s released window %d:%d", self.config.node_id, lease.start, lease.end)
+                except (MarketError, KvasirError) as exc:
+                    log.warning("node %s: release failed: %s", self.config.node_id, exc)
+
+    def status(self) -> dict[str, Any]:
+        w = self.window
+        return {
+            "node_id": self.config.node_id,
+            "state": self.state,
+            "window": [w.start, w.end] if w else None,
+            "rank": w.rank if w else None,
+            "endpoint": self.endpoint,
+            "joined_after_s": self.joined_after,
+            "fetched": [
+                {
+                    "layers": [f.start, f.end],
+                    "bytes_fetched": f.bytes_fetched,
+                    "header_bytes": f.header_bytes,
+                    "window_bytes": f.window_bytes,
+                    "seconds": round(f.seconds, 3),
+                }
+                for f in self.fetches
+            ],
+        }
+
+
+def _with_port(ranks: tuple[RankEntry, ...], rank: int, port: int) -> tuple[RankEntry, ...]:
+    return tuple(attrs.evolve(r, port=port) if r.rank == rank else r for r in ranks)

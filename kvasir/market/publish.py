@@ -1,0 +1,69 @@
+"""Offer a local model on a market: its record (identity, sources, byte profile, stage hashes) and rank manifest."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvasir.errors import InputError
+from kvasir.market.records import ManifestRecord, ModelRecord, StageHash, WindowSpec
+from kvasir.shard.cache import file_sha256, model_sha256, stage_files
+from kvasir.shard.gguf_file import describe
+from kvasir.shard.gguf_io import read_gguf
+
+
+def parse_windows(text: str, weights: str | None) -> list[WindowSpec]:
+    """``"0:2,2:4,4:6"`` and optional ``"1,1,3"`` → window specs (pure)."""
+    try:
+        wins = [tuple(int(x) for x in part.split(":")) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise InputError(f"--windows {text!r}: expected A:B,B:C,…") from None
+    if any(len(w) != 2 for w in wins):
+        raise InputError(f"--windows {text!r}: expected A:B,B:C,…")
+    ws = [1.0] * len(wins)
+    if weights is not None:
+        try:
+            ws = [float(x) for x in weights.split(",")]
+        except ValueError:
+            raise InputError(f"--weights {weights!r}: expected numbers") from None
+        if len(ws) != len(wins):
+            raise InputError(f"--weights gives {len(ws)} weights for {len(wins)} windows")
+    return [WindowSpec(a, b, w) for (a, b), w in zip(wins, ws, strict=True)]
+
+
+def planner_windows(model: Path, devices: Path) -> list[WindowSpec]:
+    """Windows from kvasir.planner for a fleet (devices.toml); each window's weight is its share of the weights."""
+    from kvasir.planner import load_devices, plan, profile_from_gguf
+
+    manifest = plan(profile_from_gguf(model), load_devices(devices))
+    total = sum(w.weight_bytes for w in manifest.windows) or 1
+    return [WindowSpec(w.start, w.stop, w.weight_bytes / total) for w in manifest.windows]
+
+
+def model_record(
+    model: Path, windows: Sequence[WindowSpec], sources: Sequence[str], cache_dir: Path, name: str | None = None
+) -> ModelRecord:
+    """The market's record of ``model``: cuts (or reuses) each window's stage file to hash it."""
+    gg = read_gguf(model)
+    info = describe(model, gg)
+    n_main = info.n_layer - info.nextn_layers
+    spans = [(w.start, w.end) for w in windows]
+    paths = stage_files(model, spans, cache_dir)
+    stages = tuple(
+        StageHash(a, b, file_sha256(p), p.stat().st_size) for (a, b), p in zip(spans, paths, strict=True)
+    )
+    return ModelRecord(
+        sha256=model_sha256(model, cache_dir),
+        name=name or model.stem,
+        n_layers=n_main,
+        file_bytes=info.file_bytes,
+        header_bytes=gg.data_offset,
+        sources=tuple(sources),
+        layer_bytes=info.layer_bytes[:n_main],
+        outside_bytes=info.outside_bytes + sum(info.layer_bytes[n_main:]),
+        stages=stages,
+    )
+
+
+def manifest_record(model: ModelRecord, windows: Sequence[WindowSpec], origin: str) -> ManifestRecord:
+    return ManifestRecord(model.sha256, tuple(windows), origin)
