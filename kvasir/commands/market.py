@@ -107,7 +107,9 @@ def print_status(st: dict[str, Any], c: Console) -> None:
     now = st["coverage"]["now"]
     for m in st["coverage"]["models"]:
         state = "[green]live[/]" if m["live"] else "[yellow]not live[/]"
-        c.print(f"[bold]{m['name']}[/] {m['model'][:12]}… — {m['covered']}/{m['windows_total']} windows covered, {state}")
+        c.print(
+            f"[bold]{m['name']}[/] {m['model'][:12]}… — {m['covered']}/{m['windows_total']} windows covered, {state}"
+        )
         t = Table("rank", "layers", "bytes", "reward", "holder", "state", "endpoint", "lease left")
         for w in m["windows"]:
             left = f"{w['lease_expires'] - now:.0f} s" if w["lease_expires"] else "-"

@@ -1,9 +1,13 @@
-"""``kvasir node --manifest ring.toml --rank K [--model MODEL.gguf | --stage STAGE.gguf]``: run one ring node."""
+"""``kvasir node --manifest ring.toml --rank K [--model MODEL.gguf | --stage STAGE.gguf]``: run one ring node.
+
+``kvasir node --market URL [--memory-budget 4GiB] [--relay URL]``: start empty and self-enroll (docs/market.md).
+"""
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import logging
 import signal
 from pathlib import Path
@@ -25,8 +29,8 @@ log = logging.getLogger("kvasir.node")
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("node", help="run one ring node (its stage, both links, control socket, optional API)")
-    p.add_argument("--manifest", required=True, type=Path, help="rank manifest (TOML)")
-    p.add_argument("--rank", required=True, type=int)
+    p.add_argument("--manifest", type=Path, help="rank manifest (TOML)")
+    p.add_argument("--rank", type=int)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", type=Path, help="whole GGUF to cut this rank's window from")
     src.add_argument("--stage", type=Path, help="this rank's stage GGUF")
@@ -50,8 +54,34 @@ def add_parser(sub: Any) -> None:
         default="f32",
         help="encoding of the boundaries this node sends (f32 is bit-exact; default)",
     )
+    m = p.add_argument_group("self-enrollment (instead of --manifest/--rank)")
+    m.add_argument("--market", metavar="URL", help="claim a window from this market and join its ring")
+    m.add_argument("--memory-budget", default="4GiB", metavar="SIZE", help="largest stage to hold (default 4GiB)")
+    m.add_argument("--listen", default="127.0.0.1:0", metavar="HOST:PORT", help="link listener (default any port)")
+    m.add_argument("--advertise", default=None, metavar="HOST", help="host neighbours dial (default the listen host)")
+    m.add_argument("--lease", type=float, default=30.0, metavar="S", help="lease time (default 30 s)")
+    m.add_argument("--poll", type=float, default=2.0, metavar="S", help="coverage poll interval (default 2 s)")
+    m.add_argument("--seed", type=int, default=None, help="seed of the tie-breaking draw")
+    m.add_argument("--ring-secret", default=None, metavar="HEX", help="ring secret for relayed links")
+    m.add_argument("--stage-dir", type=Path, default=None, help="where fetched stages go (default the cache)")
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(run=run)
+
+
+def parse_size(text: str) -> int:
+    """``4GiB``, ``512MB``, ``300k``, ``1000`` → bytes (pure)."""
+    units = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 10**6, "mb": 10**6, "mib": 1024**2}
+    units |= {"g": 10**9, "gb": 10**9, "gib": 1024**3, "t": 10**12, "tb": 10**12, "tib": 1024**4}
+    t = text.strip().lower()
+    num = t.rstrip("abcdefghijklmnopqrstuvwxyz ")
+    unit = t[len(num) :].strip()
+    try:
+        value = float(num)
+    except ValueError:
+        raise InputError(f"bad size {text!r} (e.g. 4GiB, 512MB)") from None
+    if unit not in units or value <= 0:
+        raise InputError(f"bad size {text!r} (e.g. 4GiB, 512MB)")
+    return int(value * units[unit])
 
 
 def stage_path_for(manifest: Manifest, rank: int, model: Path | None, stage: Path | None, manifest_dir: Path) -> Path:
@@ -67,6 +97,12 @@ def stage_path_for(manifest: Manifest, rank: int, model: Path | None, stage: Pat
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.market is not None:
+        if args.manifest is not None or args.rank is not None or args.model is not None or args.stage is not None:
+            raise InputError("--market starts an empty node: drop --manifest, --rank, --model and --stage")
+        return run_enrolled(args)
+    if args.manifest is None or args.rank is None:
+        raise InputError("pass --manifest and --rank (or --market URL to self-enroll)")
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format=f"%(asctime)s rank{args.rank} %(levelname)s %(message)s",
@@ -117,3 +153,67 @@ async def serve_node(manifest: Manifest, rank: int, config: StageConfig, args: a
                     break
     finally:
         stage.close()
+
+
+def run_enrolled(args: argparse.Namespace) -> int:
+    from kvasir.commands.market import parse_hostport
+    from kvasir.market.enroll import EnrollConfig
+
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    host, port = parse_hostport(args.listen, "--listen")
+    if args.relay and not args.ring_secret:
+        raise InputError("--relay with --market needs --ring-secret (the relay's ring secret)")
+    config = EnrollConfig(
+        market_url=args.market,
+        budget_bytes=parse_size(args.memory_budget),
+        stage_dir=args.stage_dir or default_cache_dir() / "market",
+        listen_host=host,
+        listen_port=port,
+        advertise_host=args.advertise,
+        lease_s=args.lease,
+        poll_s=args.poll,
+        seed=args.seed,
+        relay=args.relay,
+        ring_secret=args.ring_secret,
+        stage_config=functools.partial(
+            StageConfig, n_ctx=args.ctx, n_seq_max=args.seqs, n_threads=args.threads, n_gpu_layers=args.gpu_layers
+        ),
+        node_options={
+            "prefill_chunk": args.prefill_chunk,
+            "boundary_dtype": BoundaryDType[args.boundary_dtype.upper()],
+        },
+    )
+    trio.run(serve_enrolled, config, args)
+    return 0
+
+
+async def serve_enrolled(config: Any, args: argparse.Namespace) -> None:
+    """Run an enrolling node until SIGINT/SIGTERM; then credit, release the lease and stop."""
+    from kvasir.market.enroll import Enrollment
+
+    async def on_node(node: Node, nursery: trio.Nursery) -> None:
+        control = args.control or node_socket_path(
+            node.rank, 0 if not node.manifest else node.manifest.rank(node.rank).port
+        )
+        await nursery.start(serve_control, node, control)
+        if args.api_port is not None:
+            from kvasir.api import serve_api
+
+            await nursery.start(serve_api, node, args.api_host, args.api_port)
+        print(f"kvasir node: enrolled {json.dumps(enrollment.status())}", flush=True)
+
+    enrollment = Enrollment(config, on_node=on_node)
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(enrollment.run)
+            log.warning(
+                "node %s enrolling at %s (budget %d bytes)", config.node_id, config.market_url, config.budget_bytes
+            )
+            async for signum in signals:
+                log.warning("node %s: %s, shutting down", config.node_id, signal.Signals(signum).name)
+                await enrollment.close()
+                nursery.cancel_scope.cancel()
+                break

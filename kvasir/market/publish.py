@@ -49,9 +49,7 @@ def model_record(
     n_main = info.n_layer - info.nextn_layers
     spans = [(w.start, w.end) for w in windows]
     paths = stage_files(model, spans, cache_dir)
-    stages = tuple(
-        StageHash(a, b, file_sha256(p), p.stat().st_size) for (a, b), p in zip(spans, paths, strict=True)
-    )
+    stages = tuple(StageHash(a, b, file_sha256(p), p.stat().st_size) for (a, b), p in zip(spans, paths, strict=True))
     return ModelRecord(
         sha256=model_sha256(model, cache_dir),
         name=name or model.stem,
