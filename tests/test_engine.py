@@ -97,3 +97,20 @@ def test_generate_chat_and_stop_at_eog(tiny_model: Callable[..., Path], gemma_pa
         ]
         assert vocab.tokenize_chat("<bos>" + rendered).count(vocab.bos) == 1  # never a second BOS
         assert stage.vocab.is_eog(stage.vocab.tokenize("<end_of_turn>", add_special=False, parse_special=True)[0])
+
+
+def test_native_and_python_capture_agree(tiny_model: Callable[..., Path], cache_dir: Path) -> None:
+    """The C eval callback and its Python fallback copy out the same boundary, bit for bit."""
+    path = stage_files(tiny_model("gemma3", "q8_0"), parse_splits("0,4,6", 6), cache_dir)[0]
+    outs = []
+    for native in (True, False):
+        config = StageConfig(path, n_ctx=128, n_seq_max=1, n_threads=1, native_capture=native)
+        with Stage.load(config) as stage:
+            assert type(stage._capture).__name__ == ("NativeCapture" if native else "PythonCapture")
+            prompt = stage.vocab.tokenize("one two three four five six seven")
+            first = stage.forward(0, 0, tokens=prompt)
+            step = stage.forward(0, len(prompt), tokens=[prompt[1]])
+            assert first is not None and step is not None
+            outs.append((first, step))
+    for a, b in zip(outs[0], outs[1], strict=True):
+        assert a.view("u4").tobytes() == b.view("u4").tobytes()

@@ -195,9 +195,7 @@ async def serve_enrolled(config: Any, args: argparse.Namespace) -> None:
     from kvasir.market.enroll import Enrollment
 
     async def on_node(node: Node, nursery: trio.Nursery) -> None:
-        control = args.control or node_socket_path(
-            node.rank, 0 if not node.manifest else node.manifest.rank(node.rank).port
-        )
+        control = args.control or node_socket_path(node.rank, node.manifest.rank(node.rank).port)
         await nursery.start(serve_control, node, control)
         if args.api_port is not None:
             from kvasir.api import serve_api

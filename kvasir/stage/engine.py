@@ -22,11 +22,13 @@ import trio
 
 from kvasir.errors import InputError, ShapeError, StageError
 from kvasir.shard.arch import rules_for
+from kvasir.shard.cache import default_cache_dir
 from kvasir.shard.gguf_file import STAGE_PREFIX, describe
 from kvasir.shard.gguf_io import GGUFFile, read_gguf
 from kvasir.shard.slice import read_embedding_block
+from kvasir.stage.capture import Capture, make_capture
 from kvasir.stage.embedding import TokenEmbedding
-from kvasir.stage.llama_ffi import GGML_TYPE_F32, NAME_OFFSET, GgmlTensor, runtime
+from kvasir.stage.llama_ffi import runtime
 from kvasir.stage.sampling import Sampler
 from kvasir.stage.vocab import Vocab
 from kvasir.wire import SamplingParams
@@ -48,8 +50,8 @@ class StageConfig:
     n_batch: int = 512
     n_threads: int | None = None
     n_gpu_layers: int = 0
-    #: Let llama.cpp's load chatter through to stderr.
-    verbose: bool = False
+    #: Capture boundaries with the compiled C callback (falls back to Python when no compiler is found).
+    native_capture: bool = True
 
 
 @attrs.frozen
@@ -119,9 +121,7 @@ class Stage:
         self._ctx: Any = None
         self._vocab: Vocab | None = None
         self._embedding: TokenEmbedding | None = None
-        self._callback: Any = None
-        self._out: FloatArray = np.zeros((0, 0), np.float32)
-        self._out_rows = 0
+        self._capture: Capture | None = None
 
     # ------------------------------------------------------------------------------------------------ lifecycle
 
@@ -158,8 +158,11 @@ class Stage:
             cp.kv_unified = False  # each sequence its own stream: results independent of other requests
             cp.no_perf = True
             if not last:
-                self._callback = L.ggml_backend_sched_eval_callback(self._make_callback(n_layer, model_info.n_embd))
-                cp.cb_eval = self._callback
+                self._capture = make_capture(
+                    f"l_out-{n_layer - 1}", model_info.n_embd, default_cache_dir(), native=config.native_capture
+                )
+                cp.cb_eval = self._capture.callback
+                cp.cb_eval_user_data = self._capture.user_data
             ctx = L.llama_init_from_model(model, cp)
             if not ctx:
                 raise StageError(f"{config.path}: llama.cpp could not create a context (n_ctx={cp.n_ctx})")
@@ -225,29 +228,6 @@ class Stage:
 
     # ------------------------------------------------------------------------------------------------ compute
 
-    def _make_callback(self, n_layer: int, n_embd: int) -> Callable[[int, bool, Any], bool]:
-        target = f"l_out-{n_layer - 1}".encode() + b"\0"
-        size = len(target)
-        base = runtime().ggml_base
-
-        def on_eval(t: int, ask: bool, _user: Any) -> bool:
-            # Called for every graph node: keep the common path (not our node) as cheap as possible.
-            if ctypes.string_at(t + NAME_OFFSET, size) != target:
-                return not ask
-            if ask:
-                return True
-            tensor = GgmlTensor.from_address(t)
-            rows = int(tensor.ne[1])
-            if tensor.type != GGML_TYPE_F32 or int(tensor.ne[0]) != n_embd or self._out_rows + rows > len(self._out):
-                self._out_rows = -1  # reported by forward(); raising through C is not an option
-                return True
-            dst = self._out[self._out_rows : self._out_rows + rows]
-            base.ggml_backend_tensor_get(t, dst.ctypes.data, 0, rows * n_embd * 4)
-            self._out_rows += rows
-            return True
-
-        return on_eval
-
     def embed(self, tokens: Sequence[int]) -> FloatArray:
         """Token embeddings as llama.cpp computes them for token input (first stages only)."""
         if self._embedding is None:
@@ -298,18 +278,16 @@ class Stage:
             emb = np.ascontiguousarray(hidden, dtype=np.float32)
             b.batch.token = None
             b.batch.embd = emb.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
-        if not info.last:
-            self._out = np.empty((n, info.n_embd), np.float32)
-            self._out_rows = 0
+        out = np.empty((n, info.n_embd), np.float32)
+        if self._capture is not None:
+            self._capture.begin(out)
         rc = runtime().llama.llama_decode(self._ctx, b.batch)
         if rc != 0:
             raise StageError(f"llama_decode failed with code {rc} (sequence {seq_id}, positions {pos0}..{pos0 + n})")
-        if info.last:
+        if self._capture is None:
             return None
-        if self._out_rows != n:
-            raise StageError(f"boundary capture failed: got {self._out_rows} of {n} rows")
-        out = self._out
-        self._out = np.zeros((0, 0), np.float32)
+        if self._capture.rows() != n:
+            raise StageError(f"boundary capture failed: got {self._capture.rows()} of {n} rows")
         return out
 
     def logits(self) -> FloatArray:

@@ -376,8 +376,9 @@ def _temp_path(path: Path) -> Path:
 def _quantize(src: Path, dst: Path, quant: Quant) -> None:
     import ctypes
 
-    import llama_cpp
+    from kvasir.stage.llama_ffi import runtime
 
+    llama_cpp = runtime().llama  # also routes llama.cpp's log chatter away from stdout
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = _LLAMA_FTYPE[quant]
     params.nthread = min(os.cpu_count() or 1, 4)

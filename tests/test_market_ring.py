@@ -1,0 +1,147 @@
+"""End to end on loopback: a market, a model seeder and empty nodes that claim windows, fetch only them, form a
+ring that gives exactly the whole model's tokens, get credited, and heal when a node dies."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+
+from kvasir.shard.gguf_io import read_gguf
+from kvasir.shard.slice import window_ranges
+from tests.marketutil import Proc, coverage, procs, wait_for
+from tests.ringutil import ring_generate, whole_model_tokens
+
+PROMPT = "The ring passes the hidden state on"
+WINDOWS = "0:2,2:4,4:6"
+# Reward per byte: 4:6 best, then 0:2, then 2:4, so nodes with these budgets start together and never collide.
+WEIGHTS = "2,1,3"
+BUDGETS = {"big": "1MB", "mid": "150kB", "small": "100kB"}
+LEASE = "2"
+
+
+def _node(market: str, name: str, tmp: Path, budget: str) -> Proc:
+    return Proc(
+        "node",
+        "--market",
+        market,
+        "--memory-budget",
+        budget,
+        "--lease",
+        LEASE,
+        "--poll",
+        "0.3",
+        "--seed",
+        "1",
+        "--threads",
+        "1",
+        "--ctx",
+        "256",
+        "--seqs",
+        "2",
+        "--control",
+        str(tmp / f"{name}.sock"),
+        "--stage-dir",
+        str(tmp / f"stages-{name}"),
+    )
+
+
+def _enrolled(p: Proc) -> dict[str, object]:
+    m = p.wait_line(r"^kvasir node: enrolled (.*)$", timeout=120)
+    status: dict[str, object] = json.loads(m.group(1))
+    return status
+
+
+def test_empty_nodes_enroll_serve_earn_and_heal(tiny_model: Callable[..., Path], tmp_path: Path) -> None:
+    model = tiny_model("llama", "q8_0")
+    want = whole_model_tokens(model, PROMPT, 12)
+    gg = read_gguf(model)
+    with procs() as ps:
+        market = Proc("market", "--listen", "127.0.0.1:0", "--db", str(tmp_path / "market.sqlite"))
+        ps.append(market)
+        url = market.wait_line(r"listening on (http://\S+)").group(1)
+        seeder = Proc("serve-model", str(model), "--listen", "127.0.0.1:0")
+        ps.append(seeder)
+        source = seeder.wait_line(r"serving (http://\S+)").group(1)
+        pub = Proc(
+            "market",
+            "publish",
+            str(model),
+            "--url",
+            url,
+            "--source",
+            source,
+            "--windows",
+            WINDOWS,
+            "--weights",
+            WEIGHTS,
+        )
+        assert pub.wait(120) == 0, pub.err
+
+        t0 = time.monotonic()
+        nodes = {name: _node(url, name, tmp_path, budget) for name, budget in BUDGETS.items()}
+        ps.extend(nodes.values())
+        status = {name: _enrolled(p) for name, p in nodes.items()}
+        live = wait_for(lambda: coverage(url)["live"], 120, "full coverage")
+        t_full = time.monotonic() - t0
+        assert live
+        held = {name: tuple(s["window"]) for name, s in status.items()}  # type: ignore[arg-type]
+        assert held == {"big": (4, 6), "mid": (0, 2), "small": (2, 4)}
+        for name, s in status.items():
+            (fetch,) = s["fetched"]  # type: ignore[misc]
+            a, b = held[name]
+            window_bytes = sum(n for _, n in window_ranges(gg, a, b))
+            assert fetch["window_bytes"] == window_bytes
+            assert fetch["bytes_fetched"] <= (window_bytes + gg.data_offset) * 1.01, fetch
+            print(
+                f"{name}: window {a}:{b} fetched {fetch['bytes_fetched']} bytes (window {window_bytes},"
+                f" header {fetch['header_bytes']}, file {gg.file_size}), joined after {s['joined_after_s']:.2f} s"
+            )
+        print(f"full coverage after {t_full:.2f} s")
+
+        got = wait_for(lambda: ring_generate(tmp_path / "big.sock", PROMPT, 12), 60, "a ring reply")
+        assert got["tokens"] == want
+
+        def credited() -> list[dict[str, object]] | None:
+            nodes_ = httpx.get(f"{url}/v1/ledger", timeout=10).json()["nodes"]
+            return nodes_ if len(nodes_) == 3 and all(n["tokens"] >= 12 for n in nodes_) else None
+
+        ledger = wait_for(credited, 30, "credits for all three nodes")
+        by_node = {n["node_id"]: n for n in ledger}
+        for s in status.values():
+            n = by_node[s["node_id"]]
+            a, b = s["window"]  # type: ignore[misc]
+            assert n["layer_tokens"] == n["tokens"] * (b - a) and n["earned"] > 0
+
+        # A node dies without releasing: its window is uncovered once its lease ends, a fresh node claims it.
+        nodes["mid"].stop(signal.SIGKILL)
+        t1 = time.monotonic()
+        wait_for(lambda: coverage(url)["windows"][0]["holder"] is None, 30, "the dead node's lease to end")
+        fresh = _node(url, "fresh", tmp_path, BUDGETS["mid"])
+        ps.append(fresh)
+        st = _enrolled(fresh)
+        assert tuple(st["window"]) == (0, 2)  # type: ignore[arg-type]
+        wait_for(lambda: coverage(url)["live"], 60, "full coverage again")
+        print(f"healed after {time.monotonic() - t1:.2f} s")
+        got = wait_for(lambda: _try(tmp_path / "small.sock"), 60, "requests to succeed again")
+        assert got["tokens"] == want
+
+        # Graceful stop releases the lease at once.
+        assert fresh.stop() == 0
+        assert coverage(url)["windows"][0]["holder"] is None
+        status_cli = Proc("market", "status", "--url", url)
+        assert status_cli.wait(60) == 0
+        text = "\n".join(status_cli.out)
+        assert "2/3 windows covered, not live" in text and "contributions" in text
+
+
+def _try(sock: Path) -> dict[str, object] | None:
+    try:
+        r = ring_generate(sock, PROMPT, 12)
+    except Exception:
+        return None
+    return r if r.get("reason") in ("max_tokens", "eog") else None
