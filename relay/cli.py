@@ -33,6 +33,15 @@ def add_parser(subparsers: Any) -> None:
     secret.add_argument("--secret-hex", metavar="HEX", help="the ring secret in hex")
     parser.add_argument("--max-message-bytes", type=int, default=None, metavar="N", help="largest message")
     parser.add_argument("--max-conns-per-ip", type=int, default=32, metavar="N", help="default %(default)s")
+    parser.add_argument(
+        "--market",
+        nargs="?",
+        const="127.0.0.1:8480",
+        default=None,
+        metavar="HOST:PORT",
+        help="also run the self-enrollment market in this process (default address %(const)s)",
+    )
+    parser.add_argument("--db", default="market.sqlite", metavar="PATH", help="the market's database (%(default)s)")
     parser.set_defaults(run=run)
 
 
@@ -97,7 +106,26 @@ def run(args: argparse.Namespace) -> int:
         def started(self, value: int | None = None) -> None:
             print(f"kvasir relay: listening on {scheme}://{host}:{value}", flush=True)
 
-    trio.run(functools.partial(serve_relay, config, task_status=Announce()))
+    if args.market is None:
+        trio.run(functools.partial(serve_relay, config, task_status=Announce()))
+        return 0
+    from kvasir.market.service import serve_market
+
+    mhost, mport = parse_listen(args.market)
+
+    async def relay_and_market() -> None:
+        async with trio.open_nursery() as nursery:
+            bound = await nursery.start(serve_market, Path(args.db), mhost, mport)
+            print(f"kvasir relay: market on http://{mhost}:{bound} (db {args.db})", flush=True)
+            relay_port = await nursery.start(functools.partial(serve_relay, config))
+            Announce().started(relay_port)
+
+    try:
+        trio.run(relay_and_market)
+    except BaseExceptionGroup as group:  # one failing service: report it bare (one line, exit 2)
+        if len(group.exceptions) == 1 and isinstance(group.exceptions[0], Exception):
+            raise group.exceptions[0] from None
+        raise
     return 0
 
 

@@ -262,3 +262,21 @@ async def test_restart_loses_nothing(tmp_path: Path, clock: Clock) -> None:
     cov = again.coverage()["models"][0]["windows"]
     assert cov[0]["holder"] == "n1" and cov[0]["lease_expires"] == lease.expires_at
     again.close()
+
+
+def test_relay_runs_the_market(tmp_path: Path) -> None:
+    from tests.marketutil import Proc
+
+    relay = Proc(
+        "relay", "--secret-hex", "00" * 16, "--listen", "127.0.0.1:0", "--market", "127.0.0.1:0",
+        "--db", str(tmp_path / "m.sqlite"),
+    )  # fmt: skip
+    try:
+        url = relay.wait_line(r"market on (http://\S+)").group(1)
+        relay.wait_line(r"listening on ws://")
+        r = httpx.put(f"{url}/v1/models/{SHA}", json=_model(), timeout=10)
+        assert r.status_code == 201
+        assert httpx.get(f"{url}/v1/models", timeout=10).json()["models"][0]["sha256"] == SHA
+    finally:
+        relay.stop()
+    assert (tmp_path / "m.sqlite").exists()
