@@ -10,6 +10,7 @@ Prints (1) decode ms/token for the whole model and for rings of 2/3/4 processes 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import threading
@@ -30,7 +31,6 @@ from kvasir.shard.gguf_file import describe
 from kvasir.stage.engine import Stage, StageConfig
 from kvasir.stage.pipeline import LocalPipeline
 from kvasir.wire import Boundary, SamplingParams
-from tests.ringutil import ring_generate
 
 PROMPT = "Write a short story about a ring of devices that pass hidden states to each other:"
 
@@ -81,7 +81,7 @@ async def hop_latency(n_embd: int, samples: int) -> tuple[list[float], int]:
             got.set()
             await trio.sleep_forever()
 
-        listeners = await nursery.start(trio.serve_tcp, handler, 0, host="127.0.0.1")
+        listeners = await nursery.start(functools.partial(trio.serve_tcp, handler, 0, host="127.0.0.1"))
         port = listeners[0].socket.getsockname()[1]
         tx = StreamLink(await trio.open_tcp_stream("127.0.0.1", port), "tx")
         await got.wait()
@@ -103,7 +103,8 @@ def concurrent_tps(sock: Path, n: int, tokens: int) -> float:
     done = []
 
     def one(i: int) -> None:
-        r = ring_generate(sock, f"{PROMPT} (variant {i})", tokens)
+        with ControlClient(sock, timeout=300) as c:
+            r = c.complete(prompt=f"{PROMPT} (variant {i})", max_tokens=tokens)
         done.append(len(r["tokens"]))
 
     t0 = time.perf_counter()
@@ -125,7 +126,7 @@ def main() -> None:
     cache = default_cache_dir()
     model = args.model or demo_model_path(cache)
     info = describe(model)
-    console = Console()
+    console = Console(width=150)
 
     t = Table(
         title=f"{model.name}: decode, {args.threads} threads per process, {args.tokens} tokens, "

@@ -70,7 +70,7 @@ def main() -> None:
         models["1B-class llama Q4_K_M (2048×16)"] = bench_1b_cached(cache / "tiny")
     if "gemma" in args.models:
         models["Gemma 3 270M Q4_K_M"] = demo_model_path(cache)
-    console = Console()
+    console = Console(width=150)
     for name, model in models.items():
         n = describe(model).n_layer
         table = Table(

@@ -29,14 +29,7 @@ def running_ring(
 def ring_generate(sock: Path, prompt: str, max_tokens: int = 12, **params: Any) -> dict[str, Any]:
     """Tokens and end message of one request through the control socket of ``sock``'s node."""
     with ControlClient(sock, timeout=120) as c:
-        tokens: list[int] = []
-        end: dict[str, Any] = {}
-        for msg in c.generate(prompt=prompt, max_tokens=max_tokens, **params):
-            if msg["type"] == "token" and msg["token"] >= 0:
-                tokens.append(msg["token"])
-            elif msg["type"] == "end":
-                end = msg
-        return {"tokens": tokens, **end}
+        return c.complete(prompt=prompt, max_tokens=max_tokens, **params)
 
 
 def whole_model(model: Path, prompt: str, max_tokens: int = 12) -> GenerationResult:

@@ -49,6 +49,17 @@ class ControlClient:
             if msg.get("type") == "end":
                 return
 
+    def complete(self, **request: Any) -> dict[str, Any]:
+        """Run one request to its end: ``{"tokens": [...], **end}`` (the end message's fields)."""
+        tokens: list[int] = []
+        end: dict[str, Any] = {}
+        for msg in self.generate(**request):
+            if msg.get("type") == "token" and msg["token"] >= 0:
+                tokens.append(msg["token"])
+            elif msg.get("type") == "end":
+                end = msg
+        return {"tokens": tokens, **end}
+
     def close(self) -> None:
         self._file.close()
         self._sock.close()
