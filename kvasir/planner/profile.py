@@ -17,6 +17,7 @@ from typing import Any, Literal
 import attrs
 
 from kvasir.errors import InputError, ModelFileError
+from kvasir.shard.gguf_io import GGUFFile, read_gguf
 
 LayerKind = Literal["attention", "recurrent"]
 LAYER_KINDS: tuple[LayerKind, ...] = ("attention", "recurrent")
@@ -208,13 +209,9 @@ def _split_parts(path: Path) -> list[Path]:
     return parts
 
 
-def _field(reader: Any, key: str) -> Any:
+def _field(gg: GGUFFile, key: str) -> Any:
     """A metadata value (scalar, string or list), or None when absent."""
-    field = reader.get_field(key)
-    if field is None:
-        return None
-    value = field.contents()
-    return value.tolist() if hasattr(value, "tolist") else value
+    return gg.get(key)
 
 
 def _per_layer(value: Any, n: int, default: int) -> list[int]:
@@ -236,17 +233,10 @@ def profile_from_gguf(path: str | Path, *, name: str | None = None) -> ModelProf
     ``key_length``/``value_length`` (f16 cache); recurrent state follows the ``{arch}.ssm.*`` sizes (f32
     state).
     """
-    import gguf  # lazy: reading metadata is the only thing that needs it
-
     path = Path(path)
     if not path.is_file():
         raise ModelFileError(f"{path}: no such model file")
-    readers: list[Any] = []
-    try:
-        for part in _split_parts(path):
-            readers.append(gguf.GGUFReader(part, "r"))
-    except (ValueError, OSError, IndexError) as exc:
-        raise ModelFileError(f"{path}: not a readable GGUF file ({exc})") from exc
+    readers = [read_gguf(part) for part in _split_parts(path)]  # header only: no tensor data is read
     meta = readers[0]
     arch = _field(meta, "general.architecture")
     if not isinstance(arch, str):
@@ -261,7 +251,7 @@ def profile_from_gguf(path: str | Path, *, name: str | None = None) -> ModelProf
     n_used = _field(meta, f"{arch}.expert_used_count") or n_expert
     for reader in readers:
         for tensor in reader.tensors:
-            size = int(tensor.n_bytes)
+            size = tensor.nbytes
             block = _BLOCK_RE.match(tensor.name)
             if block is None:
                 if tensor.name == "token_embd.weight":
@@ -320,8 +310,8 @@ def profile_from_gguf(path: str | Path, *, name: str | None = None) -> ModelProf
         )
     vocab = _field(meta, f"{arch}.vocab_size")
     if not isinstance(vocab, int):
-        tokens = meta.get_field("tokenizer.ggml.tokens")
-        vocab = len(tokens.data) if tokens is not None else vocab_rows
+        tokens = meta.kvs.get("tokenizer.ggml.tokens")
+        vocab = tokens.length if tokens is not None else vocab_rows
     tied = head_bytes == 0
     label = name or _field(meta, "general.name") or path.stem
     return ModelProfile(

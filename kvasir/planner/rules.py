@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from kvasir.errors import UnsupportedArchitecture
 from kvasir.planner.profile import LayerKind, ModelProfile
+from kvasir.shard.arch import SUPPORTED
 
-# Archs whose stage files the recipe covers and kvasir.shard slices (kept in step with kvasir/shard/arch.py by hand,
-# so the planner does not depend on the slicer).
-SUPPORTED_ARCHS: frozenset[str] = frozenset({"llama", "qwen2", "qwen3", "gemma3", "qwen35", "qwen35moe"})
+# The slicer's window rules are the planner's: one table of archs (kvasir/shard/arch.py).
+SUPPORTED_ARCHS: frozenset[str] = frozenset(SUPPORTED)
 # Archs whose stages need one layer of each kind present (identity padding otherwise).
-HYBRID_ARCHS: frozenset[str] = frozenset({"qwen35", "qwen35moe"})
+HYBRID_ARCHS: frozenset[str] = frozenset(name for name, rules in SUPPORTED.items() if rules.needs_both_kinds)
 
 
 def check_arch(profile: ModelProfile) -> None:
