@@ -117,9 +117,11 @@ def start_ring(
     procs: list[subprocess.Popen[bytes]] = []
     socks: list[Path] = []
     env = dict(os.environ)
-    # Several nodes share this machine's cores and only one computes at a time: idle OpenMP workers must sleep,
-    # not spin, or they steal the cores the busy stage (and the relay) needs.
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # Several nodes share this machine's cores and only one computes at a time. ggml's OpenMP workers meet at a
+    # barrier after every graph op: spinning forever (OMP_WAIT_POLICY=active) starves the busy stage, sleeping at
+    # once (passive) makes every barrier a futex round trip. A short spin keeps barriers fast and idle nodes quiet
+    # (measured in bench/ring_loopback.py: 4 nodes x 2 threads on 2 cores, compute 45 -> 33 ms/token).
+    env.setdefault("GOMP_SPINCOUNT", "30000")
     relay_proc: subprocess.Popen[bytes] | None = None
     relay_url = None
     if relay:

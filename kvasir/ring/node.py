@@ -455,15 +455,19 @@ class Node:
             await self._after_sample(state, token)
 
     async def _compute_and_sample(self, state: RequestState, frame: Boundary) -> int | None:
+        """Last rank: run the window and, on a final boundary, sample — one worker-thread round trip for both."""
+        sampler = state.sampler
+        assert sampler is not None
+        hidden = frame.to_array()
+
+        def forward_and_sample() -> int | None:
+            self.stage.forward(state.seq, frame.first_position, hidden=hidden)
+            return self.stage.sample(sampler) if frame.final else None
+
         async with state.lock:
             if state.done:
                 return None
-            hidden = frame.to_array()
-            await self.stage.run(functools.partial(self.stage.forward, state.seq, frame.first_position, hidden=hidden))
-            if not frame.final:
-                return None
-            assert state.sampler is not None
-            return await self.stage.run(self.stage.sample, state.sampler)
+            return await self.stage.run(forward_and_sample)
 
     async def _after_sample(self, state: RequestState, token: int) -> None:
         start = state.start
@@ -662,6 +666,7 @@ class Node:
             "window": [info.start, info.end],
             "backend": info.backend,
             "threads": info.n_threads,
+            "busy_s": round(self.stage.busy_s, 4),
             "ready": self.ready,
             "uptime_s": round(time.monotonic() - self.started_at, 1),
             "ranks": [

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -122,6 +123,8 @@ class Stage:
         self._vocab: Vocab | None = None
         self._embedding: TokenEmbedding | None = None
         self._capture: Capture | None = None
+        #: Seconds spent in stage calls (compute), for status and benchmarks.
+        self.busy_s = 0.0
 
     # ------------------------------------------------------------------------------------------------ lifecycle
 
@@ -316,7 +319,15 @@ class Stage:
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a blocking stage call in a worker thread, one at a time per stage (llama.cpp releases the GIL)."""
-        return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter)
+
+        def timed() -> T:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                self.busy_s += time.perf_counter() - t0
+
+        return await trio.to_thread.run_sync(timed, limiter=self.limiter)
 
 
 def _backend_name(devices: Sequence[str], n_gpu_layers: int) -> str:
