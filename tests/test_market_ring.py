@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 
+from kvasir.control.client import ControlClient
 from kvasir.shard.gguf_io import read_gguf
 from kvasir.shard.slice import window_ranges
 from tests.marketutil import Proc, coverage, procs, wait_for
@@ -24,7 +25,7 @@ BUDGETS = {"big": "1MB", "mid": "150kB", "small": "100kB"}
 LEASE = "2"
 
 
-def _node(market: str, name: str, tmp: Path, budget: str) -> Proc:
+def _node(market: str, name: str, tmp: Path, budget: str, *extra: str) -> Proc:
     return Proc(
         "node",
         "--market",
@@ -47,6 +48,7 @@ def _node(market: str, name: str, tmp: Path, budget: str) -> Proc:
         str(tmp / f"{name}.sock"),
         "--stage-dir",
         str(tmp / f"stages-{name}"),
+        *extra,
     )
 
 
@@ -145,3 +147,55 @@ def _try(sock: Path) -> dict[str, object] | None:
     except Exception:
         return None
     return r if r.get("reason") in ("max_tokens", "eog") else None
+
+
+def test_enrollment_through_a_relay_with_the_market_inside_it(tiny_model: Callable[..., Path], tmp_path: Path) -> None:
+    """`kvasir relay --market`: one process bridges every ring edge and runs the market; nodes dial out only."""
+    model = tiny_model("llama", "q8_0")
+    want = whole_model_tokens(model, PROMPT, 12)
+    secret = "cd" * 16
+    with procs() as ps:
+        relay = Proc(
+            "relay",
+            "--listen",
+            "127.0.0.1:0",
+            "--secret-hex",
+            secret,
+            "--market",
+            "127.0.0.1:0",
+            "--db",
+            str(tmp_path / "market.sqlite"),
+        )
+        ps.append(relay)
+        relay_url = relay.wait_line(r"listening on (ws://\S+)").group(1)
+        url = relay.wait_line(r"market on (http://\S+)").group(1)
+        seeder = Proc("serve-model", str(model), "--listen", "127.0.0.1:0")
+        ps.append(seeder)
+        source = seeder.wait_line(r"serving (http://\S+)").group(1)
+        pub = Proc(
+            "market",
+            "publish",
+            str(model),
+            "--url",
+            url,
+            "--source",
+            source,
+            "--windows",
+            WINDOWS,
+            "--weights",
+            WEIGHTS,
+        )
+        assert pub.wait(120) == 0, pub.err
+        nodes = {
+            name: _node(url, name, tmp_path, budget, "--relay", relay_url, "--ring-secret", secret)
+            for name, budget in BUDGETS.items()
+        }
+        ps.extend(nodes.values())
+        for p in nodes.values():
+            _enrolled(p)
+        assert wait_for(lambda: coverage(url)["live"], 120, "full coverage")
+        got = wait_for(lambda: _try(tmp_path / "mid.sock"), 60, "a ring reply through the relay")
+        assert got["tokens"] == want
+        with ControlClient(tmp_path / "small.sock") as c:
+            links = c.status()["links"]
+        assert links["predecessor"]["kind"] == "relay" and links["successor"]["kind"] == "relay"
