@@ -286,7 +286,12 @@ def _finish_reason(end: EndEvent) -> str:
         return finish
     if end.reason == "cancelled":
         raise _ring_error("the request was cancelled")
-    raise _ring_error(end.error or "the request failed on the ring")
+    message = end.error or "the request failed on the ring"
+    if end.code in ("bad_request", "context_full"):  # a node found the request itself unfit
+        raise ApiError(400, message, type="invalid_request_error", code=end.code)
+    if end.code == "overloaded":
+        raise ApiError(503, message, type="server_error", code="overloaded")
+    raise _ring_error(message)
 
 
 def _ring_error(message: str) -> ApiError:

@@ -160,5 +160,6 @@ async def _generate(node: Node, lines: _Lines, msg: dict[str, Any]) -> None:
                         "generated_tokens": ev.generated_tokens,
                         "text": ev.text,
                         "error": ev.error,
+                        "code": ev.code,
                     }
                 )

@@ -522,7 +522,7 @@ class Node:
             return
         state = self._requests.get(frame.request_id)
         if state is not None:
-            await self._finish(state, "error", frame.message)
+            await self._finish(state, "error", frame.message, frame.code)
         if self._forwards(frame.origin_rank):
             await self._send(frame)
 
@@ -535,19 +535,21 @@ class Node:
 
     async def _originate_error(self, state: RequestState, code: ErrorCode, message: str) -> None:
         self.counters["errors"] += 1
-        await self._finish(state, "error", message)
+        await self._finish(state, "error", message, code)
         try:
             await self._send(Error.truncating(code, message, self.rank, state.request_id))
         except RingError as exc:
             log.warning("rank %d: could not report an error for request %x: %s", self.rank, state.request_id, exc)
 
-    async def _finish(self, state: RequestState, reason: str, error: str | None = None) -> None:
+    async def _finish(
+        self, state: RequestState, reason: str, error: str | None = None, code: ErrorCode | None = None
+    ) -> None:
         if state.done:
             return
         state.done = True
         self._requests.pop(state.request_id, None)
         if state.entry is not None:
-            state.entry.finish(reason, state.prompt_len, state.seen, error)
+            state.entry.finish(reason, state.prompt_len, state.seen, error, code.name.lower() if code else None)
         async with state.lock:  # wait out a compute of this request before its sequence is reused
             await self.stage.run(self.stage.free_sequence, state.seq)
             self._seqs.give(state.seq)

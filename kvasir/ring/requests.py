@@ -27,6 +27,8 @@ class EndEvent:
     generated_tokens: int
     text: str = ""
     error: str | None = None
+    #: For reason "error": the ring's error code name (e.g. "bad_request", "context_full", "overloaded").
+    code: str | None = None
 
 
 ClientEvent = TokenEvent | EndEvent
@@ -73,7 +75,9 @@ class EntryStream:
         self.emitted += safe
         self.send.send_nowait(TokenEvent(index, token, safe))
 
-    def finish(self, reason: str, prompt_tokens: int, generated: int, error: str | None = None) -> None:
+    def finish(
+        self, reason: str, prompt_tokens: int, generated: int, error: str | None = None, code: str | None = None
+    ) -> None:
         rest = self._buffer + (self._text.flush() if reason != "stop" else "")
         full = self.emitted + rest
         cut = find_stop(full, self._stop)
@@ -84,7 +88,7 @@ class EntryStream:
         try:
             if tail:
                 self.send.send_nowait(TokenEvent(-1, -1, tail))
-            self.send.send_nowait(EndEvent(reason, prompt_tokens, generated, self.emitted, error))
+            self.send.send_nowait(EndEvent(reason, prompt_tokens, generated, self.emitted, error, code))
         except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
             pass
         self.send.close()
