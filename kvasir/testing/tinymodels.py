@@ -36,7 +36,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final, Literal, TypeAlias, get_args
+from typing import Any, Final, Literal, TypeAlias, get_args
 
 import gguf
 import numpy as np
@@ -205,100 +205,27 @@ def resolve_spec(
     )
 
 
-def write_tiny_model(
-    path: Path,
-    arch: str,
-    *,
-    quant: str = "f32",
-    n_layer: int = 6,
-    n_embd: int | None = None,
-    n_head: int = 4,
-    n_head_kv: int = 2,
-    n_ff: int | None = None,
-    n_vocab: int | None = None,
-    head_dim: int | None = None,
-    seed: int = 0,
-    n_ctx_train: int = 4096,
-    tie_embeddings: bool | None = None,
-    sliding_window: int = 64,
-    full_attention_interval: int = 4,
-    n_expert: int = 4,
-    n_expert_used: int = 2,
-) -> Path:
+def write_tiny_model(path: Path, arch: str, *, quant: str = "f32", **dims: Any) -> Path:
     """Write a random-weight GGUF model to ``path`` and return ``path``.
 
-    ``arch`` is one of :data:`ARCHES`, ``quant`` one of :data:`QUANTS`. Defaults: ``n_embd`` 64
-    (256 for ``q4_k_m``, so K-quants apply to every layer matrix), ``n_ff = 2 * n_embd``, ``n_vocab``
-    512, ``head_dim = n_embd // n_head``. ``tie_embeddings`` defaults to True for gemma3 only.
-    ``sliding_window`` applies to gemma3; ``full_attention_interval`` to qwen35/qwen35moe (also used
-    for the recurrent state: d_state = head_dim, n_head value heads, n_head_kv key groups);
-    ``n_expert`` / ``n_expert_used`` to qwen35moe (experts and the shared expert are n_ff / 2 wide).
-    The same parameters always give the same bytes.
+    ``arch`` is one of :data:`ARCHES`, ``quant`` one of :data:`QUANTS`; ``dims`` are :func:`resolve_spec`'s keywords.
+    Defaults: ``n_embd`` 64 (256 for ``q4_k_m``, so K-quants apply to every layer matrix), ``n_ff = 2 * n_embd``,
+    ``n_vocab`` 512, ``head_dim = n_embd // n_head``. ``tie_embeddings`` defaults to True for gemma3 only.
+    ``sliding_window`` applies to gemma3; ``full_attention_interval`` to qwen35/qwen35moe (also used for the
+    recurrent state: d_state = head_dim, n_head value heads, n_head_kv key groups); ``n_expert`` /
+    ``n_expert_used`` to qwen35moe (experts and the shared expert are n_ff / 2 wide). The same parameters always
+    give the same bytes.
     """
-    spec = resolve_spec(
-        arch,
-        quant=quant,
-        n_layer=n_layer,
-        n_embd=n_embd,
-        n_head=n_head,
-        n_head_kv=n_head_kv,
-        n_ff=n_ff,
-        n_vocab=n_vocab,
-        head_dim=head_dim,
-        seed=seed,
-        n_ctx_train=n_ctx_train,
-        tie_embeddings=tie_embeddings,
-        sliding_window=sliding_window,
-        full_attention_interval=full_attention_interval,
-        n_expert=n_expert,
-        n_expert_used=n_expert_used,
-    )
-    return _write_spec(Path(path), spec)
+    return _write_spec(Path(path), resolve_spec(arch, quant=quant, **dims))
 
 
-def tiny_model_cached(
-    cache_dir: Path,
-    arch: str,
-    quant: str = "f32",
-    *,
-    n_layer: int = 6,
-    n_embd: int | None = None,
-    n_head: int = 4,
-    n_head_kv: int = 2,
-    n_ff: int | None = None,
-    n_vocab: int | None = None,
-    head_dim: int | None = None,
-    seed: int = 0,
-    n_ctx_train: int = 4096,
-    tie_embeddings: bool | None = None,
-    sliding_window: int = 64,
-    full_attention_interval: int = 4,
-    n_expert: int = 4,
-    n_expert_used: int = 2,
-) -> Path:
+def tiny_model_cached(cache_dir: Path, arch: str, quant: str = "f32", **dims: Any) -> Path:
     """Like :func:`write_tiny_model`, but reuse ``cache_dir/<arch>-<quant>-<key>.gguf`` if present.
 
     The key hashes every resolved parameter and the generator's format version. Safe to call from
     several processes at once (each writes its own temporary file and renames it into place).
     """
-    spec = resolve_spec(
-        arch,
-        quant=quant,
-        n_layer=n_layer,
-        n_embd=n_embd,
-        n_head=n_head,
-        n_head_kv=n_head_kv,
-        n_ff=n_ff,
-        n_vocab=n_vocab,
-        head_dim=head_dim,
-        seed=seed,
-        n_ctx_train=n_ctx_train,
-        tie_embeddings=tie_embeddings,
-        sliding_window=sliding_window,
-        full_attention_interval=full_attention_interval,
-        n_expert=n_expert,
-        n_expert_used=n_expert_used,
-    )
+    spec = resolve_spec(arch, quant=quant, **dims)
     cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
     path = cache_dir / f"{spec.arch}-{spec.quant}-{spec.cache_key()}.gguf"
@@ -311,36 +238,26 @@ def tiny_model_cached(
 BENCH_1B_N_VOCAB: Final = 4096
 
 
+#: The benchmark's 1B-class llama (Q4_K_M; 16 layers, 2048 wide, GQA 16/8, FFN 5632).
+BENCH_1B: Final[dict[str, Any]] = {
+    "quant": "q4_k_m",
+    "n_layer": 16,
+    "n_embd": 2048,
+    "n_head": 16,
+    "n_head_kv": 8,
+    "n_ff": 5632,
+    "n_vocab": BENCH_1B_N_VOCAB,
+}
+
+
 def write_bench_1b(path: Path, *, seed: int = 0) -> Path:
-    """The benchmark's 1B-class llama (Q4_K_M; 16 layers, 2048 wide, GQA 16/8, FFN 5632)."""
-    return write_tiny_model(
-        path,
-        "llama",
-        quant="q4_k_m",
-        n_layer=16,
-        n_embd=2048,
-        n_head=16,
-        n_head_kv=8,
-        n_ff=5632,
-        n_vocab=BENCH_1B_N_VOCAB,
-        seed=seed,
-    )
+    """The benchmark's 1B-class llama (:data:`BENCH_1B`)."""
+    return write_tiny_model(path, "llama", seed=seed, **BENCH_1B)
 
 
 def bench_1b_cached(cache_dir: Path, *, seed: int = 0) -> Path:
     """:func:`write_bench_1b` through :func:`tiny_model_cached`."""
-    return tiny_model_cached(
-        cache_dir,
-        "llama",
-        "q4_k_m",
-        n_layer=16,
-        n_embd=2048,
-        n_head=16,
-        n_head_kv=8,
-        n_ff=5632,
-        n_vocab=BENCH_1B_N_VOCAB,
-        seed=seed,
-    )
+    return tiny_model_cached(cache_dir, "llama", seed=seed, **BENCH_1B)
 
 
 # --------------------------------------------------------------------------------------------------
