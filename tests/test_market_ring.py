@@ -52,6 +52,27 @@ def _node(market: str, name: str, tmp: Path, budget: str, *extra: str) -> Proc:
     )
 
 
+def _seed_and_publish(ps: list[Proc], model: Path, market_url: str) -> None:
+    """Serve the model over HTTP (Range) and publish it, with the test's windows and weights, on the market."""
+    seeder = Proc("serve-model", str(model), "--listen", "127.0.0.1:0")
+    ps.append(seeder)
+    source = seeder.wait_line(r"serving (http://\S+)").group(1)
+    pub = Proc(
+        "market",
+        "publish",
+        str(model),
+        "--url",
+        market_url,
+        "--source",
+        source,
+        "--windows",
+        WINDOWS,
+        "--weights",
+        WEIGHTS,
+    )
+    assert pub.wait(120) == 0, pub.err
+
+
 def _enrolled(p: Proc) -> dict[str, object]:
     m = p.wait_line(r"^kvasir node: enrolled (.*)$", timeout=120)
     status: dict[str, object] = json.loads(m.group(1))
@@ -66,23 +87,7 @@ def test_empty_nodes_enroll_serve_earn_and_heal(tiny_model: Callable[..., Path],
         market = Proc("market", "--listen", "127.0.0.1:0", "--db", str(tmp_path / "market.sqlite"))
         ps.append(market)
         url = market.wait_line(r"listening on (http://\S+)").group(1)
-        seeder = Proc("serve-model", str(model), "--listen", "127.0.0.1:0")
-        ps.append(seeder)
-        source = seeder.wait_line(r"serving (http://\S+)").group(1)
-        pub = Proc(
-            "market",
-            "publish",
-            str(model),
-            "--url",
-            url,
-            "--source",
-            source,
-            "--windows",
-            WINDOWS,
-            "--weights",
-            WEIGHTS,
-        )
-        assert pub.wait(120) == 0, pub.err
+        _seed_and_publish(ps, model, url)
 
         t0 = time.monotonic()
         nodes = {name: _node(url, name, tmp_path, budget) for name, budget in BUDGETS.items()}
@@ -169,23 +174,7 @@ def test_enrollment_through_a_relay_with_the_market_inside_it(tiny_model: Callab
         ps.append(relay)
         relay_url = relay.wait_line(r"listening on (ws://\S+)").group(1)
         url = relay.wait_line(r"market on (http://\S+)").group(1)
-        seeder = Proc("serve-model", str(model), "--listen", "127.0.0.1:0")
-        ps.append(seeder)
-        source = seeder.wait_line(r"serving (http://\S+)").group(1)
-        pub = Proc(
-            "market",
-            "publish",
-            str(model),
-            "--url",
-            url,
-            "--source",
-            source,
-            "--windows",
-            WINDOWS,
-            "--weights",
-            WEIGHTS,
-        )
-        assert pub.wait(120) == 0, pub.err
+        _seed_and_publish(ps, model, url)
         nodes = {
             name: _node(url, name, tmp_path, budget, "--relay", relay_url, "--ring-secret", secret)
             for name, budget in BUDGETS.items()
