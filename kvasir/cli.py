@@ -31,7 +31,11 @@ _COMMAND_MODULES = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvasir", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = argparse.ArgumentParser(
+        prog="kvasir",
+        description="Run one large language model across a ring of ordinary devices, with no central master.",
+        epilog="Start with `kvasir ring up --prompt TEXT`; see README.md and docs/.",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in _COMMAND_MODULES:
         importlib.import_module(name).add_parser(sub)
