@@ -12,7 +12,7 @@ import pytest
 
 from kvasir.control.client import ControlClient
 from tests.conftest import run_cli
-from tests.ringutil import ring_generate, running_ring, whole_model_tokens
+from tests.ringutil import ring_generate, running_ring, whole_model, whole_model_tokens
 
 PROMPTS = [
     "The ring passes the hidden state on",
@@ -146,3 +146,19 @@ def test_sigterm_gives_in_flight_requests_an_error_reply(tiny_model: Callable[..
         end = next(m for m in stream if m["type"] == "end")
         assert end["reason"] == "error" and "shutting down" in end["error"]
         assert ring.processes[1].wait(timeout=20) == 0
+
+
+def test_long_prompt_is_prefilled_in_overlapping_chunks_and_stays_exact(
+    tiny_model: Callable[..., Path], cache_dir: Path
+) -> None:
+    """A prompt of several prefill chunks: the ring's stages overlap on it, and the answer is still exact."""
+    model = tiny_model("gemma3", "q8_0")
+    prompt = " ".join(PROMPTS) * 4
+    want = whole_model(model, prompt, 10)
+    assert want.prompt_tokens > 2 * 64
+    with running_ring(model, [(0, 2), (2, 4), (4, 6)], cache_dir) as ring:
+        got = ring_generate(ring.sockets[2], prompt, 10)
+        with ControlClient(ring.sockets[1]) as c:
+            boundaries = c.status()["requests"]["boundaries"]
+    assert got["tokens"] == want.tokens and got["prompt_tokens"] == want.prompt_tokens
+    assert boundaries >= want.prompt_tokens // 64 + 9  # prefill arrived in chunks, then one per decoded token

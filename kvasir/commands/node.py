@@ -22,6 +22,7 @@ from kvasir.ring.manifest import Manifest, load_manifest
 from kvasir.ring.node import Node, NodeConfig
 from kvasir.shard.cache import default_cache_dir, stage_files
 from kvasir.stage.engine import Stage, StageConfig
+from kvasir.stage.pipeline import PREFILL_CHUNK
 from kvasir.wire import BoundaryDType
 
 log = logging.getLogger("kvasir.node")
@@ -41,7 +42,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--ctx", type=int, default=2048, help="context length per request")
     p.add_argument("--seqs", type=int, default=8, help="requests in flight at once")
     p.add_argument("--gpu-layers", type=int, default=0)
-    p.add_argument("--prefill-chunk", type=int, default=64)
+    p.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, help="prompt tokens per prefill boundary")
     p.add_argument(
         "--relay",
         default=None,

@@ -30,7 +30,7 @@ from kvasir.ring.links import Link, StreamLink, handshake, link_error
 from kvasir.ring.manifest import Manifest
 from kvasir.ring.requests import REASONS, ClientEvent, EndEvent, EntryStream, RequestState, SeqPool
 from kvasir.stage.engine import Stage
-from kvasir.stage.pipeline import find_stop
+from kvasir.stage.pipeline import PREFILL_CHUNK, find_stop
 from kvasir.stage.vocab import TextStream
 from kvasir.wire import (
     Boundary,
@@ -58,8 +58,9 @@ class NodeConfig:
     manifest: Manifest
     rank: int
     node_id: str = attrs.field(factory=lambda: secrets.token_hex(6))
-    #: Prompt tokens per prefill boundary: smaller chunks let stages overlap sooner.
-    prefill_chunk: int = 64
+    #: Prompt tokens per prefill boundary: smaller chunks let stages overlap sooner. Keep it equal to the reference's
+    #: (``kvasir generate``) for bit-identical results: llama.cpp's numbers depend on the batching.
+    prefill_chunk: int = PREFILL_CHUNK
     #: How long a frame waits for a missing successor link before its request fails.
     link_wait: float = 30.0
     #: A request with no progress for this long is failed at its entry node.

@@ -17,6 +17,11 @@ from kvasir.stage.engine import FloatArray, Stage
 from kvasir.stage.vocab import TextStream
 from kvasir.wire import SamplingParams
 
+#: Prompt tokens per prefill step, in-process and on the ring alike. llama.cpp's result depends on how a prompt is
+#: batched (a 200-token prompt prefilled in one batch and in 64-token chunks differ in the last bits of the logits),
+#: so every path uses the same schedule and the ring stays bit-exact with `kvasir generate`.
+PREFILL_CHUNK = 64
+
 
 @attrs.frozen
 class GenerationResult:
@@ -45,14 +50,14 @@ def find_stop(text: str, stops: Sequence[str]) -> int | None:
 
 
 class LocalPipeline:
-    def __init__(self, stages: Sequence[Stage]) -> None:
+    def __init__(self, stages: Sequence[Stage], *, prefill_chunk: int = PREFILL_CHUNK) -> None:
         if not stages or not stages[0].info.first or not stages[-1].info.last:
             raise InputError("a pipeline needs stages from the first layer to the last")
         for a, b in itertools.pairwise(stages):
             if a.info.end != b.info.start:
                 raise InputError(f"stage windows do not join: {a.info.end} != {b.info.start}")
         self.stages = list(stages)
-        self.n_batch = min(s.config.n_batch for s in stages)
+        self.chunk = max(1, min(prefill_chunk, *(s.config.n_batch for s in stages)))
 
     @property
     def last(self) -> Stage:
@@ -66,8 +71,8 @@ class LocalPipeline:
             hidden = stage.forward(seq_id, pos0, hidden=hidden)
 
     def prefill(self, seq_id: int, tokens: Sequence[int], pos0: int = 0) -> None:
-        for i in range(0, len(tokens), self.n_batch):
-            self.step(seq_id, pos0 + i, tokens[i : i + self.n_batch])
+        for i in range(0, len(tokens), self.chunk):
+            self.step(seq_id, pos0 + i, tokens[i : i + self.chunk])
 
     def free(self, seq_id: int) -> None:
         for stage in self.stages:
