@@ -188,3 +188,11 @@ def test_enrollment_through_a_relay_with_the_market_inside_it(tiny_model: Callab
         with ControlClient(tmp_path / "small.sock") as c:
             links = c.status()["links"]
         assert links["predecessor"]["kind"] == "relay" and links["successor"]["kind"] == "relay"
+
+        def market_view() -> list[dict[str, object]] | None:
+            with ControlClient(tmp_path / "big.sock") as c:
+                view = c.status()["market"]
+            return view if view and all(w["holder"] for w in view) else None
+
+        view = wait_for(market_view, 30, "the market's map in the node's status (the TUI's coverage map)")
+        assert [w["layers"] for w in view] == [[0, 2], [2, 4], [4, 6]] and all(w["reward"] > 0 for w in view)

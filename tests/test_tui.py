@@ -61,6 +61,20 @@ def test_coverage_marks_uncovered_layers() -> None:
     assert "6:8 uncovered" in text and "rank 0 0:4 (this node)" in text and "░" in text.splitlines()[0]
 
 
+def test_coverage_from_the_market_shows_holders_and_rewards() -> None:
+    """A self-enrolled node's status carries the market's map: who serves each window and what it pays."""
+    model = NodeModel()
+    market = [
+        {"rank": 0, "layers": [0, 4], "holder": "n1", "reward": 2.5, "state": "serving"},
+        {"rank": 1, "layers": [4, 6], "holder": None, "reward": 1.0, "state": None},
+        {"rank": 2, "layers": [6, 8], "holder": "n3", "reward": 3.0, "state": "serving"},
+    ]
+    model.apply({"type": "status", "status": {**_status(1.0, 0), "market": market}})
+    assert model.coverage() == [Segment(0, 4, "rank 0", 2.5), Segment(4, 6, None, 1.0), Segment(6, 8, "rank 2", 3.0)]
+    text = render_coverage(model.coverage(), 8, 40, (0, 4), "rank 0").plain
+    assert "4:6 uncovered" in text and "¤2.5" in text and "¤3" in text
+
+
 def test_rates_from_successive_snapshots() -> None:
     model = NodeModel()
     for k, (uptime, frames, tokens) in enumerate([(1.0, 0, 0), (1.2, 5, 1), (2.0, 20, 10), (3.0, 5, 12)]):

@@ -33,8 +33,23 @@ class Segment:
 
 
 def coverage_from_status(status: Mapping[str, Any]) -> list[Segment]:
-    """The ring's windows as segments covering ``0..layers``; layers no rank holds become ``holder=None``."""
+    """The ring's windows as segments covering ``0..layers``; layers no rank holds become ``holder=None``.
+
+    With a market (``status["market"]``, a self-enrolled node) the map is the market's: each window's holder (None
+    while nobody serves it) and the reward it pays; without one, the rank manifest's windows.
+    """
     n_layers = int(status.get("model", {}).get("layers", 0))
+    market = status.get("market")
+    if market:
+        segments = fill_gaps(
+            (
+                (int(w["layers"][0]), int(w["layers"][1]), f"rank {w['rank']}" if w.get("holder") else None)
+                for w in market
+            ),
+            n_layers,
+        )
+        rewards = {int(w["layers"][0]): w.get("reward") for w in market}
+        return [Segment(g.start, g.end, g.holder, rewards.get(g.start)) for g in segments]
     windows = sorted((int(r["layers"][0]), int(r["layers"][1]), f"rank {r['rank']}") for r in status.get("ranks", ()))
     return fill_gaps(windows, n_layers)
 

@@ -318,6 +318,16 @@ class Enrollment:
             except (MarketError, KvasirError) as exc:
                 log.info("node %s: coverage poll failed: %s", cfg.node_id, exc)
                 continue
+            node.market_view = [
+                {
+                    "rank": c.rank,
+                    "layers": [c.start, c.end],
+                    "holder": c.holder if c.serving else None,
+                    "reward": c.reward,
+                    "state": c.state,
+                }
+                for c in coverage
+            ]
             if len(coverage) != node.manifest.size:
                 continue  # the manifest changed under us: the lease keeper finds out whether we still hold a window
             node.update_manifest(

@@ -128,6 +128,8 @@ class Node:
         self.started_at = time.monotonic()
         self.counters = {"requests": 0, "tokens": 0, "boundaries": 0, "errors": 0}
         self.contribution_tokens = 0
+        #: The market's coverage map of this ring (windows, holders, rewards), set by a self-enrolled node's loop.
+        self.market_view: list[dict[str, Any]] | None = None
 
     # ------------------------------------------------------------------------------------------ service
 
@@ -686,6 +688,7 @@ class Node:
                 "layer_tokens": self.contribution_tokens * (info.end - info.start),
             },
             "memory": _memory(),
+            "market": self.market_view,
         }
 
 
