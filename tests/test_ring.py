@@ -162,3 +162,15 @@ def test_long_prompt_is_prefilled_in_overlapping_chunks_and_stays_exact(
             boundaries = c.status()["requests"]["boundaries"]
     assert got["tokens"] == want.tokens and got["prompt_tokens"] == want.prompt_tokens
     assert boundaries >= want.prompt_tokens // 64 + 9  # prefill arrived in chunks, then one per decoded token
+
+
+def test_a_killed_node_restarts_and_the_ring_relinks(tiny_model: Callable[..., Path], cache_dir: Path) -> None:
+    model = tiny_model("qwen2", "f32")
+    want = whole_model_tokens(model, PROMPTS[3], 10)
+    with running_ring(model, [(0, 2), (2, 4), (4, 6)], cache_dir) as ring:
+        assert ring_generate(ring.sockets[0], PROMPTS[3], 10)["tokens"] == want
+        ring.processes[1].kill()  # no goodbye: its neighbours see the links drop
+        ring.processes[1].wait()
+        ring.restart(1)
+        ring.wait_ready(timeout=60)
+        assert ring_generate(ring.sockets[2], PROMPTS[3], 10)["tokens"] == want

@@ -44,6 +44,16 @@ class LocalRing:
     api_port: int | None
     relay: subprocess.Popen[bytes] | None = None
     relay_url: str | None = None
+    #: Each rank's command line and environment, so a rank can be restarted as it was started.
+    commands: list[tuple[list[str], dict[str, str]]] = attrs.field(factory=list)
+
+    def restart(self, rank: int) -> None:
+        """Start rank ``rank`` again (after it died or was stopped), logging to the same file."""
+        cmd, env = self.commands[rank]
+        with (self.run_dir / f"rank{rank}.log").open("ab") as log_file:
+            self.processes[rank] = subprocess.Popen(
+                cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
 
     def log_tail(self, rank: int, lines: int = 20) -> str:
         try:
@@ -116,6 +126,7 @@ def start_ring(
     manifest.write(manifest_path)
     procs: list[subprocess.Popen[bytes]] = []
     socks: list[Path] = []
+    commands: list[tuple[list[str], dict[str, str]]] = []
     env = dict(os.environ)
     # Several nodes share this machine's cores and only one computes at a time. ggml's OpenMP workers meet at a
     # barrier after every graph op: spinning forever (OMP_WAIT_POLICY=active) starves the busy stage, sleeping at
@@ -169,12 +180,13 @@ def start_ring(
             cmd += ["--threads", str(threads)]
         if api_port is not None and k == 0:
             cmd += ["--api-port", str(api_port)]
+        commands.append((cmd, env))
         with (run_dir / f"rank{k}.log").open("wb") as log_file:
             procs.append(
                 subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
             )
         socks.append(sock)
-    return LocalRing(manifest, run_dir, procs, socks, api_port, relay_proc, relay_url)
+    return LocalRing(manifest, run_dir, procs, socks, api_port, relay_proc, relay_url, commands)
 
 
 def wait_listening(host: str, port: int, proc: subprocess.Popen[bytes], timeout: float) -> None:
