@@ -261,7 +261,7 @@ class Stage:
             if self._embedding is not None:
                 hidden = self._embedding.lookup(tokens)
                 tokens = None
-        n = len(tokens) if tokens is not None else len(hidden)  # type: ignore[arg-type]
+        n = len(tokens) if tokens is not None else len(hidden) if hidden is not None else 0
         if n == 0 or n > self.config.n_batch:
             raise InputError(f"chunk of {n} tokens outside [1, {self.config.n_batch}]")
         if pos0 < 0 or pos0 + n > self.config.n_ctx:
