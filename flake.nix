@@ -30,15 +30,14 @@
             });
           };
         };
+        deps = ps: with ps; [ llama-cpp-python gguf numpy trio trio-websocket attrs rich textual h11 httpx ];
         kvasir = python.pkgs.buildPythonApplication {
           pname = "kvasir";
           version = "0.1.0";
           pyproject = true;
           src = ./.;
           build-system = [ python.pkgs.setuptools ];
-          dependencies = with python.pkgs; [
-            llama-cpp-python gguf numpy trio trio-websocket attrs rich textual h11 httpx
-          ];
+          dependencies = deps python.pkgs;
           doCheck = false;
         };
         app = args: {
@@ -56,7 +55,7 @@
         apps.tui = app "tui";
         apps.relay = app "relay";
         devShells.default = pkgs.mkShell {
-          packages = [ (python.withPackages (ps: kvasir.dependencies ++ [ ps.pytest ps.pytest-trio ps.hypothesis ]))
+          packages = [ (python.withPackages (ps: deps ps ++ [ ps.pytest ps.pytest-trio ps.hypothesis ]))
                        pkgs.tmux pkgs.iproute2 pkgs.nftables ];
         };
       });
