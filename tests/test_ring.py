@@ -174,3 +174,20 @@ def test_a_killed_node_restarts_and_the_ring_relinks(tiny_model: Callable[..., P
         ring.restart(1)
         ring.wait_ready(timeout=60)
         assert ring_generate(ring.sockets[2], PROMPTS[3], 10)["tokens"] == want
+
+
+def test_a_request_another_node_refuses_ends_with_its_error_code(
+    tiny_model: Callable[..., Path], cache_dir: Path
+) -> None:
+    """Rank 1 runs a smaller context than the entry node: it refuses the request and the client learns why."""
+    model = tiny_model("llama", "f32")
+    with running_ring(model, [(0, 3), (3, 6)], cache_dir) as ring:
+        ring.processes[1].terminate()
+        ring.processes[1].wait()
+        cmd, env = ring.commands[1]
+        cmd[cmd.index("--ctx") + 1] = "64"
+        ring.restart(1)
+        ring.wait_ready(timeout=60)
+        end = ring_generate(ring.sockets[0], PROMPTS[0], 100)
+        assert end["reason"] == "error" and end["code"] == "bad_request" and "context of 64" in end["error"]
+        assert ring_generate(ring.sockets[0], PROMPTS[0], 10)["reason"] in ("max_tokens", "eog")  # still serving
