@@ -184,7 +184,7 @@ def test_a_request_another_node_refuses_ends_with_its_error_code(
     with running_ring(model, [(0, 3), (3, 6)], cache_dir) as ring:
         ring.processes[1].terminate()
         ring.processes[1].wait()
-        cmd, env = ring.commands[1]
+        cmd, _env = ring.commands[1]
         cmd[cmd.index("--ctx") + 1] = "64"
         ring.restart(1)
         ring.wait_ready(timeout=60)
