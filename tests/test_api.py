@@ -90,6 +90,7 @@ class FakeBackend:
     pieces: list[str] = attrs.field(factory=lambda: ["Hello", ",", " world", "", "!"])
     reason: str = "eog"
     error: str | None = None
+    code: str | None = None
     delay: float = 0.0
     refuse: Exception | None = None
     manifest: FakeManifest = attrs.field(factory=FakeManifest)
@@ -124,7 +125,7 @@ class FakeBackend:
             yield TokenEvent(i, 100 + i, piece)
         reason = "max_tokens" if len(self.pieces) > handle.max_tokens else self.reason
         handle.ended = True
-        yield EndEvent(reason, len(handle.prompt), n, text, self.error)
+        yield EndEvent(reason, len(handle.prompt), n, text, self.error, self.code)
 
 
 _fake_is_a_backend: ApiBackend[Call] = FakeBackend()
@@ -399,6 +400,14 @@ async def test_stream_error_is_an_sse_error_object(nursery: trio.Nursery) -> Non
         assert "[DONE]" not in events
         assert events[-1]["error"]["message"] == "rank 2 failed"
         assert set(events[-1]["error"]) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize(("code", "status"), [("bad_request", 400), ("context_full", 400), ("overloaded", 503)])
+async def test_ring_error_codes_map_to_statuses(nursery: trio.Nursery, code: str, status: int) -> None:
+    with trio.fail_after(TIMEOUT):
+        port = await start(nursery, FakeBackend(reason="error", error="rank 1 refused it", code=code))
+        err = assert_error(await call(port, "POST", "/v1/completions", {"prompt": "x"}), status)
+        assert err["message"] == "rank 1 refused it" and err["code"] == code
 
 
 async def test_non_stream_ring_error_is_503(nursery: trio.Nursery) -> None:
