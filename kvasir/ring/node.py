@@ -356,8 +356,11 @@ class Node:
                     await self._on_error(frame)
                 case Hello():
                     raise ProtocolError("HELLO after the handshake")
-        except RingError as exc:
+        except RingError as exc:  # e.g. no successor link for link_wait: the request cannot go on from here
             log.warning("rank %d: %s", self.rank, exc)
+            state = self._requests.get(frame.request_id)
+            if state is not None:
+                await self._finish(state, "error", str(exc), ErrorCode.STAGE_FAILED)
 
     async def _on_start(self, start: StartRequest) -> None:
         if start.entry_node_id == self.config.node_id:
