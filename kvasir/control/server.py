@@ -81,7 +81,7 @@ async def _serve_client(node: Node, stream: trio.SocketStream) -> None:
         while True:
             try:
                 msg = await lines.read()
-            except (ValueError, UnicodeDecodeError) as exc:
+            except (ValueError, RecursionError) as exc:  # not JSON, not an object, or nested beyond the parser
                 await lines.write({"type": "error", "error": f"bad request: {exc}"})
                 return
             if msg is None:
@@ -102,7 +102,7 @@ async def _serve_client(node: Node, stream: trio.SocketStream) -> None:
                     await lines.write(
                         {"type": "error", "error": f"unknown op {op!r} (status, watch, generate, cancel)"}
                     )
-            except (KvasirError, ValueError, TypeError) as exc:
+            except (KvasirError, ValueError, TypeError, OverflowError) as exc:  # OverflowError: int(Infinity)
                 await lines.write({"type": "error", "error": str(exc)})
     except (trio.BrokenResourceError, trio.ClosedResourceError):
         return
@@ -116,9 +116,11 @@ async def _watch(node: Node, lines: _Lines, interval: float) -> None:
         await lines.write({"type": "status", "status": node.status()})
         next_status = trio.current_time() + interval
         while True:
+            event = None
             with trio.move_on_at(next_status):
                 event = await events.receive()
-                await lines.write(event)
+            if event is not None:
+                await lines.write(event)  # outside the deadline: a line cut short would tear the stream
                 continue
             await lines.write({"type": "status", "status": node.status()})
             next_status = trio.current_time() + interval

@@ -342,6 +342,12 @@ class Node:
     async def _on_frame(self, frame: Frame) -> None:
         try:
             match frame:
+                case Boundary() | Token() | End() if frame.latest_token >= self.stage.vocab.n_tokens:
+                    # Never let it reach llama.cpp: a token id outside the vocabulary aborts the process there.
+                    state = self._requests.get(frame.request_id)
+                    if state is not None:
+                        message = f"token {frame.latest_token} outside the vocabulary of {self.stage.vocab.n_tokens}"
+                        await self._originate_error(state, ErrorCode.BAD_REQUEST, message)
                 case StartRequest():
                     await self._on_start(frame)
                 case Boundary():
@@ -476,6 +482,8 @@ class Node:
             return await self.stage.run(forward_and_sample)
 
     async def _after_sample(self, state: RequestState, token: int) -> None:
+        if state.done:
+            return  # cancelled or failed while its sample was computed: the token belongs to nobody now
         start = state.start
         if self.stage.vocab.is_eog(token):
             await self._end(state, EndReason.EOG, latest=-1)
@@ -554,14 +562,21 @@ class Node:
             return
         state.done = True
         self._requests.pop(state.request_id, None)
-        if state.entry is not None:
-            state.entry.finish(reason, state.prompt_len, state.seen, error, code.name.lower() if code else None)
-        async with state.lock:  # wait out a compute of this request before its sequence is reused
-            await self.stage.run(self.stage.free_sequence, state.seq)
-            self._seqs.give(state.seq)
-            if state.sampler is not None:
-                state.sampler.close()
-                state.sampler = None
+        try:
+            # Wait out a compute of this request before its sequence is reused. Shielded: a caller that gives up
+            # (a client's cancel with a deadline, a shutdown) must not leak the sequence; the wait is one compute.
+            with trio.CancelScope(shield=True):
+                async with state.lock:
+                    await self.stage.run(self.stage.free_sequence, state.seq)
+                    self._seqs.give(state.seq)
+                    if state.sampler is not None:
+                        state.sampler.close()
+                        state.sampler = None
+        finally:
+            # Only now tell the client: once it leaves, its admission slot lets the next request in, which must
+            # find this sequence free.
+            if state.entry is not None:
+                state.entry.finish(reason, state.prompt_len, state.seen, error, code.name.lower() if code else None)
         self.hub.publish(
             {
                 "type": "request",
@@ -636,11 +651,18 @@ class Node:
         state = self._requests.get(request_id)
         if state is None:
             return
-        await self._finish(state, "cancelled")
-        try:
-            await self._send(Cancel(request_id, self.rank))
-        except RingError as exc:
-            log.warning("rank %d: cancel of %x not sent: %s", self.rank, request_id, exc)
+
+        async def tell_ring() -> None:
+            try:
+                await self._send(Cancel(request_id, self.rank))
+            except RingError as exc:
+                log.warning("rank %d: cancel of %x not sent: %s", self.rank, request_id, exc)
+
+        # Both at once: freeing here waits out a compute of the request, which must not hold back (or, under a
+        # caller's deadline, cost) the other nodes' CANCEL; a missing link must not hold back the client's end.
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(tell_ring)
+            await self._finish(state, "cancelled")
 
     async def events(self, handle: RequestHandle) -> AsyncGenerator[ClientEvent, None]:
         """The request's events; a ring that makes no progress for ``stall_timeout`` ends it with an error."""

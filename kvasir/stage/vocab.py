@@ -92,6 +92,8 @@ class Vocab:
         cached = self._pieces.get(token)
         if cached is not None:
             return cached
+        if not 0 <= token < self.n_tokens:  # llama.cpp throws through its C API (the process aborts)
+            raise InputError(f"token id {token} out of range [0, {self.n_tokens})")
         buf = ctypes.create_string_buffer(64)
         n = self._L.llama_token_to_piece(self._vocab, token, buf, 64, 0, False)
         if n < 0:

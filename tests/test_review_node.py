@@ -1,0 +1,258 @@
+"""Review findings in the request flow: real nodes in-process on loopback, poked at the edges of a request's life."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing, asynccontextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+import trio
+
+from kvasir.control.server import serve_control
+from kvasir.ring.launcher import free_ports
+from kvasir.ring.links import StreamLink, handshake
+from kvasir.ring.manifest import Manifest, RankEntry
+from kvasir.ring.node import Node, NodeConfig
+from kvasir.ring.requests import EndEvent
+from kvasir.shard.cache import model_sha256, stage_files
+from kvasir.stage.engine import Stage, StageConfig
+from kvasir.wire import Boundary, Error, ErrorCode, Hello, SamplingParams, Side, StartRequest
+
+WINDOWS = [(0, 3), (3, 6)]
+GREEDY = SamplingParams(temperature=0.0)
+PROMPT = [1, 5, 9, 17, 33]
+
+
+async def _load(model: Path, cache_dir: Path, n_seq_max: int) -> tuple[list[Stage], Manifest]:
+    paths = stage_files(model, WINDOWS, cache_dir)
+    sha = model_sha256(model, cache_dir)
+    p0, p1 = free_ports(2)
+    manifest = Manifest(
+        sha, 6, (RankEntry(0, 0, 3, "127.0.0.1", p0), RankEntry(1, 3, 6, "127.0.0.1", p1)), model_name="tiny"
+    )
+    stages = [
+        await trio.to_thread.run_sync(
+            lambda p=p: Stage.load(StageConfig(p, n_ctx=128, n_seq_max=n_seq_max, n_threads=1))
+        )
+        for p in paths
+    ]
+    for s in stages:
+        await trio.to_thread.run_sync(lambda s=s: s.vocab)
+    return stages, manifest
+
+
+@asynccontextmanager
+async def two_node_ring(model: Path, cache_dir: Path, n_seq_max: int = 2) -> AsyncIterator[list[Node]]:
+    stages, manifest = await _load(model, cache_dir, n_seq_max)
+    try:
+        nodes = [Node(NodeConfig(manifest, r, link_wait=5.0), stages[r]) for r in range(2)]
+        async with trio.open_nursery() as nursery:
+            for n in nodes:
+                await nursery.start(n.serve)
+            while not all(n.ready for n in nodes):  # noqa: ASYNC110 (polling a plain attribute)
+                await trio.sleep(0.02)
+            yield nodes
+            nursery.cancel_scope.cancel()
+    finally:
+        for s in stages:
+            s.close()
+
+
+async def _drain(node: Node, prompt: list[int], max_tokens: int) -> EndEvent:
+    async with node.request(prompt, GREEDY, max_tokens) as handle, aclosing(node.events(handle)) as events:
+        async for ev in events:
+            if isinstance(ev, EndEvent):
+                return ev
+    raise AssertionError("no end event")
+
+
+async def test_a_request_waiting_for_admission_gets_the_sequence_the_last_one_freed(
+    tiny_model: Callable[..., Path], cache_dir: Path
+) -> None:
+    """One sequence per node: a second client waits its turn and is served, never refused for a busy slot."""
+    model = tiny_model("llama", "f32")
+    with trio.fail_after(60):
+        async with two_node_ring(model, cache_dir, n_seq_max=1) as nodes:
+            results: list[EndEvent | BaseException] = []
+
+            async def one() -> None:
+                try:
+                    results.append(await _drain(nodes[0], PROMPT, 6))
+                except Exception as exc:  # what a client would see
+                    results.append(exc)
+
+            for _ in range(3):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(one)
+                    nursery.start_soon(one)
+            assert all(isinstance(r, EndEvent) and r.reason in ("max_tokens", "eog") for r in results), results
+            assert all(n.status()["requests"]["free_sequences"] == 1 for n in nodes)
+
+
+async def test_cancel_at_the_last_rank_during_its_sample_keeps_the_predecessor_link(
+    tiny_model: Callable[..., Path], cache_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client of the last rank cancels while that rank computes and samples for it: the sample that comes back
+    for the finished request is dropped; the node does not lose its predecessor link (and every other request's
+    frames on it)."""
+    caplog.set_level(logging.INFO, logger="kvasir.node")
+    model = tiny_model("llama", "f32")
+    with trio.fail_after(60):
+        async with two_node_ring(model, cache_dir) as nodes:
+            last = nodes[1]
+            pred = last._pred
+            busy = object()
+            await last.stage.limiter.acquire_on_behalf_of(busy)  # the stage is busy: the next compute waits
+            async with last.request(PROMPT, GREEDY, 20) as handle:
+                while last.stage.limiter.statistics().tasks_waiting < 1:  # noqa: ASYNC110
+                    await trio.sleep(0.01)  # the prompt's FINAL boundary arrived: compute + sample is queued
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(last.cancel, handle.request_id)
+                    await trio.sleep(0.1)  # the cancel finished the request and waits for the compute
+                    last.stage.limiter.release_on_behalf_of(busy)
+                events = [ev async for ev in last.events(handle)]
+            assert isinstance(events[-1], EndEvent) and events[-1].reason == "cancelled"
+            await trio.sleep(0.3)
+            assert not any("predecessor link lost" in r.message for r in caplog.records)
+            assert last._pred is pred
+            assert (await _drain(nodes[0], PROMPT, 4)).reason in ("max_tokens", "eog")
+            assert all(n.status()["requests"]["free_sequences"] == 2 for n in nodes)
+
+
+async def test_a_cancel_cut_short_by_its_caller_still_frees_the_sequence(
+    tiny_model: Callable[..., Path], cache_dir: Path
+) -> None:
+    """A client leaves while the stage is busy with a long compute: every node still gets its sequence back."""
+    model = tiny_model("llama", "f32")
+    with trio.fail_after(60):
+        async with two_node_ring(model, cache_dir) as nodes:
+            entry = nodes[0]
+
+            async def busy_stage(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+                async with entry.stage.limiter:  # as a long compute of another request would
+                    task_status.started()
+                    await trio.sleep(1.0)
+
+            async with trio.open_nursery() as nursery, entry.request(PROMPT, GREEDY, 20) as handle:
+                await nursery.start(busy_stage)
+                with trio.move_on_after(0.2):  # the caller gives up on the cancel before the stage is free
+                    await entry.cancel(handle.request_id)
+            await trio.sleep(0.5)
+            assert [n.status()["requests"]["free_sequences"] for n in nodes] == [2, 2]
+            assert [n.status()["requests"]["in_flight"] for n in nodes] == [0, 0]
+            assert (await _drain(entry, PROMPT, 4)).reason in ("max_tokens", "eog")
+
+
+async def test_a_token_outside_the_vocabulary_fails_the_request_not_the_node(
+    tiny_model: Callable[..., Path], cache_dir: Path
+) -> None:
+    """A frame whose latest token is not in the vocabulary must not reach llama.cpp (it aborts the process)."""
+    model = tiny_model("llama", "f32")
+    paths = stage_files(model, WINDOWS, cache_dir)
+    sha = model_sha256(model, cache_dir)
+    stage = await trio.to_thread.run_sync(
+        lambda: Stage.load(StageConfig(paths[1], n_ctx=128, n_seq_max=2, n_threads=1))
+    )
+    try:
+        with trio.fail_after(60):
+            listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+            succ_port = listeners[0].socket.getsockname()[1]
+            manifest = Manifest(
+                sha, 6, (RankEntry(0, 0, 3, "127.0.0.1", succ_port), RankEntry(1, 3, 6, "127.0.0.1", 0))
+            )
+            node = Node(NodeConfig(manifest, 1, link_wait=5.0), stage)
+            peer = Hello(
+                node_id="peer", model_id=sha, rank=0, ring_size=2, window_start=0, window_end=3, n_layers=6, n_embd=64
+            )
+            async with trio.open_nursery() as nursery:
+                port = await nursery.start(node.serve)
+                # The node dials its successor (us, rank 0)...
+                down = StreamLink(await listeners[0].accept(), "node")
+                await handshake(down, peer, Side.PREDECESSOR, send_first=False)
+                # ...and we link as its predecessor.
+                up = StreamLink(await trio.open_tcp_stream("127.0.0.1", port), "node")
+                await handshake(up, peer, Side.SUCCESSOR, send_first=True)
+                rid = 0x1234
+                start = StartRequest(rid, (1, 2, 3), 8, 0, "peer", GREEDY)
+                await up.send(start)
+                hidden = np.zeros((1, 64), np.float32)
+                await up.send(Boundary.from_array(rid, 3, hidden, final=True, latest_token=10**6))
+                while True:
+                    frame = await down.receive()
+                    if isinstance(frame, Error):
+                        break
+                assert frame.request_id == rid and frame.code == ErrorCode.BAD_REQUEST
+                assert node.status()["requests"]["in_flight"] == 0
+                assert node.status()["requests"]["free_sequences"] == 2
+                await up.aclose()
+                await down.aclose()
+                nursery.cancel_scope.cancel()
+            for lst in listeners:
+                await lst.aclose()
+    finally:
+        stage.close()
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        b'{"op": "generate", "prompt": "hi", "max_tokens": Infinity}\n',
+        b'{"op": "cancel", "request": 1e400}\n',
+        b'{"op": "status", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}\n",
+    ],
+    ids=["infinite-max-tokens", "infinite-request-id", "deep-nesting"],
+)
+async def test_a_malformed_control_line_is_answered_not_fatal(
+    line: bytes, tiny_model: Callable[..., Path], cache_dir: Path, tmp_path: Path
+) -> None:
+    model = tiny_model("llama", "f32")
+    with trio.fail_after(60):
+        async with two_node_ring(model, cache_dir) as nodes, trio.open_nursery() as nursery:
+            sock = tmp_path / "c.sock"
+            await nursery.start(serve_control, nodes[0], sock)
+            s = await trio.open_unix_socket(str(sock))
+            await s.send_all(line)
+            reply = b""
+            while not reply.endswith(b"\n"):
+                reply += await s.receive_some(65536)
+            assert json.loads(reply)["type"] == "error"
+            await s.aclose()
+            # The control socket (and the node) still serve.
+            s = await trio.open_unix_socket(str(sock))
+            await s.send_all(b'{"op": "status"}\n')
+            reply = b""
+            while not reply.endswith(b"\n"):
+                reply += await s.receive_some(65536)
+            assert json.loads(reply)["type"] == "status"
+            await s.aclose()
+            nursery.cancel_scope.cancel()
+
+
+async def test_watch_never_writes_a_torn_line_to_a_slow_reader(
+    tiny_model: Callable[..., Path], cache_dir: Path, tmp_path: Path
+) -> None:
+    """An event line that is slow to write is delivered whole before the next status line, however slow the reader."""
+    model = tiny_model("llama", "f32")
+    with trio.fail_after(60):
+        async with two_node_ring(model, cache_dir) as nodes, trio.open_nursery() as nursery:
+            sock = tmp_path / "w.sock"
+            await nursery.start(serve_control, nodes[0], sock)
+            s = await trio.open_unix_socket(str(sock))
+            await s.send_all(b'{"op": "watch", "interval": 0.1}\n')
+            await trio.sleep(0.2)
+            nodes[0].hub.publish({"type": "note", "text": "x" * (4 << 20)})  # far beyond the socket's buffer
+            await trio.sleep(0.5)  # the reader is slow: status deadlines pass while the line is being written
+            data = b""
+            with trio.move_on_after(3):
+                while data.count(b"\n") < 8:
+                    data += await s.receive_some(1 << 20)
+            lines = data.split(b"\n")[:-1]
+            assert any(json.loads(ln)["type"] == "note" for ln in lines)
+            for ln in lines:
+                json.loads(ln)  # no torn line
+            await s.aclose()
+            nursery.cancel_scope.cancel()
