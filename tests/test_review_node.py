@@ -256,3 +256,44 @@ async def test_watch_never_writes_a_torn_line_to_a_slow_reader(
                 json.loads(ln)  # no torn line
             await s.aclose()
             nursery.cancel_scope.cancel()
+
+
+async def test_a_request_abandoned_by_its_entry_is_freed_on_every_node(
+    tiny_model: Callable[..., Path], cache_dir: Path
+) -> None:
+    """A START whose entry node never says anything again: the node frees its sequence after the stall limit."""
+    model = tiny_model("llama", "f32")
+    paths = stage_files(model, WINDOWS, cache_dir)
+    sha = model_sha256(model, cache_dir)
+    stage = await trio.to_thread.run_sync(
+        lambda: Stage.load(StageConfig(paths[1], n_ctx=128, n_seq_max=2, n_threads=1))
+    )
+    try:
+        with trio.fail_after(60):
+            listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+            succ_port = listeners[0].socket.getsockname()[1]
+            manifest = Manifest(
+                sha, 6, (RankEntry(0, 0, 3, "127.0.0.1", succ_port), RankEntry(1, 3, 6, "127.0.0.1", 0))
+            )
+            node = Node(NodeConfig(manifest, 1, link_wait=0.3, stall_timeout=0.5), stage)
+            peer = Hello(
+                node_id="peer", model_id=sha, rank=0, ring_size=2, window_start=0, window_end=3, n_layers=6, n_embd=64
+            )
+            async with trio.open_nursery() as nursery:
+                port = await nursery.start(node.serve)
+                down = StreamLink(await listeners[0].accept(), "node")
+                await handshake(down, peer, Side.PREDECESSOR, send_first=False)
+                up = StreamLink(await trio.open_tcp_stream("127.0.0.1", port), "node")
+                await handshake(up, peer, Side.SUCCESSOR, send_first=True)
+                await up.send(StartRequest(0x77, (1, 2, 3), 8, 0, "peer", GREEDY))
+                await trio.sleep(0.2)
+                assert node.status()["requests"]["in_flight"] == 1  # registered, waiting for its boundaries
+                while node.status()["requests"]["in_flight"]:  # noqa: ASYNC110 (polling node state)
+                    await trio.sleep(0.05)
+                assert node.status()["requests"]["free_sequences"] == 2
+                for link in (up, down):
+                    await link.aclose()
+                await listeners[0].aclose()
+                nursery.cancel_scope.cancel()
+    finally:
+        stage.close()

@@ -147,6 +147,7 @@ class Node:
                 )
                 port = listeners[0].socket.getsockname()[1]
             nursery.start_soon(self._keep_successor)
+            nursery.start_soon(self._reap_stale)
             log.info("rank %d up (port %d), layers %d:%d", self.rank, port, me.start, me.end)
             task_status.started(port)
 
@@ -339,7 +340,32 @@ class Node:
 
     # ------------------------------------------------------------------------------------------ frames
 
+    async def _reap_stale(self) -> None:
+        """Free requests nothing has happened to for ``stall_timeout + link_wait``.
+
+        The entry node gives up on a stalled request after ``stall_timeout`` and sends CANCEL; a node that never
+        hears it (its entry died, a link stayed down) would otherwise keep the request's sequence forever.
+        """
+        limit = self.config.stall_timeout + self.config.link_wait
+        while True:
+            await trio.sleep(max(0.05, limit / 4))
+            now = time.monotonic()
+            for state in list(self._requests.values()):
+                if not state.done and now - state.touched > limit:
+                    log.warning(
+                        "rank %d: request %x made no progress for %.0f s; freeing it",
+                        self.rank,
+                        state.request_id,
+                        limit,
+                    )
+                    await self._finish(
+                        state, "error", f"no progress for {limit:.0f} s at rank {self.rank}", ErrorCode.STAGE_FAILED
+                    )
+
     async def _on_frame(self, frame: Frame) -> None:
+        live = self._requests.get(frame.request_id)
+        if live is not None:
+            live.touched = time.monotonic()
         try:
             match frame:
                 case Boundary() | Token() | End() if frame.latest_token >= self.stage.vocab.n_tokens:
@@ -427,6 +453,7 @@ class Node:
                 if hidden is None:
                     return
                 final = i + chunk >= len(prompt)
+                state.touched = time.monotonic()
                 await self._send(self._boundary(state.request_id, i, hidden, final=final))
         except KvasirError as exc:
             await self._originate_error(state, ErrorCode.STAGE_FAILED, str(exc))

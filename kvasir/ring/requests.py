@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import attrs
@@ -109,6 +110,8 @@ class RequestState:
     done: bool = False
     #: Held while the stage computes for this request, so its sequence is never freed mid-compute.
     lock: trio.Lock = attrs.field(factory=trio.Lock)
+    #: When a frame of this request last passed this node (time.monotonic()); the stale-request reaper reads it.
+    touched: float = attrs.field(factory=time.monotonic)
 
     @property
     def request_id(self) -> int:
