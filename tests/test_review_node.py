@@ -147,54 +147,60 @@ async def test_a_cancel_cut_short_by_its_caller_still_frees_the_sequence(
             assert (await _drain(entry, PROMPT, 4)).reason in ("max_tokens", "eog")
 
 
-async def test_a_token_outside_the_vocabulary_fails_the_request_not_the_node(
-    tiny_model: Callable[..., Path], cache_dir: Path
-) -> None:
-    """A frame whose latest token is not in the vocabulary must not reach llama.cpp (it aborts the process)."""
-    model = tiny_model("llama", "f32")
+@asynccontextmanager
+async def node_between_fakes(
+    model: Path, cache_dir: Path, **config: float
+) -> AsyncIterator[tuple[Node, StreamLink, StreamLink]]:
+    """Rank 1 as a real node, with this test playing rank 0 on both sides: ``(node, up, down)`` where ``up`` sends
+    to the node as its predecessor and ``down`` receives what the node sends its successor."""
     paths = stage_files(model, WINDOWS, cache_dir)
     sha = model_sha256(model, cache_dir)
     stage = await trio.to_thread.run_sync(
         lambda: Stage.load(StageConfig(paths[1], n_ctx=128, n_seq_max=2, n_threads=1))
     )
     try:
-        with trio.fail_after(60):
-            listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-            succ_port = listeners[0].socket.getsockname()[1]
-            manifest = Manifest(
-                sha, 6, (RankEntry(0, 0, 3, "127.0.0.1", succ_port), RankEntry(1, 3, 6, "127.0.0.1", 0))
-            )
-            node = Node(NodeConfig(manifest, 1, link_wait=5.0), stage)
-            peer = Hello(
-                node_id="peer", model_id=sha, rank=0, ring_size=2, window_start=0, window_end=3, n_layers=6, n_embd=64
-            )
-            async with trio.open_nursery() as nursery:
-                port = await nursery.start(node.serve)
-                # The node dials its successor (us, rank 0)...
-                down = StreamLink(await listeners[0].accept(), "node")
-                await handshake(down, peer, Side.PREDECESSOR, send_first=False)
-                # ...and we link as its predecessor.
-                up = StreamLink(await trio.open_tcp_stream("127.0.0.1", port), "node")
-                await handshake(up, peer, Side.SUCCESSOR, send_first=True)
-                rid = 0x1234
-                start = StartRequest(rid, (1, 2, 3), 8, 0, "peer", GREEDY)
-                await up.send(start)
-                hidden = np.zeros((1, 64), np.float32)
-                await up.send(Boundary.from_array(rid, 3, hidden, final=True, latest_token=10**6))
-                while True:
-                    frame = await down.receive()
-                    if isinstance(frame, Error):
-                        break
-                assert frame.request_id == rid and frame.code == ErrorCode.BAD_REQUEST
-                assert node.status()["requests"]["in_flight"] == 0
-                assert node.status()["requests"]["free_sequences"] == 2
-                await up.aclose()
-                await down.aclose()
-                nursery.cancel_scope.cancel()
-            for lst in listeners:
-                await lst.aclose()
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        succ_port = listeners[0].socket.getsockname()[1]
+        manifest = Manifest(sha, 6, (RankEntry(0, 0, 3, "127.0.0.1", succ_port), RankEntry(1, 3, 6, "127.0.0.1", 0)))
+        node = Node(NodeConfig(manifest, 1, **config), stage)
+        peer = Hello(
+            node_id="peer", model_id=sha, rank=0, ring_size=2, window_start=0, window_end=3, n_layers=6, n_embd=64
+        )
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(node.serve)
+            # The node dials its successor (us, rank 0)...
+            down = StreamLink(await listeners[0].accept(), "node")
+            await handshake(down, peer, Side.PREDECESSOR, send_first=False)
+            # ...and we link as its predecessor.
+            up = StreamLink(await trio.open_tcp_stream("127.0.0.1", port), "node")
+            await handshake(up, peer, Side.SUCCESSOR, send_first=True)
+            yield node, up, down
+            await up.aclose()
+            await down.aclose()
+            nursery.cancel_scope.cancel()
+        for lst in listeners:
+            await lst.aclose()
     finally:
         stage.close()
+
+
+async def test_a_token_outside_the_vocabulary_fails_the_request_not_the_node(
+    tiny_model: Callable[..., Path], cache_dir: Path
+) -> None:
+    """A frame whose latest token is not in the vocabulary must not reach llama.cpp (it aborts the process)."""
+    with trio.fail_after(60):
+        async with node_between_fakes(tiny_model("llama", "f32"), cache_dir, link_wait=5.0) as (node, up, down):
+            rid = 0x1234
+            await up.send(StartRequest(rid, (1, 2, 3), 8, 0, "peer", GREEDY))
+            hidden = np.zeros((1, 64), np.float32)
+            await up.send(Boundary.from_array(rid, 3, hidden, final=True, latest_token=10**6))
+            while True:
+                frame = await down.receive()
+                if isinstance(frame, Error):
+                    break
+            assert frame.request_id == rid and frame.code == ErrorCode.BAD_REQUEST
+            assert node.status()["requests"]["in_flight"] == 0
+            assert node.status()["requests"]["free_sequences"] == 2
 
 
 @pytest.mark.parametrize(
@@ -263,37 +269,11 @@ async def test_a_request_abandoned_by_its_entry_is_freed_on_every_node(
 ) -> None:
     """A START whose entry node never says anything again: the node frees its sequence after the stall limit."""
     model = tiny_model("llama", "f32")
-    paths = stage_files(model, WINDOWS, cache_dir)
-    sha = model_sha256(model, cache_dir)
-    stage = await trio.to_thread.run_sync(
-        lambda: Stage.load(StageConfig(paths[1], n_ctx=128, n_seq_max=2, n_threads=1))
-    )
-    try:
-        with trio.fail_after(60):
-            listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-            succ_port = listeners[0].socket.getsockname()[1]
-            manifest = Manifest(
-                sha, 6, (RankEntry(0, 0, 3, "127.0.0.1", succ_port), RankEntry(1, 3, 6, "127.0.0.1", 0))
-            )
-            node = Node(NodeConfig(manifest, 1, link_wait=0.3, stall_timeout=0.5), stage)
-            peer = Hello(
-                node_id="peer", model_id=sha, rank=0, ring_size=2, window_start=0, window_end=3, n_layers=6, n_embd=64
-            )
-            async with trio.open_nursery() as nursery:
-                port = await nursery.start(node.serve)
-                down = StreamLink(await listeners[0].accept(), "node")
-                await handshake(down, peer, Side.PREDECESSOR, send_first=False)
-                up = StreamLink(await trio.open_tcp_stream("127.0.0.1", port), "node")
-                await handshake(up, peer, Side.SUCCESSOR, send_first=True)
-                await up.send(StartRequest(0x77, (1, 2, 3), 8, 0, "peer", GREEDY))
-                await trio.sleep(0.2)
-                assert node.status()["requests"]["in_flight"] == 1  # registered, waiting for its boundaries
-                while node.status()["requests"]["in_flight"]:  # noqa: ASYNC110 (polling node state)
-                    await trio.sleep(0.05)
-                assert node.status()["requests"]["free_sequences"] == 2
-                for link in (up, down):
-                    await link.aclose()
-                await listeners[0].aclose()
-                nursery.cancel_scope.cancel()
-    finally:
-        stage.close()
+    with trio.fail_after(60):
+        async with node_between_fakes(model, cache_dir, link_wait=0.3, stall_timeout=0.5) as (node, up, _down):
+            await up.send(StartRequest(0x77, (1, 2, 3), 8, 0, "peer", GREEDY))
+            await trio.sleep(0.2)
+            assert node.status()["requests"]["in_flight"] == 1  # registered, waiting for its boundaries
+            while node.status()["requests"]["in_flight"]:  # noqa: ASYNC110 (polling node state)
+                await trio.sleep(0.05)
+            assert node.status()["requests"]["free_sequences"] == 2
