@@ -1,0 +1,1 @@
+"""Domain types shared by every layer: sampling parameters, stop search, prefill schedule, ids, the schema converter."""

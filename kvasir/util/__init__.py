@@ -1,0 +1,1 @@
+"""Small helpers with no domain knowledge: atomic file output, host:port parsing, backoff, directories, CLI runner."""
