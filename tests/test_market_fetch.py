@@ -13,10 +13,11 @@ import h11
 import pytest
 import trio
 
-from kvasir.errors import InputError
+from kvasir.errors import InputError, ModelFileError
 from kvasir.httpserve import HttpConnection, HttpRequest, serve_http
 from kvasir.shard.cache import file_sha256, model_sha256
-from kvasir.shard.fetch import SourceError, fetch_window, header_walk, temp_paths
+from kvasir.shard.fetch import SourceError, fetch_window, temp_paths
+from kvasir.shard.gguf_header import HeaderCursor, NeedBytes
 from kvasir.shard.gguf_io import read_gguf
 from kvasir.shard.seed import ModelSeeder, parse_range
 from kvasir.shard.slice import slice_model, window_ranges
@@ -101,25 +102,33 @@ async def test_fetch_is_byte_identical_and_within_budget(
     assert [n for n in _names(tmp_path) if n.startswith(".")] == []
 
 
-def test_header_walk_never_reads_past_the_header(tiny_model: Callable[..., Path]) -> None:
+def test_header_requests_never_reach_past_the_header(tiny_model: Callable[..., Path]) -> None:
+    """Asking for exactly [buffered, header_ends_after) each time, as fetch does, ends exactly at the header's end."""
     for arch in ("llama", "gemma3", "qwen35moe"):
         model = tiny_model(arch, "f32")
         raw = model.read_bytes()
-        buf = bytearray()
-        walk = header_walk(buf)
+        cursor = HeaderCursor(str(model), file_size=len(raw))
+        step = cursor.feed(b"")
         requests = 0
-        try:
-            need, hint = next(walk)
-            while True:
-                assert need <= hint
-                buf.extend(raw[len(buf) : hint])
-                requests += 1
-                need, hint = walk.send(None)
-        except StopIteration as stop:
-            end = stop.value
+        while isinstance(step, NeedBytes):
+            assert cursor.buffered < step.at_least <= step.header_ends_after
+            step = cursor.feed(raw[cursor.buffered : step.header_ends_after])
+            requests += 1
         gg = read_gguf(model)
-        assert end <= gg.data_offset < end + gg.alignment and len(buf) == end
+        assert cursor.buffered == step.header_end <= gg.data_offset < step.header_end + gg.alignment
         assert requests < 100
+
+
+async def test_header_over_the_cap_fails_before_it_is_fetched(
+    llama: Path, source: tuple[str, Source], tmp_path: Path
+) -> None:
+    url, _ = source
+    out = tmp_path / "stage.gguf"
+    with pytest.raises(ModelFileError, match="header too large"):
+        await fetch_window(url, 2, 4, out, max_header_bytes=1000)
+    assert _names(tmp_path) == []  # no stage, no temp file, no resume record
+    res = await fetch_window(url, 2, 4, out, max_header_bytes=read_gguf(llama).data_offset)
+    assert res.header_bytes <= read_gguf(llama).data_offset
 
 
 async def test_resume_after_interruption(llama: Path, source: tuple[str, Source], tmp_path: Path) -> None:

@@ -6,8 +6,10 @@ from the whole file, so the result is byte-identical. Fetched ranges are recorde
 interrupted download resumes where it stopped. The stage is verified against the expected sha256 before it is
 renamed into place: a source that serves wrong bytes or lies about lengths leaves nothing half-written.
 
-The header is read with no overshoot: :func:`header_walk` steps through the GGUF header structure and asks for
-at most a lower bound of what is left of it, so no request reaches past the header's end.
+The header is read with no overshoot and within a cap: the one GGUF header cursor
+(:class:`kvasir.shard.gguf_header.HeaderCursor`) says how many bytes it needs and a lower bound of where the header
+ends, and each request asks for exactly up to that bound, so none reaches past the header's end and a header that
+claims more than ``max_header_bytes`` fails before it is fetched.
 """
 
 from __future__ import annotations
@@ -16,9 +18,8 @@ import contextlib
 import json
 import os
 import re
-import struct
 import time
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,17 +30,14 @@ import trio
 from kvasir.errors import InputError, ModelFileError
 from kvasir.shard.cache import file_sha256
 from kvasir.shard.gguf_file import describe
-from kvasir.shard.gguf_io import GGUF_MAGIC, read_gguf
+from kvasir.shard.gguf_header import DEFAULT_LIMITS, PREAMBLE_BYTES, GGUFHeader, HeaderCursor, HeaderLimits
+from kvasir.shard.gguf_io import GGUFFile
 from kvasir.shard.slice import atomic_output, check_window, slice_model, window_ranges
 
 #: Largest piece of a range fetched in one request (also the resume granularity).
 PIECE_BYTES = 16 << 20
 #: Bytes buffered before one write to the temp file.
 WRITE_BYTES = 4 << 20
-_KV_MIN = 8 + 4 + 1  # key length, type, smallest value
-_TENSOR_MIN = 8 + 4 + 4 + 8  # name length, n_dims, type, offset
-_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_STRING, _ARRAY = 8, 9
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
 
 Progress = Callable[[int, int], None]
@@ -47,71 +45,6 @@ Progress = Callable[[int, int], None]
 
 class SourceError(InputError):
     """The HTTP source cannot serve the window: no Range support, wrong lengths, wrong bytes, unreachable."""
-
-
-# ---------------------------------------------------------------------------------------------- header walk
-
-
-def header_walk(buf: bytearray) -> Generator[tuple[int, int], None, int]:
-    """Walk a GGUF header held in ``buf`` (which the caller extends); return the header's end offset.
-
-    Yields ``(need, hint)`` whenever ``buf`` is shorter than ``need``: the caller appends at least up to ``need``
-    and at most up to ``hint``, a lower bound of the header's end, so no fetch reaches past the header.
-    """
-    pos = 0
-
-    def take(fmt: str, at: int) -> Any:
-        return struct.unpack_from(fmt, buf, at)[0]
-
-    def want(n: int, lower_end: int) -> Generator[tuple[int, int], None, None]:
-        while len(buf) < pos + n:
-            yield pos + n, max(pos + n, lower_end)
-
-    yield from want(24, 24)
-    if bytes(buf[:4]) != GGUF_MAGIC:
-        raise ModelFileError(f"not a GGUF file (bad magic {bytes(buf[:4])!r})")
-    n_tensors, n_kv = take("<Q", 8), take("<Q", 16)
-    if n_tensors > 1 << 24 or n_kv > 1 << 24:
-        raise ModelFileError("corrupt GGUF (absurd counts)")
-    pos = 24
-    tail = n_tensors * _TENSOR_MIN  # the tensor infos still to come
-    for k in range(n_kv):
-        rest = (n_kv - k - 1) * _KV_MIN + tail
-        yield from want(8, pos + _KV_MIN + rest)
-        pos += 8 + take("<Q", pos)  # key
-        yield from want(4, pos + 5 + rest)
-        vtype = take("<I", pos)
-        pos += 4
-        if vtype in _SCALAR_SIZES:
-            pos += _SCALAR_SIZES[vtype]
-        elif vtype == _STRING:
-            yield from want(8, pos + 8 + rest)
-            pos += 8 + take("<Q", pos)
-        elif vtype == _ARRAY:
-            yield from want(12, pos + 12 + rest)
-            sub, n = take("<I", pos), take("<Q", pos + 4)
-            pos += 12
-            if sub in _SCALAR_SIZES:
-                pos += n * _SCALAR_SIZES[sub]
-            elif sub == _STRING:
-                for i in range(n):
-                    yield from want(8, pos + 8 * (n - i) + rest)
-                    pos += 8 + take("<Q", pos)
-            else:
-                raise ModelFileError(f"corrupt GGUF (array of unsupported type {sub})")
-        else:
-            raise ModelFileError(f"corrupt GGUF (unknown value type {vtype})")
-    for t in range(n_tensors):
-        rest = (n_tensors - t - 1) * _TENSOR_MIN
-        yield from want(8, pos + _TENSOR_MIN + rest)
-        pos += 8 + take("<Q", pos)
-        yield from want(4, pos + 16 + rest)
-        n_dims = take("<I", pos)
-        if n_dims > 4:
-            raise ModelFileError(f"corrupt GGUF (a tensor has {n_dims} dims)")
-        pos += 4 + 8 * n_dims + 4 + 8
-    yield from want(0, pos)
-    return pos
 
 
 # ---------------------------------------------------------------------------------------------- resume state
@@ -251,12 +184,14 @@ async def fetch_window(
     model_sha256: str | None = None,
     progress: Progress | None = None,
     client: httpx.AsyncClient | None = None,
+    max_header_bytes: int = DEFAULT_LIMITS.max_header_bytes,
 ) -> FetchResult:
     """Write the stage file of layers [start, end) of the GGUF at ``url`` to ``out``.
 
     ``sha256``: the stage file's expected hash (the market's window hash); a mismatch raises and writes nothing.
     ``model_sha256``: the whole model's identity, recorded in the stage like ``kvasir slice`` does (default: the
     source's ETag when it is a sha256). ``progress(done, total)`` is called as bytes arrive.
+    ``max_header_bytes``: the most header bytes to fetch and buffer (the market's ``header_bytes`` for the model).
     """
     began = time.monotonic()
     if not out.parent.is_dir():
@@ -264,7 +199,7 @@ async def fetch_window(
     own = client is None
     client = client or httpx.AsyncClient(timeout=httpx.Timeout(30.0), follow_redirects=True)
     try:
-        return await _fetch(client, url, start, end, out, sha256, model_sha256, progress, began)
+        return await _fetch(client, url, start, end, out, sha256, model_sha256, progress, max_header_bytes, began)
     finally:
         if own:
             await client.aclose()
@@ -279,6 +214,7 @@ async def _fetch(
     sha256: str | None,
     model_sha256: str | None,
     progress: Progress | None,
+    max_header_bytes: int,
     began: float,
 ) -> FetchResult:
     src = _Source(client, url)
@@ -288,7 +224,7 @@ async def _fetch(
     async def append(_off: int, data: bytes) -> None:
         buf.extend(data)
 
-    await src.read_into(0, 24, append)
+    await src.read_into(0, PREAMBLE_BYTES, append)
     if src.size is None:
         raise SourceError(f"{url}: the server does not say the file's size (Content-Range */…)")
     size = src.size
@@ -300,28 +236,28 @@ async def _fetch(
     fh = await trio.to_thread.run_sync(lambda: sparse.open("r+b"))
     resumed = 0
     try:
-        # The header: from the earlier run, or walked with requests that never reach past its end.
-        if state.header_end is not None and state.has(0, state.header_end):
-            buf = bytearray(await trio.to_thread.run_sync(os.pread, fh.fileno(), state.header_end, 0))
-            header_end = state.header_end
-            resumed += header_end
+        # The header: from the earlier run, or parsed from requests that never reach past its end.
+        cursor = HeaderCursor(url, limits=HeaderLimits(max_header_bytes=max_header_bytes), file_size=size)
+        if state.header_end is not None and state.header_end <= max_header_bytes and state.has(0, state.header_end):
+            kept = await trio.to_thread.run_sync(os.pread, fh.fileno(), state.header_end, 0)
+            step = cursor.feed(kept)
+            if not isinstance(step, GGUFHeader) or step.header_end != state.header_end:
+                raise ModelFileError(f"{sparse}: the header kept from an earlier run is incomplete")
+            resumed += step.header_end
         else:
-            walk = header_walk(buf)
-            try:
-                need, hint = next(walk)
-                while True:
-                    hint = min(hint, size)
-                    if need > size:
-                        raise ModelFileError(f"{url}: truncated GGUF header")
-                    await src.read_into(len(buf), hint - len(buf), append)
-                    need, hint = walk.send(None)
-            except StopIteration as stop:
-                header_end = int(stop.value)
-            await trio.to_thread.run_sync(os.pwrite, fh.fileno(), bytes(buf[:header_end]), 0)
-            state.header_end = header_end
-            state.done.append((0, header_end))
+            step = cursor.feed(buf)
+            await trio.to_thread.run_sync(os.pwrite, fh.fileno(), bytes(buf), 0)
+            while not isinstance(step, GGUFHeader):
+                at = cursor.buffered
+                buf.clear()
+                await src.read_into(at, step.header_ends_after - at, append)
+                await trio.to_thread.run_sync(os.pwrite, fh.fileno(), bytes(buf), at)
+                step = cursor.feed(buf)
+            state.header_end = step.header_end
+            state.done.append((0, step.header_end))
             await trio.to_thread.run_sync(state.save)
-        gg = await trio.to_thread.run_sync(read_gguf, sparse)
+        header_end = step.header_end
+        gg = GGUFFile.from_header(sparse, step, size)
         check_window(describe(sparse, gg), start, end)
         ranges = window_ranges(gg, start, end)
         window_bytes = sum(n for _, n in ranges)
@@ -338,6 +274,9 @@ async def _fetch(
             done += n
             state.done.append((off, n))
             await trio.to_thread.run_sync(state.save)
+    except ModelFileError:
+        _discard(sparse, record)  # a bad header stays bad: nothing to resume
+        raise
     finally:
         await trio.to_thread.run_sync(fh.close)
 
