@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     params = sampling_from_args(args)
     model = resolve_model(args.model)
     info = describe(model)
-    n_main = info.n_layer - info.nextn_layers
+    n_main = info.n_main
     windows = parse_splits(args.splits, n_main) if args.splits else [(0, n_main)]
     paths = stage_files(model, windows, default_cache_dir())
     with contextlib.ExitStack() as stack:

@@ -40,7 +40,7 @@ def run_up(args: argparse.Namespace) -> int:
     params = sampling_from_args(args)
     model = resolve_model(args.model)
     info = describe(model)
-    n_main = info.n_layer - info.nextn_layers
+    n_main = info.n_main
     windows = parse_splits(args.splits, n_main) if args.splits else even_splits(n_main, args.stages)
     if len(windows) < 2:
         raise InputError("a ring needs at least 2 stages (for one stage use `kvasir generate`)")

@@ -46,7 +46,7 @@ def model_record(
     """The market's record of ``model``: cuts (or reuses) each window's stage file to hash it."""
     gg = read_gguf(model)
     info = describe(model, gg)
-    n_main = info.n_layer - info.nextn_layers
+    n_main = info.n_main
     spans = [(w.start, w.end) for w in windows]
     paths = stage_files(model, spans, cache_dir)
     stages = tuple(StageHash(a, b, file_sha256(p), p.stat().st_size) for (a, b), p in zip(spans, paths, strict=True))

@@ -74,7 +74,7 @@ def even_splits(n_layer: int, n_stages: int) -> list[tuple[int, int]]:
 def stage_files(model: Path, windows: Sequence[tuple[int, int]], cache_dir: Path) -> list[Path]:
     """Stage files for ``windows`` of ``model``, cut once and reused."""
     info = describe(model)
-    n_main = info.n_layer - info.nextn_layers
+    n_main = info.n_main
     if list(windows) == [(0, n_main)]:
         return [model]  # one stage: the whole model file as it is
     sha = model_sha256(model, cache_dir)

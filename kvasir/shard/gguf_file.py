@@ -47,6 +47,11 @@ class ModelInfo:
     source_layers: int | None
     nextn_layers: int = 0
 
+    @property
+    def n_main(self) -> int:
+        """Layers of the main stack, the ones windows cover: the trailing nextn (MTP) blocks are not among them."""
+        return self.n_layer - self.nextn_layers
+
     def to_json(self) -> dict[str, Any]:
         return {
             "path": self.path,

@@ -78,7 +78,7 @@ def check_window(info: ModelInfo, start: int, end: int) -> int:
     rules_for(info.arch)
     if info.stage_window is not None:
         raise WindowError(f"{info.path} is already a stage file (layers {info.stage_window[0]}:{info.stage_window[1]})")
-    n_main = info.n_layer - info.nextn_layers
+    n_main = info.n_main
     if not 0 <= start < end <= n_main:
         raise WindowError(f"window {start}:{end} is empty or outside the model's layers 0:{n_main}")
     return n_main

@@ -135,7 +135,7 @@ class Stage:
         gg = read_gguf(config.path)
         model_info = describe(config.path, gg)
         rules = rules_for(model_info.arch)
-        n_main = model_info.n_layer - model_info.nextn_layers
+        n_main = model_info.n_main
         start, end = model_info.stage_window or (0, n_main)
         source_layers = int(model_info.source_layers or n_main)
         self = cls()
