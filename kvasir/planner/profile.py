@@ -17,6 +17,7 @@ from typing import Any, Literal
 import attrs
 
 from kvasir.errors import InputError, ModelFileError
+from kvasir.shard.gguf_file import MAX_LAYERS
 from kvasir.shard.gguf_io import GGUFFile, read_gguf
 
 LayerKind = Literal["attention", "recurrent"]
@@ -214,14 +215,15 @@ def _field(gg: GGUFFile, key: str) -> Any:
     return gg.get(key)
 
 
-def _per_layer(value: Any, n: int, default: int) -> list[int]:
-    """Metadata that may be one number or a per-layer array."""
-    if value is None:
-        return [default] * n
-    if isinstance(value, list):
-        padded = [int(v) for v in value][:n]
-        return padded + [default] * (n - len(padded))
-    return [int(value)] * n
+def _per_layer(gg: GGUFFile, key: str, n: int, default: int) -> list[int]:
+    """Metadata that may be one number or a per-layer array (of non-negative integers: else a corrupt file)."""
+    value = gg.get(key)
+    if not isinstance(value, list):
+        return [gg.get_int(key, default)] * n
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+        raise ModelFileError(f"{gg.path}: GGUF {key} holds a value that is not a non-negative integer")
+    padded = [int(v) for v in value][:n]
+    return padded + [default] * (n - len(padded))
 
 
 def profile_from_gguf(path: str | Path, *, name: str | None = None) -> ModelProfile:
@@ -247,8 +249,8 @@ def profile_from_gguf(path: str | Path, *, name: str | None = None) -> ModelProf
     recurrent: set[int] = set()
     embd_bytes = head_bytes = other_bytes = 0
     vocab_rows = 0
-    n_expert = _field(meta, f"{arch}.expert_count") or 0
-    n_used = _field(meta, f"{arch}.expert_used_count") or n_expert
+    n_expert = meta.get_int(f"{arch}.expert_count", 0)
+    n_used = min(meta.get_int(f"{arch}.expert_used_count", 0) or n_expert, n_expert)
     for reader in readers:
         for tensor in reader.tensors:
             size = tensor.nbytes
@@ -271,23 +273,21 @@ def profile_from_gguf(path: str | Path, *, name: str | None = None) -> ModelProf
             if tensor.name.startswith(f"blk.{index}.ssm_"):
                 recurrent.add(index)
 
-    n_layers = _field(meta, f"{arch}.block_count")
-    if not isinstance(n_layers, int):
-        n_layers = max(block_bytes, default=-1) + 1
+    n_layers = meta.get_int(f"{arch}.block_count", max(block_bytes, default=-1) + 1, high=MAX_LAYERS)
     if n_layers <= 0:
         raise ModelFileError(f"{path}: GGUF has no layers (blk.N.* tensors)")
-    n_embd = _field(meta, f"{arch}.embedding_length")
-    if not isinstance(n_embd, int) or n_embd <= 0:
+    n_embd = meta.get_int(f"{arch}.embedding_length", 0)
+    if n_embd <= 0:
         raise ModelFileError(f"{path}: GGUF has no {arch}.embedding_length")
 
-    n_head = _per_layer(_field(meta, f"{arch}.attention.head_count"), n_layers, 1)
-    n_head_kv = _per_layer(_field(meta, f"{arch}.attention.head_count_kv"), n_layers, 0)
-    key_len = _field(meta, f"{arch}.attention.key_length")
-    value_len = _field(meta, f"{arch}.attention.value_length")
-    ssm_inner = int(_field(meta, f"{arch}.ssm.inner_size") or 0)
-    ssm_state = int(_field(meta, f"{arch}.ssm.state_size") or 0)
-    ssm_groups = int(_field(meta, f"{arch}.ssm.group_count") or 0)
-    ssm_conv = int(_field(meta, f"{arch}.ssm.conv_kernel") or 0)
+    n_head = _per_layer(meta, f"{arch}.attention.head_count", n_layers, 1)
+    n_head_kv = _per_layer(meta, f"{arch}.attention.head_count_kv", n_layers, 0)
+    key_len = meta.get_int(f"{arch}.attention.key_length", 0)
+    value_len = meta.get_int(f"{arch}.attention.value_length", 0)
+    ssm_inner = meta.get_int(f"{arch}.ssm.inner_size", 0)
+    ssm_state = meta.get_int(f"{arch}.ssm.state_size", 0)
+    ssm_groups = meta.get_int(f"{arch}.ssm.group_count", 0)
+    ssm_conv = meta.get_int(f"{arch}.ssm.conv_kernel", 0)
     # State = the (inner x state) matrix, plus the last conv_kernel-1 inputs of the conv channels.
     conv_channels = ssm_inner + 2 * ssm_groups * ssm_state
     state_bytes = (ssm_inner * ssm_state + max(ssm_conv - 1, 0) * conv_channels) * _STATE_ELEMENT_BYTES
@@ -296,8 +296,8 @@ def profile_from_gguf(path: str | Path, *, name: str | None = None) -> ModelProf
     for i in range(n_layers):
         heads_kv = n_head_kv[i] or n_head[i] or 1
         head_dim = n_embd // max(n_head[i], 1)
-        k_len = int(key_len) if isinstance(key_len, int) else head_dim
-        v_len = int(value_len) if isinstance(value_len, int) else head_dim
+        k_len = key_len or head_dim
+        v_len = value_len or head_dim
         is_recurrent = i in recurrent
         layers.append(
             LayerProfile(
@@ -308,10 +308,8 @@ def profile_from_gguf(path: str | Path, *, name: str | None = None) -> ModelProf
                 state_bytes=state_bytes if is_recurrent else 0,
             )
         )
-    vocab = _field(meta, f"{arch}.vocab_size")
-    if not isinstance(vocab, int):
-        tokens = meta.kvs.get("tokenizer.ggml.tokens")
-        vocab = tokens.length if tokens is not None else vocab_rows
+    tokens = meta.kvs.get("tokenizer.ggml.tokens")
+    vocab = meta.get_int(f"{arch}.vocab_size", tokens.length if tokens is not None else vocab_rows)
     tied = head_bytes == 0
     label = name or _field(meta, "general.name") or path.stem
     return ModelProfile(

@@ -17,6 +17,9 @@ from kvasir.shard.gguf_io import GGUFFile, read_gguf
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
+#: More layers than any model has: a larger block count is a corrupt file, not a huge per-layer table.
+MAX_LAYERS = 1 << 16
+
 #: Metadata namespace Kvasir adds to stage files.
 STAGE_PREFIX = "kvasir.stage."
 #: Where a stage file with a stub vocabulary keeps the model's real tokenizer.
@@ -74,10 +77,11 @@ def describe(path: Path, gg: GGUFFile | None = None) -> ModelInfo:
     arch = gg.get("general.architecture")
     if not isinstance(arch, str):
         raise ModelFileError(f"{path}: GGUF has no general.architecture")
-    n_layer = gg.get(f"{arch}.block_count")
-    n_embd = gg.get(f"{arch}.embedding_length")
-    if not isinstance(n_layer, int) or not isinstance(n_embd, int) or n_layer <= 0 or n_embd <= 0:
+    n_layer = gg.get_int(f"{arch}.block_count", 0, high=MAX_LAYERS)
+    n_embd = gg.get_int(f"{arch}.embedding_length", 0)
+    if n_layer <= 0 or n_embd <= 0:
         raise ModelFileError(f"{path}: GGUF lacks a valid {arch}.block_count or {arch}.embedding_length")
+    nextn = gg.get_int(f"{arch}.nextn_predict_layers", 0, high=n_layer - 1)
     per_layer = [0] * n_layer
     outside = 0
     for t in gg.tensors:
@@ -87,8 +91,11 @@ def describe(path: Path, gg: GGUFFile | None = None) -> ModelInfo:
         else:
             outside += t.nbytes
     tokens = gg.kvs.get("tokenizer.ggml.tokens") or gg.kvs.get(TOKENIZER_STASH_PREFIX + "tokenizer.ggml.tokens")
-    start = gg.get(STAGE_PREFIX + "layer_start")
-    end = gg.get(STAGE_PREFIX + "layer_end")
+    window = None
+    if gg.get(STAGE_PREFIX + "layer_start") is not None and gg.get(STAGE_PREFIX + "layer_end") is not None:
+        start = gg.get_int(STAGE_PREFIX + "layer_start", 0, high=MAX_LAYERS)
+        window = (start, gg.get_int(STAGE_PREFIX + "layer_end", 0, low=start + 1, high=MAX_LAYERS))
+    source = gg.get(STAGE_PREFIX + "source_layers")
     return ModelInfo(
         path=str(path),
         arch=arch,
@@ -99,7 +106,7 @@ def describe(path: Path, gg: GGUFFile | None = None) -> ModelInfo:
         layer_bytes=tuple(per_layer),
         outside_bytes=outside,
         supported=arch in SUPPORTED,
-        stage_window=(int(start), int(end)) if start is not None and end is not None else None,
-        source_layers=gg.get(STAGE_PREFIX + "source_layers"),
-        nextn_layers=int(gg.get(f"{arch}.nextn_predict_layers", 0) or 0),
+        stage_window=window,
+        source_layers=None if source is None else gg.get_int(STAGE_PREFIX + "source_layers", 0, low=1, high=MAX_LAYERS),
+        nextn_layers=nextn,
     )

@@ -74,6 +74,15 @@ class GGUFFile:
             return decode_array(kv)
         return kv.value
 
+    def get_int(self, key: str, default: int, *, low: int = 0, high: int = 1 << 62) -> int:
+        """An integer metadata value in [low, high]; any other type or value is a corrupt file, not a crash later."""
+        value = self.get(key)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise ModelFileError(f"{self.path}: GGUF {key} is {str(value)[:40]}, not an integer in [{low}, {high}]")
+        return value
+
 
 def read_gguf(path: Path, *, limits: HeaderLimits = DEFAULT_LIMITS) -> GGUFFile:
     """Parse the header of ``path`` (only the header is read); every defect becomes one :class:`ModelFileError`."""
