@@ -300,3 +300,15 @@ def test_read_gguf_on_hostile_files(tmp_path: Path) -> None:
     target.write_bytes(gguf([kv("k", GGUFValueType.ARRAY, struct.pack("<IQ", GGUFValueType.UINT8, 1 << 40))], []))
     with guarded(), pytest.raises(ModelFileError):
         read_gguf(target)
+
+
+def test_the_cursor_never_buffers_past_the_cap() -> None:
+    limits = HeaderLimits(max_header_bytes=100)
+    cursor = HeaderCursor("x", limits=limits)
+    data = gguf([kv("k", GGUFValueType.STRING, s("v" * 50))], [])
+    assert len(data) < 100
+    assert isinstance(cursor.feed(data + bytes(10_000)), GGUFHeader) and cursor.buffered == 100
+    cursor = HeaderCursor("x", limits=limits)
+    with pytest.raises(ModelFileError, match="header too large"):
+        cursor.feed(gguf([kv("k", GGUFValueType.STRING, s("v" * 100))], []) + bytes(10_000))
+    assert cursor.buffered == 100

@@ -183,12 +183,12 @@ class HeaderCursor:
         return len(self._buf)
 
     def feed(self, data: bytes | bytearray | memoryview) -> GGUFHeader | NeedBytes:
-        """Append ``data`` and parse as far as it goes."""
+        """Append ``data`` and parse as far as it goes (bytes past the cap are dropped: no header reaches them)."""
         if self._failed is not None:
             raise self._failed
         if isinstance(self._step, GGUFHeader):
             return self._step
-        self._buf += data
+        self._buf += memoryview(data)[: max(self.limits.max_header_bytes - len(self._buf), 0)]
         if isinstance(self._step, NeedBytes) and len(self._buf) < self._step.at_least:
             return self._step
         try:
