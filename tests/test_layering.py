@@ -77,8 +77,9 @@ def source_roots(repo: Path) -> dict[str, Path]:
     """Top-level import name -> folder, from pyproject's setuptools config (``packages.find`` include patterns and
     ``package-dir``), so the test follows ``relay/`` when it becomes ``kvasir.relay``."""
     setuptools = tomllib.loads((repo / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]
-    include = setuptools.get("packages", {}).get("find", {}).get("include", [])
-    roots = {p.rstrip("*."): repo / p.rstrip("*.") for p in include if "." not in p.rstrip("*.")}
+    packages = setuptools.get("packages", {})
+    listed = packages if isinstance(packages, list) else packages.get("find", {}).get("include", [])
+    roots = {p.rstrip("*."): repo / p.rstrip("*.") for p in listed if "." not in p.rstrip("*.")}
     for package, folder in setuptools.get("package-dir", {}).items():
         if package:
             by_folder = {v: k for k, v in roots.items()}
