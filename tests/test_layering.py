@@ -55,6 +55,10 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
 )
 
+#: Peers in one layer that stay apart: the first must not import the second (the market's server half knows nothing
+#: of the node agent that drives a Stage and a Node).
+APART: tuple[tuple[str, str], ...] = (("kvasir.market.server.*", "kvasir.market.agent.*"),)
+
 
 @attrs.frozen
 class Edge:
@@ -69,6 +73,7 @@ class Edge:
 @attrs.frozen
 class Report:
     upward: tuple[str, ...]
+    apart: tuple[str, ...]
     cycles: tuple[str, ...]
     unplaced: tuple[str, ...]
 
@@ -176,7 +181,9 @@ def _cycles(graph: Mapping[str, set[str]]) -> list[list[str]]:
     return out
 
 
-def check(repo: Path, layers: tuple[tuple[str, tuple[str, ...]], ...] = LAYERS) -> Report:
+def check(
+    repo: Path, layers: tuple[tuple[str, tuple[str, ...]], ...] = LAYERS, apart: tuple[tuple[str, str], ...] = APART
+) -> Report:
     roots = source_roots(repo)
     unplaced = sorted(
         f"{path.relative_to(repo)} ({module})"
@@ -184,6 +191,7 @@ def check(repo: Path, layers: tuple[tuple[str, tuple[str, ...]], ...] = LAYERS) 
         if placement(module, layers) is None
     )
     upward: list[str] = []
+    crossing: list[str] = []
     graph: dict[str, set[str]] = {}
     by_units: dict[tuple[str, str], list[Edge]] = {}
     for edge in import_edges(repo, roots):
@@ -194,6 +202,8 @@ def check(repo: Path, layers: tuple[tuple[str, tuple[str, ...]], ...] = LAYERS) 
             continue
         if dst[0] > src[0]:
             upward.append(f"{edge.path}:{edge.line} {edge.src} -> {edge.dst} ({src[1]} -> {dst[1]})")
+        if (src[2], dst[2]) in apart:
+            crossing.append(f"{edge.path}:{edge.line} {edge.src} -> {edge.dst} ({src[2]} must not import {dst[2]})")
         if src[2] != dst[2]:
             graph.setdefault(src[2], set()).add(dst[2])
             by_units.setdefault((src[2], dst[2]), []).append(edge)
@@ -205,7 +215,7 @@ def check(repo: Path, layers: tuple[tuple[str, tuple[str, ...]], ...] = LAYERS) 
             if a in component and b in component
         ]
         cycles.append("\n".join([f"cycle through {', '.join(component)}:", *pairs]))
-    return Report(tuple(upward), tuple(cycles), tuple(sorted(unplaced)))
+    return Report(tuple(upward), tuple(crossing), tuple(cycles), tuple(sorted(unplaced)))
 
 
 # ---------------------------------------------------------------------------------------------------- the real tree
@@ -230,6 +240,11 @@ def test_every_module_has_a_layer() -> None:
 def test_no_upward_imports() -> None:
     upward = check(REPO).upward
     assert not upward, f"{len(upward)} imports go up the layers (file:line, from -> to):\n" + "\n".join(upward)
+
+
+def test_apart_halves_stay_apart() -> None:
+    apart = check(REPO).apart
+    assert not apart, "\n".join(apart)
 
 
 def test_no_package_cycles() -> None:
@@ -291,8 +306,9 @@ def test_checker_finds_cycles_between_peers_and_unplaced_modules(tmp_path: Path)
             "app/stray.py": "",
         },
     )
-    report = check(repo, SYNTHETIC)
+    report = check(repo, SYNTHETIC, (("app.peer.*", "app.mid.*"),))
     assert report.upward == ()
+    assert report.apart == ("app/peer/p.py:1 app.peer.p -> app.mid (app.peer.* must not import app.mid.*)",)
     assert report.cycles == (
         "cycle through app.mid.*, app.peer.*:\n"
         "  app.mid.* -> app.peer.*: app/mid/__init__.py:1\n"
