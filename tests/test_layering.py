@@ -1,6 +1,6 @@
 """The import graph shows the data path: each layer imports only its own layer and the layers below it, and no two
-packages import each other (directly or round a longer loop); peers listed in ``APART`` do not import each other at
-all. Read from the source tree's AST, lazy and ``TYPE_CHECKING`` imports included: a function-local import is still a
+packages import each other (directly or round a longer loop); of each pair in ``APART`` the first never imports the
+second. Read from the source tree's AST, lazy and ``TYPE_CHECKING`` imports included: a function-local import is still a
 dependency.
 
 To place a new package, add it to ``LAYERS``; a module that matches no entry fails ``test_every_module_has_a_layer``.
