@@ -12,10 +12,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.table import Table
-from ring_tax import measure
 
 from kvasir.demo import demo_model_path
 from kvasir.planner.devices import Device
@@ -23,6 +23,11 @@ from kvasir.planner.estimate import estimate
 from kvasir.planner.profile import profile_from_gguf
 from kvasir.shard.cache import default_cache_dir, even_splits, stage_files
 from kvasir.testing.tinymodels import bench_1b_cached
+
+if TYPE_CHECKING:  # mypy reads bench/ as a package; run as a script, this file's folder is on sys.path
+    from bench.ring_tax import measure
+else:
+    from ring_tax import measure
 
 
 def main() -> None:

@@ -23,6 +23,10 @@ if ! ls "$wheels"/llama_cpp_python-0.3.36-*.whl >/dev/null 2>&1; then
     "$py" -m pip wheel --no-deps --no-cache-dir -w "$wheels" "llama-cpp-python==0.3.36"
 fi
 "$py" -m pip install -q "$(ls "$wheels"/llama_cpp_python-0.3.36-*.whl | head -n 1)"
-"$py" -m pip install -q -e ".[${extras}]"
+# The test extra installs under constraints/dev.txt: exact linter, type checker, Textual and test-tool versions, so a
+# new release cannot fail the suite without a code change. Bump them there, deliberately.
+constraints=""
+case ",${extras}," in *,test,*) constraints="constraints/dev.txt" ;; esac
+"$py" -m pip install -q ${constraints:+-c "$constraints"} -e ".[${extras}]"
 # pyenv installs console scripts behind shims that exist only after a rehash.
 if command -v pyenv >/dev/null 2>&1; then pyenv rehash || true; fi

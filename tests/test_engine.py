@@ -59,7 +59,7 @@ def test_sampling_is_seeded_and_varies(gemma_path: Path) -> None:
         pipe = LocalPipeline([stage])
         prompt = stage.vocab.tokenize("Once upon a time")
 
-        def run(seed: int, **kw: float) -> list[int]:
+        def run(seed: int, **kw: int) -> list[int]:
             return pipe.generate(prompt, SamplingParams(temperature=1.0, seed=seed, **kw), 12).tokens
 
         assert run(7) == run(7)

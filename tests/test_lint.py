@@ -1,9 +1,14 @@
-"""ruff and strict mypy are part of the test suite."""
+"""ruff and strict mypy (over kvasir, relay, tui, tests and bench) are part of the test suite, with the tool
+versions pinned in constraints/dev.txt."""
 
 from __future__ import annotations
 
+import re
+import shutil
 import subprocess
 import sys
+import tomllib
+from pathlib import Path
 
 from tests.conftest import REPO
 
@@ -20,6 +25,77 @@ def test_ruff_format_clean() -> None:
     assert r.returncode == 0, r.stdout + r.stderr
 
 
+def installed_layout(repo: Path, view: Path) -> tuple[Path, list[str]]:
+    """Where to run mypy, and on which paths. mypy cannot follow setuptools' ``package-dir`` (``relay/`` installed as
+    ``kvasir.relay``), so when pyproject maps folders that way the tree is rebuilt as installed, from symlinks, under
+    ``view``; otherwise mypy runs in the repository on its configured files."""
+    config = tomllib.loads((repo / "pyproject.toml").read_text(encoding="utf-8"))
+    mapped = {
+        folder.strip("/"): package
+        for package, folder in config["tool"].get("setuptools", {}).get("package-dir", {}).items()
+        if package
+    }
+    if not mapped:
+        return repo, []
+    files: list[str] = config["tool"]["mypy"]["files"]
+    targets = {view / f: repo / f for f in files if f not in mapped}
+    targets |= {view.joinpath(*package.split(".")): repo / folder for folder, package in mapped.items()}
+    shutil.rmtree(view, ignore_errors=True)
+
+    def place(dst: Path, src: Path) -> None:
+        if not any(dst in t.parents for t in targets):
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            dst.symlink_to(src, target_is_directory=src.is_dir())
+            return
+        dst.mkdir(parents=True, exist_ok=True)
+        for child in src.iterdir():
+            if dst / child.name not in targets:
+                place(dst / child.name, child)
+
+    for dst in sorted(targets, key=lambda t: len(t.parts)):
+        place(dst, targets[dst])
+    (view / "pyproject.toml").symlink_to(repo / "pyproject.toml")
+    top = [t for t in targets if not any(u in t.parents for u in targets)]
+    return view, [str(t.relative_to(view)) for t in sorted(top)]
+
+
 def test_mypy_strict_clean() -> None:
-    r = subprocess.run([sys.executable, "-m", "mypy"], cwd=REPO, capture_output=True, text=True)
+    cwd, paths = installed_layout(REPO, REPO / ".mypy_cache" / "installed-layout")
+    r = subprocess.run(
+        [sys.executable, "-m", "mypy", "--cache-dir", str(REPO / ".mypy_cache"), *paths],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_mypy_sees_the_installed_layout(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    for name in ("app/__init__.py", "app/core.py", "plug/__init__.py", "tests/__init__.py"):
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_text("")
+    (repo / "pyproject.toml").write_text('[tool.mypy]\nfiles = ["app", "tests"]\n')
+    assert installed_layout(repo, tmp_path / "view") == (repo, [])
+    with (repo / "pyproject.toml").open("a") as f:
+        f.write('[tool.setuptools.package-dir]\n"app.plug" = "plug"\n')
+    view, paths = installed_layout(repo, tmp_path / "view")
+    assert paths == ["app", "tests"]
+    assert (view / "app" / "plug").resolve() == repo / "plug"
+    assert (view / "app" / "core.py").resolve() == repo / "app" / "core.py"
+    assert not (view / "app").is_symlink() and not (view / "plug").exists()
+
+
+def _name(requirement: str) -> str:
+    return re.sub(r"[-_.]+", "-", re.split(r"[\s<>=!~;\[]", requirement, maxsplit=1)[0]).lower()
+
+
+def test_every_test_tool_is_pinned() -> None:
+    """A test-extra requirement is pinned exactly, in the extra or in constraints/dev.txt (scripts/install.sh test
+    installs under it), so a new ruff, mypy or Textual release cannot fail the suite without a code change."""
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"]["optional-dependencies"]
+    lines = (REPO / "constraints" / "dev.txt").read_text(encoding="utf-8").splitlines()
+    pins = {_name(line): line for line in (raw.split("#")[0].strip() for raw in lines) if line}
+    assert all(re.fullmatch(r"[A-Za-z0-9_.\-]+==[A-Za-z0-9_.+!]+", pin) for pin in pins.values()), pins
+    unpinned = [r for r in extra["test"] if "==" not in r and _name(r) not in pins]
+    assert not unpinned, f"pin these in constraints/dev.txt: {unpinned}"

@@ -8,6 +8,7 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -73,9 +74,9 @@ def _seed_and_publish(ps: list[Proc], model: Path, market_url: str) -> None:
     assert pub.wait(120) == 0, pub.err
 
 
-def _enrolled(p: Proc) -> dict[str, object]:
+def _enrolled(p: Proc) -> dict[str, Any]:
     m = p.wait_line(r"^kvasir node: enrolled (.*)$", timeout=120)
-    status: dict[str, object] = json.loads(m.group(1))
+    status: dict[str, Any] = json.loads(m.group(1))
     return status
 
 
@@ -96,10 +97,10 @@ def test_empty_nodes_enroll_serve_earn_and_heal(tiny_model: Callable[..., Path],
         live = wait_for(lambda: coverage(url)["live"], 120, "full coverage")
         t_full = time.monotonic() - t0
         assert live
-        held = {name: tuple(s["window"]) for name, s in status.items()}  # type: ignore[arg-type]
+        held = {name: tuple(s["window"]) for name, s in status.items()}
         assert held == {"big": (4, 6), "mid": (0, 2), "small": (2, 4)}
         for name, s in status.items():
-            (fetch,) = s["fetched"]  # type: ignore[misc]
+            (fetch,) = s["fetched"]
             a, b = held[name]
             window_bytes = sum(n for _, n in window_ranges(gg, a, b))
             assert fetch["window_bytes"] == window_bytes
@@ -121,7 +122,7 @@ def test_empty_nodes_enroll_serve_earn_and_heal(tiny_model: Callable[..., Path],
         by_node = {n["node_id"]: n for n in ledger}
         for s in status.values():
             n = by_node[s["node_id"]]
-            a, b = s["window"]  # type: ignore[misc]
+            a, b = s["window"]
             assert n["layer_tokens"] == n["tokens"] * (b - a) and n["earned"] > 0
 
         # A node dies without releasing: its window is uncovered once its lease ends, a fresh node claims it.
@@ -131,7 +132,7 @@ def test_empty_nodes_enroll_serve_earn_and_heal(tiny_model: Callable[..., Path],
         fresh = _node(url, "fresh", tmp_path, BUDGETS["mid"])
         ps.append(fresh)
         st = _enrolled(fresh)
-        assert tuple(st["window"]) == (0, 2)  # type: ignore[arg-type]
+        assert tuple(st["window"]) == (0, 2)
         wait_for(lambda: coverage(url)["live"], 60, "full coverage again")
         print(f"healed after {time.monotonic() - t1:.2f} s")
         got = wait_for(lambda: _try(tmp_path / "small.sock"), 60, "requests to succeed again")

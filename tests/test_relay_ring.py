@@ -70,7 +70,7 @@ def test_phone_behind_carrier_nat_as_middle_stage(
             stdout=logs[0],
             stderr=subprocess.STDOUT,
         )
-        nodes = []
+        nodes: list[subprocess.Popen[bytes]] = []
         socks = [tmp_path / f"rank{k}.sock" for k in range(3)]
         ring = LocalRing(manifest, tmp_path, nodes, socks, None, relay, manifest.relay)
         try:

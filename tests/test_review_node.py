@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import logging
+import operator
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -35,13 +37,11 @@ async def _load(model: Path, cache_dir: Path, n_seq_max: int) -> tuple[list[Stag
         sha, 6, (RankEntry(0, 0, 3, "127.0.0.1", p0), RankEntry(1, 3, 6, "127.0.0.1", p1)), model_name="tiny"
     )
     stages = [
-        await trio.to_thread.run_sync(
-            lambda p=p: Stage.load(StageConfig(p, n_ctx=128, n_seq_max=n_seq_max, n_threads=1))
-        )
+        await trio.to_thread.run_sync(Stage.load, StageConfig(p, n_ctx=128, n_seq_max=n_seq_max, n_threads=1))
         for p in paths
     ]
     for s in stages:
-        await trio.to_thread.run_sync(lambda s=s: s.vocab)
+        await trio.to_thread.run_sync(operator.attrgetter("vocab"), s)
     return stages, manifest
 
 
@@ -149,7 +149,7 @@ async def test_a_cancel_cut_short_by_its_caller_still_frees_the_sequence(
 
 @asynccontextmanager
 async def node_between_fakes(
-    model: Path, cache_dir: Path, **config: float
+    model: Path, cache_dir: Path, **config: Any
 ) -> AsyncIterator[tuple[Node, StreamLink, StreamLink]]:
     """Rank 1 as a real node, with this test playing rank 0 on both sides: ``(node, up, down)`` where ``up`` sends
     to the node as its predecessor and ``down`` receives what the node sends its successor."""

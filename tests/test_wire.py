@@ -52,7 +52,6 @@ from kvasir.wire import (
     max_chunk_tokens,
     measure_divergence,
     neighbour_problem,
-    send_frame,
 )
 from kvasir.wire.stream import READ_CHUNK
 
@@ -603,12 +602,12 @@ async def test_reader_over_fragmented_writes() -> None:
     assert max(recording.asked) <= READ_CHUNK
 
 
-async def test_reader_round_trips_with_send_frame() -> None:
+async def test_reader_round_trips_whole_frames() -> None:
     left, right = trio.testing.memory_stream_pair()
     reader = FrameReader(right)
     with trio.fail_after(5):
-        await send_frame(left, HELLO)
-        await send_frame(left, BOUNDARY)
+        await left.send_all(HELLO.to_wire())
+        await left.send_all(BOUNDARY.to_wire())
         assert await reader.receive() == HELLO
         assert await reader.receive() == BOUNDARY
         await left.aclose()

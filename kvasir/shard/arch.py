@@ -7,7 +7,6 @@ layer explicitly; these rules compute it from the whole model's metadata. All fu
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -29,9 +28,6 @@ class ArchRules:
     needs_both_kinds: bool = False
     #: Positions per token in an embedding batch (IMROPE archs read 4).
     positions_per_token: int = 1
-
-    def embedding_scale(self, n_embd: int) -> float | None:
-        return math.sqrt(float(n_embd)) if self.scales_token_embedding else None
 
 
 SUPPORTED: Mapping[str, ArchRules] = {

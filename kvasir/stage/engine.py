@@ -231,12 +231,6 @@ class Stage:
 
     # ------------------------------------------------------------------------------------------------ compute
 
-    def embed(self, tokens: Sequence[int]) -> FloatArray:
-        """Token embeddings as llama.cpp computes them for token input (first stages only)."""
-        if self._embedding is None:
-            raise StageError("this stage holds no token embedding (not a first stage)")
-        return self._embedding.lookup(tokens)
-
     def forward(
         self,
         seq_id: int,

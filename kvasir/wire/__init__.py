@@ -50,7 +50,7 @@ from kvasir.wire.frames import (
     decode_header,
 )
 from kvasir.wire.handshake import Side, check_neighbour, choose_dtype, max_chunk_tokens, neighbour_problem
-from kvasir.wire.stream import FrameDecoder, FrameReader, send_frame
+from kvasir.wire.stream import FrameDecoder, FrameReader
 
 __all__ = [
     "BOUNDARY_FIXED_SIZE",
@@ -102,5 +102,4 @@ __all__ = [
     "max_chunk_tokens",
     "measure_divergence",
     "neighbour_problem",
-    "send_frame",
 ]

@@ -1,4 +1,4 @@
-"""Frames over byte streams: sans-IO :class:`FrameDecoder`, trio :class:`FrameReader`, :func:`send_frame`.
+"""Frames over byte streams: sans-IO :class:`FrameDecoder`, trio :class:`FrameReader`.
 
 The decoder validates each header the moment its bytes are complete and refuses an oversized or malformed
 frame before buffering its body, so a hostile peer can make a node hold at most one read chunk past a header.
@@ -123,8 +123,3 @@ class FrameReader(trio.abc.ReceiveChannel[Frame]):
 
     async def aclose(self) -> None:
         await self.stream.aclose()
-
-
-async def send_frame(stream: trio.abc.SendStream, frame: Frame) -> None:
-    """Write one frame. trio streams refuse concurrent ``send_all``: one sending task per link."""
-    await stream.send_all(frame.to_wire())
