@@ -13,7 +13,8 @@ from pathlib import Path
 
 from kvasir.errors import WindowError
 from kvasir.shard.gguf_file import describe
-from kvasir.shard.slice import atomic_output, slice_model
+from kvasir.shard.slice import slice_model
+from kvasir.util.files import atomic_output
 
 
 def default_cache_dir() -> Path:
