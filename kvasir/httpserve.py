@@ -321,7 +321,10 @@ async def serve_http(
     exception becomes a 500 without taking the server down.
     """
     server = _Server(handler, limits or ApiLimits(), error_shape)
-    listeners = await trio.open_tcp_listeners(port, host=host)
+    try:
+        listeners = await trio.open_tcp_listeners(port, host=host)
+    except OSError as exc:  # say where: "address already in use" alone does not name the --listen at fault
+        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
     bound = int(listeners[0].socket.getsockname()[1])
     async with trio.open_nursery() as nursery:
         await nursery.start(functools.partial(trio.serve_listeners, server.serve, listeners, handler_nursery=nursery))

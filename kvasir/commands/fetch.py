@@ -11,11 +11,10 @@ import functools
 from pathlib import Path
 from typing import Any
 
-import trio
-
 from kvasir.commands.common import print_json
 from kvasir.commands.market import parse_hostport
 from kvasir.commands.slice import parse_window
+from kvasir.util.cli import run_trio, serve_announced
 
 
 def add_parser(sub: Any) -> None:
@@ -58,7 +57,7 @@ def run_fetch(args: argparse.Namespace) -> int:
         def progress(done: int, total: int) -> None:
             bar.update(task, completed=done, total=total)
 
-        res = trio.run(
+        res = run_trio(
             functools.partial(
                 fetch_window,
                 args.source,
@@ -102,9 +101,8 @@ def run_serve_model(args: argparse.Namespace) -> int:
     describe(args.file)  # refuse a file that is not a GGUF
     sha = model_sha256(args.file, default_cache_dir())
 
-    class Announce:
-        def started(self, value: int | None = None) -> None:
-            print(f"kvasir serve-model: serving http://{host}:{value}/{args.file.name} (sha256 {sha})", flush=True)
+    def announce(bound: int) -> None:
+        print(f"kvasir serve-model: serving http://{host}:{bound}/{args.file.name} (sha256 {sha})", flush=True)
 
-    trio.run(functools.partial(serve_model, args.file, sha, host, port, task_status=Announce()))
+    run_trio(serve_announced, functools.partial(serve_model, args.file, sha, host, port), announce)
     return 0
