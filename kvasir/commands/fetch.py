@@ -11,7 +11,7 @@ import functools
 from pathlib import Path
 from typing import Any
 
-from kvasir.commands.common import print_json
+from kvasir.commands.common import print_window_result
 from kvasir.commands.market import parse_hostport
 from kvasir.commands.slice import parse_window
 from kvasir.util.cli import run_trio, serve_announced
@@ -69,26 +69,24 @@ def run_fetch(args: argparse.Namespace) -> int:
                 progress=progress,
             )
         )
-    if args.json:
-        print_json(
-            {
-                "path": str(res.path),
-                "layers": [a, b],
-                "bytes_fetched": res.bytes_fetched,
-                "header_bytes": res.header_bytes,
-                "window_bytes": res.window_bytes,
-                "resumed_bytes": res.resumed_bytes,
-                "stage_bytes": res.stage_bytes,
-                "source_bytes": res.source_bytes,
-                "sha256": res.sha256,
-                "seconds": round(res.seconds, 3),
-            }
-        )
-    else:
-        print(
-            f"{res.path}: layers {a}:{b}, fetched {res.bytes_fetched:,} bytes of the source's {res.source_bytes:,}"
-            f" (header {res.header_bytes:,} + window {res.window_bytes:,}), sha256 {res.sha256}"
-        )
+    fields = {
+        "bytes_fetched": res.bytes_fetched,
+        "header_bytes": res.header_bytes,
+        "window_bytes": res.window_bytes,
+        "resumed_bytes": res.resumed_bytes,
+        "stage_bytes": res.stage_bytes,
+        "source_bytes": res.source_bytes,
+        "sha256": res.sha256,
+        "seconds": round(res.seconds, 3),
+    }
+    print_window_result(
+        args.json,
+        res.path,
+        (a, b),
+        fields,
+        f"fetched {res.bytes_fetched:,} bytes of the source's {res.source_bytes:,}"
+        f" (header {res.header_bytes:,} + window {res.window_bytes:,}), sha256 {res.sha256}",
+    )
     return 0
 
 
