@@ -1,18 +1,20 @@
 """The ``kvasir`` command line.
 
 Each subcommand lives in its own module and registers itself through ``add_parser(subparsers)`` returning nothing;
-the parser's ``run`` default is a callable ``run(args) -> int``. Any :class:`~kvasir.errors.KvasirError` becomes one
-line on stderr and exit code 2, never a traceback.
+the parser's ``run`` default is a callable ``run(args) -> int``. A :class:`~kvasir.errors.KvasirError` or an
+``OSError`` becomes one line on stderr and exit code 2, never a traceback, also out of a trio nursery; Ctrl-C exits
+130 (:func:`kvasir.util.cli.run_main`).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import sys
 from collections.abc import Sequence
 
-from kvasir.errors import KvasirError
+from kvasir.util.cli import run_main
 
 # Modules that define subcommands; imported lazily so `kvasir --help` does not load llama.cpp.
 _COMMAND_MODULES = (
@@ -43,17 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        code: int = args.run(args)
-    except KvasirError as exc:
-        print(f"kvasir {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print(f"kvasir {args.command}: interrupted", file=sys.stderr)
-        return 130
-    return code
+    args = build_parser().parse_args(argv)
+    return run_main(f"kvasir {args.command}", functools.partial(args.run, args))
 
 
 if __name__ == "__main__":  # pragma: no cover

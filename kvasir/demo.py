@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvasir.errors import InputError
-from kvasir.shard.slice import atomic_output
+from kvasir.util.files import atomic_output
 
 
 def demo_model_path(cache_dir: Path) -> Path:

@@ -1,9 +1,10 @@
 """A small HTTP/1.1 server on trio with h11: keep-alive, bounded reads, timeouts, SSE.
 
 Every read and write is bounded in size or time, so one slow or hostile client costs one task and one socket,
-never the server. :class:`HttpConnection` is one connection (the OpenAI API drives it itself); :func:`serve_http`
-runs a plain request → response service on it (the market, the model seeder), with errors as JSON
-``{"error": {"code": ..., "message": ...}}``.
+never the server. :class:`HttpConnection` is one connection; :func:`serve_http` is the one server loop, and every
+HTTP service of Kvasir (the OpenAI API, the market, the model seeder) is a handler on it. Errors are
+:class:`HttpError`, sent as JSON ``{"error": {"code": ..., "message": ...}}`` unless the service reshapes them
+(the OpenAI API adds ``type`` and ``param``). docs/architecture.md § HTTP server says why this and not an ASGI server.
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ class HttpConnection:
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_header_bytes)
         self.peer_closed = False
         self._watch_buffered = 0
+        self._event_stream = False
 
     # ------------------------------------------------------------------------------------------ reading
 
@@ -202,6 +204,7 @@ class HttpConnection:
             *_common_headers(False),
         ]
         await self.send(h11.Response(status_code=200, headers=hdrs))
+        self._event_stream = True
 
     async def send_sse(self, obj: object) -> None:
         data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
@@ -216,6 +219,11 @@ class HttpConnection:
         return self.h11.our_state is h11.SEND_BODY
 
     @property
+    def in_event_stream(self) -> bool:
+        """An SSE stream is under way: an error can still be sent, as one more event."""
+        return self._event_stream and self.in_body
+
+    @property
     def can_respond(self) -> bool:
         return self.h11.our_state in (h11.IDLE, h11.SEND_RESPONSE)
 
@@ -225,6 +233,7 @@ class HttpConnection:
             return False
         self.h11.start_next_cycle()
         self._watch_buffered = 0
+        self._event_stream = False
         return True
 
     async def close(self) -> None:
@@ -257,11 +266,14 @@ def _common_headers(close: bool) -> list[tuple[str, str]]:
     return hdrs
 
 
-# ---------------------------------------------------------------------------------------------- plain services
+# ---------------------------------------------------------------------------------------------- the server
 
 
 class HttpError(Exception):
-    """An error reply: ``status`` and the JSON body ``{"error": {"code": code, "message": message}}``."""
+    """An error reply: ``status`` and the JSON body ``{"error": {"code": code, "message": message}}``.
+
+    A service whose errors look different (the OpenAI API) subclasses it and overrides :meth:`body`.
+    """
 
     def __init__(self, status: int, code: str, message: str, headers: Iterable[tuple[str, str]] = ()) -> None:
         super().__init__(message)
@@ -275,6 +287,21 @@ class HttpError(Exception):
 
 
 Handler = Callable[[HttpConnection, HttpRequest], Awaitable[None]]
+#: Turns an error the server makes itself (malformed, oversized, slow, overloaded, internal) into the service's shape.
+ErrorShape = Callable[[HttpError], HttpError]
+
+
+def request_error(exc: h11.RemoteProtocolError | RequestTooLarge | RequestTimeout) -> HttpError:
+    """The one mapping from a request that could not be read whole to its 4xx reply."""
+    if isinstance(exc, RequestTooLarge):
+        return HttpError(413, "request_too_large", str(exc))
+    if isinstance(exc, RequestTimeout):
+        return HttpError(408, "request_timeout", str(exc))
+    return HttpError(exc.error_status_hint, "bad_request", f"malformed HTTP request: {exc}")
+
+
+def _same(err: HttpError) -> HttpError:
+    return err
 
 
 async def serve_http(
@@ -283,66 +310,85 @@ async def serve_http(
     port: int,
     *,
     limits: ApiLimits | None = None,
+    error_shape: ErrorShape = _same,
+    name: str = "HTTP",
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``handler`` on ``host:port`` (0: any free port) until cancelled; ``started(bound_port)``.
 
-    The handler answers one request on the connection (it may raise :class:`HttpError`); malformed, oversized or
-    slow requests are answered here, and any other exception becomes a 500 without taking the server down.
+    The handler answers one request on the connection (it may raise :class:`HttpError`). While it runs, a watcher
+    cancels it if the client disconnects. Malformed, oversized or slow requests are answered here, and any other
+    exception becomes a 500 without taking the server down.
     """
-    limits = limits or ApiLimits()
-    listeners = await trio.open_tcp_listeners(port, host=host)
+    server = _Server(handler, limits or ApiLimits(), error_shape)
+    try:
+        listeners = await trio.open_tcp_listeners(port, host=host)
+    except OSError as exc:  # say where: "address already in use" alone does not name the --listen at fault
+        raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
     bound = int(listeners[0].socket.getsockname()[1])
-    state = {"connections": 0}
-    serve = functools.partial(_serve_connection, handler, limits, state)
     async with trio.open_nursery() as nursery:
-        await nursery.start(functools.partial(trio.serve_listeners, serve, listeners, handler_nursery=nursery))
+        await nursery.start(functools.partial(trio.serve_listeners, server.serve, listeners, handler_nursery=nursery))
+        log.info("%s listening on %s:%d", name, host, bound)
         task_status.started(bound)
 
 
-async def _serve_connection(
-    handler: Handler, limits: ApiLimits, state: dict[str, int], stream: trio.abc.Stream
-) -> None:
-    http = HttpConnection(stream, limits)
-    state["connections"] += 1
-    try:
-        if state["connections"] > limits.max_connections:
-            await _send_error(http, HttpError(503, "overloaded", "too many connections"), close=True)
-            return
-        while True:
+class _Server:
+    def __init__(self, handler: Handler, limits: ApiLimits, error_shape: ErrorShape) -> None:
+        self.handler = handler
+        self.limits = limits
+        self.error_shape = error_shape
+        self.connections = 0
+
+    async def serve(self, stream: trio.abc.Stream) -> None:
+        """One client connection; never raises (a failing connection must not take the server down)."""
+        http = HttpConnection(stream, self.limits)
+        self.connections += 1
+        try:
+            if self.connections > self.limits.max_connections:
+                await self._send_error(http, HttpError(503, "overloaded", "too many connections"), close=True)
+                return
+            while True:
+                try:
+                    request = await http.read_request()
+                except (h11.RemoteProtocolError, RequestTooLarge, RequestTimeout) as exc:
+                    await self._send_error(http, request_error(exc), close=True)
+                    return
+                if request is None:
+                    return
+                await self._handle(http, request)
+                if not http.next_cycle():
+                    return
+        except ClientGone:
+            pass
+        except Exception:
+            log.exception("HTTP connection failed")
+        finally:
+            self.connections -= 1
+            await http.close()
+
+    async def _handle(self, http: HttpConnection, request: HttpRequest) -> None:
+        """Answer one request, watching for the client going away meanwhile."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(http.watch, nursery.cancel_scope)
             try:
-                request = await http.read_request()
-            except h11.RemoteProtocolError as exc:
-                await _send_error(http, HttpError(exc.error_status_hint, "bad_request", f"malformed HTTP: {exc}"), True)
-                return
-            except RequestTooLarge as exc:
-                await _send_error(http, HttpError(413, "request_too_large", str(exc)), close=True)
-                return
-            except RequestTimeout as exc:
-                await _send_error(http, HttpError(408, "request_timeout", str(exc)), close=True)
-                return
-            if request is None:
-                return
-            try:
-                await handler(http, request)
-            except HttpError as err:
-                await _send_error(http, err)
+                await self.handler(http, request)
             except ClientGone:
-                raise
+                http.peer_closed = True
+            except HttpError as err:
+                await self._send_error(http, err)
             except Exception:
                 log.exception("%s %s failed", request.method, request.path)
-                await _send_error(http, HttpError(500, "internal", "internal server error"), close=True)
-            if not http.next_cycle():
-                return
-    except ClientGone:
-        pass
-    except Exception:
-        log.exception("HTTP connection failed")
-    finally:
-        state["connections"] -= 1
-        await http.close()
+                await self._send_error(http, HttpError(500, "internal", "internal server error"), close=True)
+            nursery.cancel_scope.cancel()
 
-
-async def _send_error(http: HttpConnection, err: HttpError, close: bool = False) -> None:
-    if http.can_respond:
-        await http.send_json(err.status, err.body(), err.headers, close=close)
+    async def _send_error(self, http: HttpConnection, err: HttpError, close: bool = False) -> None:
+        err = self.error_shape(err)
+        try:
+            if http.can_respond:
+                await http.send_json(err.status, err.body(), err.headers, close=close)
+            elif http.in_event_stream and not http.peer_closed:
+                await http.send_sse(err.body())  # a stream already under way ends with an error object
+                await http.end_message()
+            # else a fixed-length body is under way: the connection closes short of it (next_cycle refuses)
+        except ClientGone:
+            http.peer_closed = True

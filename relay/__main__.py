@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
-from kvasir.errors import KvasirError
+from kvasir.util.cli import run_main
 from relay import cli
 
 
@@ -14,14 +15,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command")
     cli.add_parser(sub)
     args = parser.parse_args(["relay", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        code: int = args.run(args)
-    except KvasirError as exc:
-        print(f"relay: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    return code
+    return run_main("relay", functools.partial(args.run, args))
 
 
 if __name__ == "__main__":

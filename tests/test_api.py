@@ -16,6 +16,7 @@ import trio
 
 from kvasir.api import ApiBackend, ApiLimits, serve_api
 from kvasir.errors import InputError, RingError
+from kvasir.httpserve import Handler, HttpConnection, HttpError, HttpRequest, serve_http
 from kvasir.ring.requests import ClientEvent, EndEvent, TokenEvent
 from kvasir.wire import SamplingParams
 
@@ -581,6 +582,87 @@ async def test_concurrent_clients(nursery: trio.Nursery) -> None:
             for _ in range(8):
                 inner.start_soon(one)
         assert results == [200] * 8 and len(fake.calls) == 8
+
+
+# ---------------------------------------------------------------------------------------------------- one server
+
+
+async def start_plain(nursery: trio.Nursery, handler: Handler, **limits: Any) -> int:
+    port: int = await nursery.start(functools.partial(serve_http, handler, "127.0.0.1", 0, limits=ApiLimits(**limits)))
+    return port
+
+
+async def plain_ok(http: HttpConnection, request: HttpRequest) -> None:
+    await http.send_json(200, {"ok": True})
+
+
+@pytest.mark.parametrize(
+    ("data", "status", "code"),
+    [
+        (b"GARBAGE\r\n\r\n", 400, "bad_request"),
+        (b"GET / HTTP/1.1\r\nhost: t\r\nx-big: " + b"a" * 100_000 + b"\r\n\r\n", 431, "bad_request"),
+        (b"POST / HTTP/1.1\r\nhost: t\r\ncontent-length: 10000000\r\n\r\n", 413, "request_too_large"),
+    ],
+)
+async def test_one_error_mapping_in_each_services_shape(
+    nursery: trio.Nursery, data: bytes, status: int, code: str
+) -> None:
+    """The API and the plain services (market, seeder) share one server: same status and code, own body shape."""
+    with trio.fail_after(TIMEOUT):
+        api = await start(nursery, FakeBackend(), max_body_bytes=1000)
+        plain = await start_plain(nursery, plain_ok, max_body_bytes=1000)
+        for port, keys in ((api, {"message", "type", "param", "code"}), (plain, {"message", "code"})):
+            reply = await raw(port, data)
+            assert reply.startswith(b"HTTP/1.1 %d " % status), reply[:80]
+            err = json.loads(reply.split(b"\r\n\r\n", 1)[1])["error"]
+            assert set(err) == keys and err["code"] == code
+
+
+async def test_overloaded_server_answers_503_in_each_shape(nursery: trio.Nursery) -> None:
+    with trio.fail_after(TIMEOUT):
+        for port, keys in (
+            (await start(nursery, FakeBackend(), max_connections=1), {"message", "type", "param", "code"}),
+            (await start_plain(nursery, plain_ok, max_connections=1), {"message", "code"}),
+        ):
+            hold = await Client.connect(port)
+            assert (await hold.call("GET", "/v1/models")).status == 200
+            reply = await call(port, "GET", "/v1/models")
+            assert reply.status == 503 and set(reply.json()["error"]) == keys
+            assert reply.json()["error"]["code"] == "overloaded"
+            await hold.aclose()
+
+
+async def test_plain_handler_is_cancelled_when_the_client_goes(nursery: trio.Nursery) -> None:
+    """The disconnect watcher is the server's, so a plain service's handler stops too (a seeder mid-file)."""
+    started, cancelled = trio.Event(), trio.Event()
+
+    async def slow(http: HttpConnection, request: HttpRequest) -> None:
+        started.set()
+        try:
+            await trio.sleep_forever()
+        finally:
+            cancelled.set()
+
+    with trio.fail_after(TIMEOUT):
+        port = await start_plain(nursery, slow)
+        client = await Client.connect(port)
+        await client.send("GET", "/")
+        await started.wait()
+        await client.aclose()
+        await cancelled.wait()
+
+
+async def test_plain_sse_error_ends_the_stream_with_an_error_event(nursery: trio.Nursery) -> None:
+    async def failing(http: HttpConnection, request: HttpRequest) -> None:
+        await http.start_sse()
+        await http.send_sse({"n": 1})
+        raise HttpError(503, "gone", "upstream went away")
+
+    with trio.fail_after(TIMEOUT):
+        port = await start_plain(nursery, failing)
+        reply = await call(port, "GET", "/")
+        assert reply.status == 200
+        assert reply.events() == [{"n": 1}, {"error": {"code": "gone", "message": "upstream went away"}}]
 
 
 # ---------------------------------------------------------------------------------------------------- openai client

@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP API of a ring node (docs/api.md).
 
-``serve_api`` owns one nursery: the listeners' accept loops and one task per connection. Each connection reads
-requests one at a time (keep-alive); while a request is handled a watcher task notices a client that disconnects
-and cancels the handler, which leaves ``node.request(...)`` and so cancels the request on the ring.
+``serve_api`` is a handler on the shared server (kvasir.httpserve): it reads requests one at a time per connection
+(keep-alive); while a request is handled the server's watcher notices a client that disconnects and cancels the
+handler, which leaves ``node.request(...)`` and so cancels the request on the ring.
 """
 
 from __future__ import annotations
@@ -11,11 +11,10 @@ import functools
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
 from typing import Any
 
-import h11
 import trio
 
 from kvasir.api.backend import ApiBackend
@@ -34,7 +33,7 @@ from kvasir.api.schema import (
     usage_chunk,
 )
 from kvasir.errors import InputError, KvasirError, ProtocolError, RingError
-from kvasir.httpserve import ApiLimits, ClientGone, HttpConnection, HttpRequest, RequestTimeout, RequestTooLarge
+from kvasir.httpserve import ApiLimits, HttpConnection, HttpError, HttpRequest, serve_http
 from kvasir.ring.requests import ClientEvent, EndEvent, TokenEvent
 
 log = logging.getLogger("kvasir.api")
@@ -60,92 +59,43 @@ async def serve_api(
 
     Pass a loopback host unless the API is meant to be reachable from other machines: it has no authentication.
     """
-    server = ApiServer(node, limits or ApiLimits())
-    listeners = await trio.open_tcp_listeners(port, host=host)
-    bound = listeners[0].socket.getsockname()[1]
-    async with trio.open_nursery() as nursery:
-        await nursery.start(
-            functools.partial(trio.serve_listeners, server.serve_connection, listeners, handler_nursery=nursery)
-        )
-        log.info("OpenAI API listening on %s:%d", host, bound)
-        task_status.started(bound)
+    api = ApiServer(node)
+    await serve_http(
+        api.handle, host, port, limits=limits, error_shape=openai_error, name="OpenAI API", task_status=task_status
+    )
+
+
+class OpenAiError(HttpError):
+    """An :class:`ApiError` on its way out: OpenAI's body ``{"error": {message, type, param, code}}``."""
+
+    def __init__(self, err: ApiError, headers: Iterable[tuple[str, str]] = ()) -> None:
+        super().__init__(err.status, err.code or "", err.message, headers)
+        self.api_error = err
+
+    def body(self) -> dict[str, Any]:
+        return self.api_error.body()
+
+
+def openai_error(err: HttpError) -> HttpError:
+    """The server's own errors (malformed, oversized, slow, overloaded, internal) in OpenAI's shape."""
+    if isinstance(err, OpenAiError):
+        return err
+    kind = "invalid_request_error" if err.status < 500 else "server_error"
+    return OpenAiError(ApiError(err.status, err.message, type=kind, code=err.code), err.headers)
 
 
 class ApiServer:
-    def __init__(self, node: ApiBackend[Any], limits: ApiLimits) -> None:
+    """The API's request handler for :func:`kvasir.httpserve.serve_http`."""
+
+    def __init__(self, node: ApiBackend[Any]) -> None:
         self.node = node
-        self.limits = limits
         self.created = int(time.time())
-        self.connections = 0
 
-    # ------------------------------------------------------------------------------------------ connections
-
-    async def serve_connection(self, stream: trio.abc.Stream) -> None:
-        """One client connection; never raises (a failing connection must not take the server down)."""
-        http = HttpConnection(stream, self.limits)
-        self.connections += 1
+    async def handle(self, http: HttpConnection, request: HttpRequest) -> None:
         try:
-            if self.connections > self.limits.max_connections:
-                err = ApiError(503, "too many connections", type="server_error", code="overloaded")
-                await http.send_json(err.status, err.body(), close=True)
-                return
-            while True:
-                request = await self._read(http)
-                if request is None:
-                    break
-                await self._handle(http, request)
-                if not http.next_cycle():
-                    break
-        except ClientGone:
-            pass
-        except Exception:
-            log.exception("API connection failed")
-        finally:
-            self.connections -= 1
-            await http.close()
-
-    async def _read(self, http: HttpConnection) -> HttpRequest | None:
-        """The next request; answers (and returns None for) requests that cannot be read whole."""
-        err: ApiError
-        try:
-            return await http.read_request()
-        except h11.RemoteProtocolError as exc:
-            status = exc.error_status_hint
-            err = ApiError(status, f"malformed HTTP request: {exc}", type="invalid_request_error")
-            if status == 431:
-                err.code = "request_header_fields_too_large"
-        except RequestTooLarge as exc:
-            err = ApiError(413, str(exc), type="invalid_request_error", code="request_too_large")
-        except RequestTimeout as exc:
-            err = ApiError(408, str(exc), type="invalid_request_error", code="request_timeout")
-        if http.can_respond:
-            await http.send_json(err.status, err.body(), close=True)
-        return None
-
-    async def _handle(self, http: HttpConnection, request: HttpRequest) -> None:
-        """Answer one request, watching for the client going away meanwhile."""
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(http.watch, nursery.cancel_scope)
-            try:
-                await self._route(http, request)
-            except ClientGone:
-                http.peer_closed = True
-            except ApiError as err:
-                await self._send_error(http, err)
-            except Exception:
-                log.exception("API request %s %s failed", request.method, request.path)
-                await self._send_error(http, ApiError(500, "internal server error", type="server_error"))
-            nursery.cancel_scope.cancel()
-
-    async def _send_error(self, http: HttpConnection, err: ApiError) -> None:
-        try:
-            if http.can_respond:
-                await http.send_json(err.status, err.body())
-            elif http.in_body and not http.peer_closed:
-                await http.send_sse(err.body())  # a stream already under way ends with an error object
-                await http.end_message()
-        except ClientGone:
-            http.peer_closed = True
+            await self._route(http, request)
+        except ApiError as err:
+            raise OpenAiError(err) from None
 
     # ------------------------------------------------------------------------------------------ routing
 
@@ -158,8 +108,7 @@ class ApiServer:
         if allowed is None:
             raise ApiError(404, f"unknown route {method} {path}", type="invalid_request_error", code="not_found")
         if method not in allowed:
-            await http.send_json(405, _method_error(method, path).body(), [("allow", ", ".join(allowed))])
-            return
+            raise OpenAiError(_method_error(method, path), [("allow", ", ".join(allowed))])
         if path == "/v1/models":
             await http.send_json(200, model_list(model, self.created))
         elif path.startswith(MODELS_PREFIX):

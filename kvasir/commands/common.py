@@ -5,13 +5,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from kvasir.demo import demo_model_path
 from kvasir.errors import InputError, ProtocolError
-from kvasir.shard.cache import default_cache_dir
+from kvasir.shard.cache import default_cache_dir, parse_splits
+from kvasir.shard.gguf_file import describe
 from kvasir.wire import SamplingParams
+
+Window = tuple[int, int]
 
 
 def add_model_arg(p: argparse.ArgumentParser, *, optional: bool) -> None:
@@ -54,6 +58,33 @@ def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
         raise InputError(str(exc).replace("START frame: ", "invalid ")) from None
 
 
+def add_text_args(
+    p: argparse.ArgumentParser, *, prompt_required: bool, prompt_help: str | None, json_help: str
+) -> None:
+    """What ``generate`` and ``ring up`` share: the prompt, its form, the output form, threads, context, sampling."""
+    p.add_argument("--prompt", required=prompt_required, help=prompt_help)
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
+    p.add_argument("--json", action="store_true", help=json_help)
+    p.add_argument("--threads", type=int, default=None, help="llama.cpp threads per stage (default: all cores)")
+    p.add_argument("--ctx", type=int, default=2048, help="context length (default 2048)")
+    add_sampling_args(p)
+
+
+def model_windows(args: argparse.Namespace, default: Callable[[int], list[Window]]) -> tuple[Path, list[Window]]:
+    """The model (the demo when none is given) and its windows: ``--splits``, else ``default(main layer count)``."""
+    model = resolve_model(args.model)
+    n_main = describe(model).n_main
+    return model, parse_splits(args.splits, n_main) if args.splits else default(n_main)
+
+
 def print_json(obj: Any) -> None:
     json.dump(obj, sys.stdout)
     sys.stdout.write("\n")
+
+
+def print_window_result(as_json: bool, path: Path, window: Window, fields: dict[str, Any], line: str) -> None:
+    """A stage file written: with ``--json`` one object (``path``, ``layers``, ``fields``), else one line."""
+    if as_json:
+        print_json({"path": str(path), "layers": list(window), **fields})
+    else:
+        print(f"{path}: layers {window[0]}:{window[1]}, {line}")

@@ -11,11 +11,10 @@ import functools
 from pathlib import Path
 from typing import Any
 
-import trio
-
-from kvasir.commands.common import print_json
+from kvasir.commands.common import print_window_result
 from kvasir.commands.market import parse_hostport
 from kvasir.commands.slice import parse_window
+from kvasir.util.cli import run_trio, serve_announced
 
 
 def add_parser(sub: Any) -> None:
@@ -58,7 +57,7 @@ def run_fetch(args: argparse.Namespace) -> int:
         def progress(done: int, total: int) -> None:
             bar.update(task, completed=done, total=total)
 
-        res = trio.run(
+        res = run_trio(
             functools.partial(
                 fetch_window,
                 args.source,
@@ -70,26 +69,24 @@ def run_fetch(args: argparse.Namespace) -> int:
                 progress=progress,
             )
         )
-    if args.json:
-        print_json(
-            {
-                "path": str(res.path),
-                "layers": [a, b],
-                "bytes_fetched": res.bytes_fetched,
-                "header_bytes": res.header_bytes,
-                "window_bytes": res.window_bytes,
-                "resumed_bytes": res.resumed_bytes,
-                "stage_bytes": res.stage_bytes,
-                "source_bytes": res.source_bytes,
-                "sha256": res.sha256,
-                "seconds": round(res.seconds, 3),
-            }
-        )
-    else:
-        print(
-            f"{res.path}: layers {a}:{b}, fetched {res.bytes_fetched:,} bytes of the source's {res.source_bytes:,}"
-            f" (header {res.header_bytes:,} + window {res.window_bytes:,}), sha256 {res.sha256}"
-        )
+    fields = {
+        "bytes_fetched": res.bytes_fetched,
+        "header_bytes": res.header_bytes,
+        "window_bytes": res.window_bytes,
+        "resumed_bytes": res.resumed_bytes,
+        "stage_bytes": res.stage_bytes,
+        "source_bytes": res.source_bytes,
+        "sha256": res.sha256,
+        "seconds": round(res.seconds, 3),
+    }
+    print_window_result(
+        args.json,
+        res.path,
+        (a, b),
+        fields,
+        f"fetched {res.bytes_fetched:,} bytes of the source's {res.source_bytes:,}"
+        f" (header {res.header_bytes:,} + window {res.window_bytes:,}), sha256 {res.sha256}",
+    )
     return 0
 
 
@@ -102,9 +99,8 @@ def run_serve_model(args: argparse.Namespace) -> int:
     describe(args.file)  # refuse a file that is not a GGUF
     sha = model_sha256(args.file, default_cache_dir())
 
-    class Announce:
-        def started(self, value: int | None = None) -> None:
-            print(f"kvasir serve-model: serving http://{host}:{value}/{args.file.name} (sha256 {sha})", flush=True)
+    def announce(bound: int) -> None:
+        print(f"kvasir serve-model: serving http://{host}:{bound}/{args.file.name} (sha256 {sha})", flush=True)
 
-    trio.run(functools.partial(serve_model, args.file, sha, host, port, task_status=Announce()))
+    run_trio(serve_announced, functools.partial(serve_model, args.file, sha, host, port), announce)
     return 0

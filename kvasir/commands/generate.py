@@ -7,9 +7,8 @@ import contextlib
 import sys
 from typing import Any
 
-from kvasir.commands.common import add_model_arg, add_sampling_args, print_json, resolve_model, sampling_from_args
-from kvasir.shard.cache import default_cache_dir, parse_splits, stage_files
-from kvasir.shard.gguf_file import describe
+from kvasir.commands.common import add_model_arg, add_text_args, model_windows, print_json, sampling_from_args
+from kvasir.shard.cache import default_cache_dir, stage_files
 from kvasir.stage.engine import Stage, StageConfig
 from kvasir.stage.pipeline import LocalPipeline
 
@@ -18,22 +17,16 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("generate", help="generate text with the model's stages chained in this process")
     add_model_arg(p, optional=True)
     p.add_argument("--splits", help="layer cuts, e.g. 0,6,12,18 (default: one stage, the whole model)")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    p.add_argument("--threads", type=int, default=None, help="llama.cpp threads per stage (default: all cores)")
-    p.add_argument("--ctx", type=int, default=2048, help="context length (default 2048)")
+    add_text_args(
+        p, prompt_required=True, prompt_help=None, json_help="print one JSON object instead of streaming text"
+    )
     p.add_argument("--gpu-layers", type=int, default=0, help="layers to offload to a GPU backend (-1: all)")
-    add_sampling_args(p)
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     params = sampling_from_args(args)
-    model = resolve_model(args.model)
-    info = describe(model)
-    n_main = info.n_main
-    windows = parse_splits(args.splits, n_main) if args.splits else [(0, n_main)]
+    model, windows = model_windows(args, lambda n_main: [(0, n_main)])
     paths = stage_files(model, windows, default_cache_dir())
     with contextlib.ExitStack() as stack:
         stages = [

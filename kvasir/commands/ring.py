@@ -8,12 +8,11 @@ import sys
 import time
 from typing import Any
 
-from kvasir.commands.common import add_model_arg, add_sampling_args, print_json, resolve_model, sampling_from_args
+from kvasir.commands.common import add_model_arg, add_text_args, model_windows, print_json, sampling_from_args
 from kvasir.control.client import ControlClient
 from kvasir.errors import InputError, RingError
 from kvasir.ring.launcher import start_ring
-from kvasir.shard.cache import default_cache_dir, even_splits, parse_splits
-from kvasir.shard.gguf_file import describe
+from kvasir.shard.cache import default_cache_dir, even_splits
 
 
 def add_parser(sub: Any) -> None:
@@ -24,24 +23,21 @@ def add_parser(sub: Any) -> None:
     g = up.add_mutually_exclusive_group()
     g.add_argument("--stages", type=int, default=3, help="number of nodes (even split; default 3)")
     g.add_argument("--splits", help="layer cuts, e.g. 0,6,12,18")
-    up.add_argument("--prompt", help="answer this prompt, print the result and stop the ring")
-    up.add_argument("--chat", action="store_true")
-    up.add_argument("--json", action="store_true", help="print one JSON object (like `kvasir generate --json`)")
+    add_text_args(
+        up,
+        prompt_required=False,
+        prompt_help="answer this prompt, print the result and stop the ring",
+        json_help="print one JSON object (like `kvasir generate --json`)",
+    )
     up.add_argument("--api-port", type=int, default=None, help="serve the OpenAI-compatible API on rank 0")
-    up.add_argument("--threads", type=int, default=None, help="llama.cpp threads per node")
     up.add_argument("--relay", action="store_true", help="start a local relay and send every link through it")
-    up.add_argument("--ctx", type=int, default=2048)
     up.add_argument("--seqs", type=int, default=8, help="concurrent requests per node")
-    add_sampling_args(up)
     up.set_defaults(run=run_up)
 
 
 def run_up(args: argparse.Namespace) -> int:
     params = sampling_from_args(args)
-    model = resolve_model(args.model)
-    info = describe(model)
-    n_main = info.n_main
-    windows = parse_splits(args.splits, n_main) if args.splits else even_splits(n_main, args.stages)
+    model, windows = model_windows(args, lambda n_main: even_splits(n_main, args.stages))
     if len(windows) < 2:
         raise InputError("a ring needs at least 2 stages (for one stage use `kvasir generate`)")
     threads = args.threads or max(1, os.cpu_count() or 1)

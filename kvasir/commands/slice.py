@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from kvasir.commands.common import print_json
+from kvasir.commands.common import print_window_result
 from kvasir.errors import WindowError
 from kvasir.shard.cache import default_cache_dir, model_sha256
 from kvasir.shard.gguf_file import describe
@@ -35,16 +35,11 @@ def run(args: argparse.Namespace) -> int:
     check_window(describe(args.model), a, b)  # before hashing a possibly huge file
     res = slice_model(args.model, a, b, args.output, source_sha256=model_sha256(args.model, default_cache_dir()))
     share = res.stage_bytes / res.model_bytes
-    if args.json:
-        print_json(
-            {
-                "path": str(res.path),
-                "layers": [a, b],
-                "stage_bytes": res.stage_bytes,
-                "model_bytes": res.model_bytes,
-                "pad_layers": len(res.layout.pad_positions),
-            }
-        )
-    else:
-        print(f"{res.path}: layers {a}:{b}, {res.stage_bytes:,} bytes of the model's {res.model_bytes:,} ({share:.1%})")
+    print_window_result(
+        args.json,
+        res.path,
+        (a, b),
+        {"stage_bytes": res.stage_bytes, "model_bytes": res.model_bytes, "pad_layers": len(res.layout.pad_positions)},
+        f"{res.stage_bytes:,} bytes of the model's {res.model_bytes:,} ({share:.1%})",
+    )
     return 0

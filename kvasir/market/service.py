@@ -143,7 +143,7 @@ async def serve_market(
     store = store if store is not None else await trio.to_thread.run_sync(MarketStore, db)
     service = MarketService(store)
     try:
-        await serve_http(service.handle, host, port, limits=MARKET_LIMITS, task_status=task_status)
+        await serve_http(service.handle, host, port, limits=MARKET_LIMITS, name="market", task_status=task_status)
     finally:
         if own:
             store.close()

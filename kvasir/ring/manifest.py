@@ -25,7 +25,7 @@ from typing import Any
 import attrs
 
 from kvasir.errors import InputError, WindowError
-from kvasir.shard.slice import atomic_output
+from kvasir.util.files import atomic_output
 
 
 @attrs.frozen

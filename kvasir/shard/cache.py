@@ -7,19 +7,19 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
 from kvasir.errors import WindowError
 from kvasir.shard.gguf_file import describe
-from kvasir.shard.slice import atomic_output, slice_model
+from kvasir.shard.slice import slice_model
+from kvasir.util.dirs import cache_dir
+from kvasir.util.files import atomic_output
 
 
 def default_cache_dir() -> Path:
-    """``$KVASIR_CACHE`` or ``~/.cache/kvasir`` (read when called, never at import)."""
-    env = os.environ.get("KVASIR_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "kvasir"
+    """``$KVASIR_CACHE`` or the user cache directory, ``~/.cache/kvasir`` on Linux (read when called)."""
+    return cache_dir()
 
 
 def _model_dir(model: Path, cache_dir: Path) -> Path:

@@ -32,7 +32,8 @@ from kvasir.shard.cache import file_sha256
 from kvasir.shard.gguf_file import describe
 from kvasir.shard.gguf_header import DEFAULT_LIMITS, PREAMBLE_BYTES, GGUFHeader, HeaderCursor, HeaderLimits
 from kvasir.shard.gguf_io import GGUFFile
-from kvasir.shard.slice import atomic_output, check_window, slice_model, window_ranges
+from kvasir.shard.slice import check_window, slice_model, window_ranges
+from kvasir.util.files import atomic_output
 
 #: Largest piece of a range fetched in one request (also the resume granularity).
 PIECE_BYTES = 16 << 20

@@ -95,4 +95,4 @@ async def serve_model(
 ) -> None:
     """Serve ``path`` on ``host:port`` (0: any free port) until cancelled; ``started(bound_port)``."""
     seeder = ModelSeeder(path, sha256)
-    await serve_http(seeder.handle, host, port, limits=SEED_LIMITS, task_status=task_status)
+    await serve_http(seeder.handle, host, port, limits=SEED_LIMITS, name="model seeder", task_status=task_status)

@@ -16,10 +16,6 @@ The rules, in short:
 
 from __future__ import annotations
 
-import contextlib
-import os
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +23,7 @@ import attrs
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType
 
-from kvasir.errors import ModelFileError, OutputError, WindowError
+from kvasir.errors import ModelFileError, WindowError
 from kvasir.shard.arch import layer_kinds, rules_for
 from kvasir.shard.gguf_file import STAGE_PREFIX, TOKENIZER_STASH_PREFIX, ModelInfo, block_index, describe
 from kvasir.shard.gguf_io import (
@@ -40,6 +36,7 @@ from kvasir.shard.gguf_io import (
     read_gguf,
     write_gguf,
 )
+from kvasir.util.files import atomic_output
 
 #: Output projections zeroed in an identity layer (zero bytes are zero in every ggml quant type).
 _IDENTITY_ZEROED = (
@@ -198,29 +195,6 @@ def _stage_tensors(gg: GGUFFile, info: ModelInfo, layout: StageLayout) -> tuple[
             tensors.append(copy(t, f"blk.{new_index}.{blk[1]}", zero=identity and blk[1] in _IDENTITY_ZEROED))
     embedding = token_embd if layout.first and not layout.last else None
     return tensors, embedding
-
-
-@contextlib.contextmanager
-def atomic_output(out: Path) -> Iterator[Path]:
-    """Yield a temp path beside ``out``; rename it over ``out`` only if the block succeeds."""
-    parent = out.parent
-    if not parent.is_dir():
-        raise OutputError(f"{out}: directory {parent} does not exist")
-    if out.is_dir():
-        raise OutputError(f"{out}: is a directory")
-    try:
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".part", dir=parent)
-    except OSError as exc:
-        raise OutputError(f"{out}: cannot write ({exc.strerror})") from None
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
-        yield tmp
-        os.replace(tmp, out)
-    except OSError as exc:
-        raise OutputError(f"{out}: cannot write ({exc.strerror})") from None
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _layout(gg: GGUFFile, info: ModelInfo, start: int, end: int) -> StageLayout:
