@@ -19,6 +19,8 @@ import attrs
 import h11
 import trio
 
+from kvasir.util.addrgroup import address_group
+
 RECEIVE_BYTES = 64 * 1024
 
 log = logging.getLogger("kvasir.http")
@@ -40,6 +42,8 @@ class ApiLimits:
     send_timeout: float = 60.0
     #: Concurrent connections; more are answered 503 and closed.
     max_connections: int = 256
+    #: Concurrent connections from one client address (IPv6: one /64); more are answered 429 and closed.
+    max_connections_per_client: int = 32
     #: How long a closing connection keeps draining unread request bytes so the client sees our reply.
     linger: float = 1.0
 
@@ -76,6 +80,7 @@ class HttpConnection:
         self.limits = limits
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_header_bytes)
         self.peer_closed = False
+        self.peer = client_group(stream)
         self._watch_buffered = 0
         self._event_stream = False
 
@@ -338,14 +343,20 @@ class _Server:
         self.limits = limits
         self.error_shape = error_shape
         self.connections = 0
+        self.per_client: dict[str, int] = {}
 
     async def serve(self, stream: trio.abc.Stream) -> None:
         """One client connection; never raises (a failing connection must not take the server down)."""
         http = HttpConnection(stream, self.limits)
         self.connections += 1
+        self.per_client[http.peer] = self.per_client.get(http.peer, 0) + 1
         try:
             if self.connections > self.limits.max_connections:
                 await self._send_error(http, HttpError(503, "overloaded", "too many connections"), close=True)
+                return
+            if self.per_client[http.peer] > self.limits.max_connections_per_client:
+                error = HttpError(429, "rate_limited", "too many connections from this address")
+                await self._send_error(http, error, close=True)
                 return
             while True:
                 try:
@@ -364,6 +375,9 @@ class _Server:
             log.exception("HTTP connection failed")
         finally:
             self.connections -= 1
+            self.per_client[http.peer] -= 1
+            if not self.per_client[http.peer]:
+                del self.per_client[http.peer]
             await http.close()
 
     async def _handle(self, http: HttpConnection, request: HttpRequest) -> None:
@@ -392,3 +406,12 @@ class _Server:
             # else a fixed-length body is under way: the connection closes short of it (next_cycle refuses)
         except ClientGone:
             http.peer_closed = True
+
+
+def client_group(stream: trio.abc.Stream) -> str:
+    """The peer's address group (:func:`~kvasir.util.addrgroup.address_group`), "?" when it has none."""
+    inner: Any = getattr(stream, "transport_stream", stream)
+    try:
+        return address_group(str(inner.socket.getpeername()[0]))
+    except (AttributeError, OSError, IndexError):
+        return "?"

@@ -7,6 +7,7 @@ import functools
 import json
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -14,7 +15,7 @@ import h11
 import pytest
 import trio
 
-from kvasir.api import ApiBackend, ApiLimits, serve_api
+from kvasir.api import ApiAccess, ApiBackend, ApiLimits, serve_api
 from kvasir.errors import InputError, RingError
 from kvasir.httpserve import Handler, HttpConnection, HttpError, HttpRequest, serve_http
 from kvasir.ring.requests import ClientEvent, EndEvent, TokenEvent
@@ -49,6 +50,9 @@ class FakeVocab:
     def tokenize_chat(self, rendered: str) -> list[int]:
         tokens = self.tokenize(rendered, add_special=True, parse_special=True)
         return tokens[1:] if tokens[:2] == [1, 1] else tokens
+
+    def longest_piece(self) -> int:
+        return 4
 
 
 @attrs.define
@@ -135,8 +139,9 @@ _fake_is_a_backend: ApiBackend[Call] = FakeBackend()
 # ---------------------------------------------------------------------------------------------------- helpers
 
 
-async def start(nursery: trio.Nursery, backend: FakeBackend, **limits: Any) -> int:
-    port: int = await nursery.start(functools.partial(serve_api, backend, "127.0.0.1", 0, limits=ApiLimits(**limits)))
+async def start(nursery: trio.Nursery, backend: FakeBackend, access: ApiAccess | None = None, **limits: Any) -> int:
+    serve = functools.partial(serve_api, backend, "127.0.0.1", 0, limits=ApiLimits(**limits), access=access)
+    port: int = await nursery.start(serve)
     return port
 
 
@@ -727,3 +732,92 @@ async def test_openai_client_errors(nursery: trio.Nursery) -> None:
                     )
 
         await trio.to_thread.run_sync(use)
+
+
+# ---------------------------------------------------------------------------------------------------- access
+
+
+KEY = "k-0123456789abcdef"
+
+
+async def test_bearer_keys(nursery: trio.Nursery) -> None:
+    with trio.fail_after(10):
+        port = await start(nursery, FakeBackend(), ApiAccess(frozenset({KEY})))
+        body = {"model": MODEL, "prompt": "hi"}
+        for headers in ([], [("authorization", "Bearer wrong-key-0123456789")], [("authorization", KEY)]):
+            client = await Client.connect(port)
+            await client.send("POST", "/v1/completions", body, headers)
+            reply = await client.receive()
+            await client.aclose()
+            assert reply.status == 401, headers
+            assert reply.headers["www-authenticate"] == "Bearer"
+            assert reply.json()["error"]["code"] == "invalid_api_key"
+        client = await Client.connect(port)
+        await client.send("POST", "/v1/completions", body, [("authorization", f"Bearer {KEY}")])
+        assert (await client.receive()).status == 200
+        await client.aclose()
+
+
+def test_api_key_file(tmp_path: Path) -> None:
+    path = tmp_path / "keys"
+    path.write_text(f"# ring users\n{KEY}\n\n")
+    path.chmod(0o600)
+    assert ApiAccess.from_key_file(path).keys == {KEY}
+    path.chmod(0o644)
+    with pytest.raises(InputError, match="readable by others"):
+        ApiAccess.from_key_file(path)
+    path.chmod(0o600)
+    for text, problem in (("# nothing\n", "no key"), ("short\n", "16 characters")):
+        path.write_text(text)
+        with pytest.raises(InputError, match=problem):
+            ApiAccess.from_key_file(path)
+
+
+async def test_per_client_request_cap(nursery: trio.Nursery) -> None:
+    with trio.fail_after(10):
+        fake = FakeBackend(pieces=["tok"] * 50, delay=0.05, stage=FakeStage(config=FakeStageConfig(n_ctx=4096)))
+        port = await start(nursery, fake, ApiAccess(max_requests_per_client=1))
+        slow = await Client.connect(port)
+        await slow.send("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "stream": True})
+        assert (await slow.head())[0] == 200  # the first request is running
+        reply = await call(port, "POST", "/v1/completions", {"model": MODEL, "prompt": "hi"})
+        assert reply.status == 429 and reply.json()["error"]["code"] == "rate_limit_exceeded"
+        assert len(fake.calls) == 1
+        await slow.aclose()
+
+
+async def test_per_client_connection_cap(nursery: trio.Nursery) -> None:
+    with trio.fail_after(10):
+        port = await start(nursery, FakeBackend(), max_connections_per_client=2)
+        held = [await Client.connect(port) for _ in range(2)]
+        for client in held:  # both are served
+            assert (await client.call("GET", "/v1/models")).status == 200
+        reply = await call(port, "GET", "/v1/models")
+        assert reply.status == 429
+        for client in held:
+            await client.aclose()
+
+
+async def test_text_longer_than_the_context_is_refused_before_tokenizing(nursery: trio.Nursery) -> None:
+    with trio.fail_after(10):
+        tokenized: list[str] = []
+        fake = FakeBackend()  # n_ctx 64; FakeVocab's longest piece is 4 bytes: 257 bytes are at least 65 tokens
+        original = fake.stage.vocab.tokenize
+
+        def counting(text: str, **kw: Any) -> list[int]:
+            tokenized.append(text)
+            return original(text, **kw)
+
+        fake.stage.vocab.tokenize = counting  # type: ignore[method-assign]
+        reply = await call(
+            port := await start(nursery, fake), "POST", "/v1/completions", {"model": MODEL, "prompt": "x" * 257}
+        )
+        assert reply.status == 400 and reply.json()["error"]["code"] == "context_length_exceeded"
+        assert tokenized == []
+        reply = await call(
+            port, "POST", "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "y" * 300}]}
+        )
+        assert reply.status == 400 and tokenized == []
+        # Just within the bound, the text is tokenized (and found to fit: one word is one token here).
+        reply = await call(port, "POST", "/v1/completions", {"model": MODEL, "prompt": "x" * 256})
+        assert reply.status == 200 and tokenized == ["x" * 256]

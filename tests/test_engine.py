@@ -114,3 +114,15 @@ def test_native_and_python_capture_agree(tiny_model: Callable[..., Path], cache_
             outs.append((first, step))
     for a, b in zip(outs[0], outs[1], strict=True):
         assert a.view("u4").tobytes() == b.view("u4").tobytes()
+
+
+def test_longest_piece_bounds_every_token(gemma_path: Path) -> None:
+    """The API's pre-tokenization bound holds on a real 262k vocabulary: no token's text is longer."""
+    with Stage.load(StageConfig(gemma_path, n_ctx=256, n_seq_max=1, n_threads=2)) as stage:
+        vocab = stage.vocab
+        longest = vocab.longest_piece()
+        assert 1 < longest < 256
+        text = "     \t\t\n\n" * 20 + "Antidisestablishmentarianism " * 5 + "=" * 64 + "ლ" * 10
+        tokens = vocab.tokenize(text, add_special=False)
+        assert len(text.encode()) / longest <= len(tokens)
+        assert max(len(vocab.piece(t)) for t in tokens) <= longest

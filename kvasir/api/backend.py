@@ -23,6 +23,8 @@ class ApiVocab(Protocol):
 
     def tokenize_chat(self, rendered: str) -> list[int]: ...
 
+    def longest_piece(self) -> int: ...
+
 
 class ApiStageConfig(Protocol):
     @property

@@ -8,13 +8,17 @@ handler, which leaves ``node.request(...)`` and so cancels the request on the ri
 from __future__ import annotations
 
 import functools
+import hmac
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
+import attrs
 import trio
 
 from kvasir.api.backend import ApiBackend
@@ -45,6 +49,34 @@ ROUTES: dict[str, tuple[str, ...]] = {
     "/v1/chat/completions": ("POST",),
 }
 MODELS_PREFIX = "/v1/models/"
+#: Request bodies are parsed in worker threads (a 4 MiB nested body must not stall the node's links); at most this
+#: many at once.
+_JSON_LIMITER_TOKENS = 2
+
+
+@attrs.frozen
+class ApiAccess:
+    """Who may use the API and how much: bearer keys (none: open) and per-client concurrent requests."""
+
+    keys: frozenset[str] = frozenset()
+    #: Generation requests one client (its key, or without keys its address group) may have running at once.
+    max_requests_per_client: int = 8
+
+    @classmethod
+    def from_key_file(cls, path: Path, **kw: Any) -> ApiAccess:
+        """One key per line (blank lines and ``#`` comments skipped); the file must not be readable by others."""
+        try:
+            if path.stat().st_mode & 0o077:
+                raise InputError(f"API key file {path} is readable by others; chmod 600 it")
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except OSError as exc:
+            raise InputError(f"cannot read API key file {path}: {exc.strerror}") from exc
+        keys = frozenset(line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#"))
+        if not keys:
+            raise InputError(f"API key file {path} holds no key")
+        if any(len(key) < 16 for key in keys):
+            raise InputError(f"API key file {path}: every key needs at least 16 characters")
+        return cls(keys, **kw)
 
 
 async def serve_api(
@@ -53,13 +85,14 @@ async def serve_api(
     port: int,
     *,
     limits: ApiLimits | None = None,
+    access: ApiAccess | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the API on ``host:port`` (port 0: any free port) until cancelled; ``started(bound_port)``.
 
-    Pass a loopback host unless the API is meant to be reachable from other machines: it has no authentication.
+    Without ``access.keys`` the API is open: pass a loopback host unless it is meant for other machines.
     """
-    api = ApiServer(node)
+    api = ApiServer(node, access or ApiAccess())
     await serve_http(
         api.handle, host, port, limits=limits, error_shape=openai_error, name="OpenAI API", task_status=task_status
     )
@@ -87,19 +120,41 @@ def openai_error(err: HttpError) -> HttpError:
 class ApiServer:
     """The API's request handler for :func:`kvasir.httpserve.serve_http`."""
 
-    def __init__(self, node: ApiBackend[Any]) -> None:
+    def __init__(self, node: ApiBackend[Any], access: ApiAccess | None = None) -> None:
         self.node = node
+        self.access = access or ApiAccess()
         self.created = int(time.time())
+        self.running: dict[str, int] = {}  # client -> generation requests in flight
+        self._json_limiter = trio.CapacityLimiter(_JSON_LIMITER_TOKENS)
 
     async def handle(self, http: HttpConnection, request: HttpRequest) -> None:
         try:
-            await self._route(http, request)
+            client = self._authorize(http, request)
+            await self._route(http, request, client)
         except ApiError as err:
-            raise OpenAiError(err) from None
+            headers = [("www-authenticate", "Bearer")] if err.status == 401 else []
+            raise OpenAiError(err, headers) from None
+
+    def _authorize(self, http: HttpConnection, request: HttpRequest) -> str:
+        """The client's identity for per-client caps; raises 401 without a valid key when keys are set."""
+        if not self.access.keys:
+            return http.peer
+        given = [v for k, v in request.headers if k.lower() == "authorization"]
+        key = given[0][len("Bearer ") :].strip() if len(given) == 1 and given[0].startswith("Bearer ") else ""
+        # Compare with every key, in constant time each, so timing does not tell which prefix matched.
+        matched = [k for k in self.access.keys if hmac.compare_digest(k.encode(), key.encode())]
+        if not matched:
+            raise ApiError(
+                401,
+                "a valid API key is required (Authorization: Bearer KEY)",
+                type="invalid_request_error",
+                code="invalid_api_key",
+            )
+        return "key:" + matched[0]
 
     # ------------------------------------------------------------------------------------------ routing
 
-    async def _route(self, http: HttpConnection, request: HttpRequest) -> None:
+    async def _route(self, http: HttpConnection, request: HttpRequest, client: str) -> None:
         path, method = request.path, request.method
         model = self.node.manifest.model_name
         allowed = ROUTES.get(path)
@@ -120,13 +175,28 @@ class ApiServer:
             await http.send_json(200, model_object(model, self.created))
         else:
             kind: Kind = "completion" if path == "/v1/completions" else "chat"
-            await self._generate(http, parse_generation(kind, _json_body(request.body)))
+            if self.running.get(client, 0) >= self.access.max_requests_per_client:
+                raise ApiError(
+                    429,
+                    f"at most {self.access.max_requests_per_client} requests at once per client",
+                    type="rate_limit_error",
+                    code="rate_limit_exceeded",
+                )
+            self.running[client] = self.running.get(client, 0) + 1
+            try:
+                body = await trio.to_thread.run_sync(_json_body, request.body, limiter=self._json_limiter)
+                await self._generate(http, parse_generation(kind, body))
+            finally:
+                self.running[client] -= 1
+                if not self.running[client]:
+                    del self.running[client]
 
     # ------------------------------------------------------------------------------------------ generation
 
     async def _tokens(self, req: GenerationRequest) -> list[int]:
         stage = self.node.stage
         vocab = stage.vocab
+        await self._refuse_text_over_context(req)
         if req.kind == "chat":
             template = stage.chat_template()
 
@@ -141,6 +211,27 @@ class ApiServer:
         return await trio.to_thread.run_sync(
             functools.partial(vocab.tokenize, text, add_special=True, parse_special=False)
         )
+
+    async def _refuse_text_over_context(self, req: GenerationRequest) -> None:
+        """Refuse, before tokenizing, text that cannot fit: tokenizing megabytes costs memory and a thread."""
+        if req.kind == "chat":
+            size = sum(len(content.encode()) for _, content in req.messages)
+        elif isinstance(req.prompt, str):
+            size = len(req.prompt.encode())
+        else:
+            return
+        n_ctx = self.node.stage.config.n_ctx
+        if size <= n_ctx:  # a token holds at least one byte: such a text can never be too long
+            return
+        longest = await trio.to_thread.run_sync(self.node.stage.vocab.longest_piece)
+        at_least = math.ceil(size / max(longest, 1))
+        if at_least > n_ctx:
+            raise ApiError.invalid(
+                f"this model's maximum context length is {n_ctx} tokens; the prompt text ({size} bytes) is at "
+                f"least {at_least} tokens",
+                param="prompt" if req.kind == "completion" else "messages",
+                code="context_length_exceeded",
+            )
 
     async def _generate(self, http: HttpConnection, req: GenerationRequest) -> None:
         param = "prompt" if req.kind == "completion" else "messages"

@@ -33,6 +33,7 @@ class Vocab:
         self.arch = arch
         self.n_tokens = int(self._L.llama_vocab_n_tokens(self._vocab))
         self._pieces: dict[int, bytes] = {}
+        self._longest: int | None = None
 
     @classmethod
     def from_stashed(cls, gg: GGUFFile, arch: str) -> Vocab:
@@ -102,6 +103,17 @@ class Vocab:
         out = buf.raw[: max(n, 0)]
         self._pieces[token] = out
         return out
+
+    def longest_piece(self) -> int:
+        """Bytes of the longest token text (at least 1): a text of N bytes is at least N / this many tokens."""
+        if self._longest is None:
+            buf = ctypes.create_string_buffer(256)
+            longest = 1
+            for token in range(self.n_tokens):  # uncached: holding every piece would cost megabytes
+                n = self._L.llama_token_to_piece(self._vocab, token, buf, 256, 0, True)
+                longest = max(longest, abs(n))  # negative: the piece needs -n bytes
+            self._longest = longest
+        return self._longest
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         return b"".join(self.piece(t) for t in tokens).decode("utf-8", "replace")

@@ -1,0 +1,18 @@
+"""The unit that per-address limits count: an IPv4 address, or an IPv6 /64 (one host usually owns a whole /64)."""
+
+from __future__ import annotations
+
+import ipaddress
+
+
+def address_group(host: str) -> str:
+    """``host`` as the key of a per-address cap; IPv4-mapped IPv6 counts as its IPv4 address."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.IPv6Network((address, 64), strict=False))
+    return str(address)
