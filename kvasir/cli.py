@@ -16,6 +16,7 @@ from kvasir.errors import KvasirError
 
 # Modules that define subcommands; imported lazily so `kvasir --help` does not load llama.cpp.
 _COMMAND_MODULES = (
+    "kvasir.commands.id",
     "kvasir.commands.inspect",
     "kvasir.commands.slice",
     "kvasir.commands.generate",
