@@ -83,8 +83,9 @@ class EdgeGrant:
             ring, edge, role, holder, not_after, issuer = data[len(_GRANT_DOMAIN) :].decode("ascii").split("\n")
             if not not_after.isdigit() or len(not_after) > 20 or str(int(not_after)) != not_after:
                 raise ValueError("not_after")
-            return cls(ring, edge, Role(int(role)), PublicKey.from_text(holder), int(not_after),
-                       PublicKey.from_text(issuer))
+            return cls(
+                ring, edge, Role(int(role)), PublicKey.from_text(holder), int(not_after), PublicKey.from_text(issuer)
+            )
         except (ValueError, UnicodeDecodeError) as exc:  # InputError is a ValueError
             raise EdgeTokenError("malformed edge grant") from exc
 
@@ -105,9 +106,7 @@ def make_token(holder: Identity, signed_grant: str, expires_at: int) -> str:
     return f"{TOKEN_VERSION_V2}.{signed_grant}.{expires_at}.{_b64(signature)}"
 
 
-def verify_token(
-    token: str, trusted: frozenset[PublicKey], edge: str, role: Role, now: int
-) -> EdgeGrant:
+def verify_token(token: str, trusted: frozenset[PublicKey], edge: str, role: Role, now: int) -> EdgeGrant:
     """Check ``token`` for ``role`` on ``edge`` at Unix time ``now``; return its verified grant.
 
     The caller keys the edge by ``(grant.ring, edge)`` and pins ``grant.holder`` for the role. Raises

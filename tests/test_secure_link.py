@@ -14,8 +14,8 @@ import trio.testing
 from kvasir.core.identity import Identity, PublicKey, create_identity, load_identity, load_or_create_identity
 from kvasir.errors import InputError
 from kvasir.ring.secure import (
-    MAGIC,
     AUTH,
+    MAGIC,
     MAX_CERT_BYTES,
     Credentials,
     KeyPolicy,

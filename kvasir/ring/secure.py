@@ -165,13 +165,7 @@ def key_of_cert(der: bytes) -> PublicKey:
 
 def auth_message(nonce: bytes, cert_der: bytes, ticket: bytes, acceptor_key: PublicKey) -> bytes:
     """What the dialer signs in AUTH."""
-    return (
-        AUTH_CONTEXT
-        + nonce
-        + hashlib.sha256(cert_der).digest()
-        + hashlib.sha256(ticket).digest()
-        + acceptor_key.raw
-    )
+    return AUTH_CONTEXT + nonce + hashlib.sha256(cert_der).digest() + hashlib.sha256(ticket).digest() + acceptor_key.raw
 
 
 def encode_auth(creds: Credentials, nonce: bytes, ticket: bytes, acceptor_key: PublicKey) -> bytes:
