@@ -106,10 +106,10 @@ def make_token(holder: Identity, signed_grant: str, expires_at: int) -> str:
     return f"{TOKEN_VERSION_V2}.{signed_grant}.{expires_at}.{_b64(signature)}"
 
 
-def verify_token(token: str, trusted: frozenset[PublicKey], edge: str, role: Role, now: int) -> EdgeGrant:
-    """Check ``token`` for ``role`` on ``edge`` at Unix time ``now``; return its verified grant.
+def verify_token(token: str, trusted: frozenset[PublicKey], edge: str, role: Role | None, now: int) -> EdgeGrant:
+    """Check ``token`` for ``role`` (None: the role its grant names) on ``edge`` at Unix time ``now``.
 
-    The caller keys the edge by ``(grant.ring, edge)`` and pins ``grant.holder`` for the role. Raises
+    Returns the verified grant. The caller keys the edge by ``(grant.ring, edge)`` and pins ``grant.holder`` for the role. Raises
     :class:`EdgeTokenExpired` for a genuine but expired token or grant, :class:`EdgeTokenError` for anything else.
     """
     if len(token) > MAX_TOKEN_CHARS:
@@ -124,7 +124,7 @@ def verify_token(token: str, trusted: frozenset[PublicKey], edge: str, role: Rol
         raise EdgeTokenError(f"edge grant issued by an untrusted key {grant.issuer.fingerprint}")
     if not grant.issuer.verify(_unb64(grant_sig_text, "grant signature"), data):
         raise EdgeTokenError("edge grant signature does not verify")
-    if grant.edge != edge or grant.role != role:
+    if grant.edge != edge or (role is not None and grant.role != role):
         raise EdgeTokenError("edge grant is for another edge or role")
     if not expiry_text.isdigit() or len(expiry_text) > 20 or str(int(expiry_text)) != expiry_text:
         raise EdgeTokenError("malformed edge token expiry")
