@@ -117,9 +117,10 @@ async def open_relay_link(
     """Join ``edge_id`` as ``role`` through the relay at ``url`` (``ws://`` or ``wss://``).
 
     ``bearer``: send ``token`` (a v2 token) in the Authorization header, where the relay checks it before it
-    accepts the WebSocket; otherwise it is a v1 token in the URL query. ``ssl_context`` is for ``wss://`` only (default: the system's trust store). Raises
-    :class:`RelayConnectError` if the relay cannot be reached or refuses the handshake; rejections after the
-    handshake (bad token, role taken, ...) arrive as :class:`RelayLinkClosed` with the close code.
+    accepts the WebSocket; otherwise it is a v1 token in the URL query. ``ssl_context`` is for ``wss://`` only
+    (default: the system's trust store). Raises :class:`RelayConnectError` if the relay cannot be reached or
+    refuses the handshake (a v2 token is refused there, with an HTTP status); rejections after the handshake
+    (v1 token, role taken, ...) arrive as :class:`RelayLinkClosed` with the close code.
     """
     target = edge_url(url, edge_id, None if bearer else token)
     if ssl_context is not None and not target.startswith("wss:"):

@@ -109,8 +109,9 @@ def make_token(holder: Identity, signed_grant: str, expires_at: int) -> str:
 def verify_token(token: str, trusted: frozenset[PublicKey], edge: str, role: Role | None, now: int) -> EdgeGrant:
     """Check ``token`` for ``role`` (None: the role its grant names) on ``edge`` at Unix time ``now``.
 
-    Returns the verified grant. The caller keys the edge by ``(grant.ring, edge)`` and pins ``grant.holder`` for the role. Raises
-    :class:`EdgeTokenExpired` for a genuine but expired token or grant, :class:`EdgeTokenError` for anything else.
+    Returns the verified grant. The caller keys the edge by ``(grant.ring, edge)`` and pins ``grant.holder`` for
+    the role. Raises :class:`EdgeTokenExpired` for a genuine but expired token or grant, :class:`EdgeTokenError`
+    for anything else.
     """
     if len(token) > MAX_TOKEN_CHARS:
         raise EdgeTokenError("edge token too long")

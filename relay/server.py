@@ -14,6 +14,7 @@ plus the one being reassembled by the reader; a slow reader stalls its sender th
 from __future__ import annotations
 
 import collections
+import contextlib
 import ipaddress
 import logging
 import ssl
@@ -293,11 +294,8 @@ class Relay:
                 if isinstance(admission, _Close)
                 else self._reject(CloseCode.TOO_MANY_CONNECTIONS, "too many connections")
             )
-            with trio.move_on_after(config.close_timeout, shield=True):
-                try:
-                    await request.reject(_HTTP_STATUS.get(refusal.code, 403), body=refusal.reason.encode())
-                except ConnectionClosed:
-                    pass
+            with trio.move_on_after(config.close_timeout, shield=True), contextlib.suppress(ConnectionClosed):
+                await request.reject(_HTTP_STATUS.get(CloseCode(refusal.code), 403), body=refusal.reason.encode())
             return
         try:
             conn = await request.accept()

@@ -72,7 +72,7 @@ async def test_bad_tokens_are_refused_before_the_websocket_opens(start_relay: St
 
 
 async def test_a_role_is_held_by_its_key_and_yields_only_to_the_same_key(start_relay: StartRelay) -> None:
-    relay, url = await start_relay(wait_timeout=5)
+    _, url = await start_relay(wait_timeout=5)
     holder, other = Identity.generate(), Identity.generate()
     async with open_relay_link(url, "e1", UP, token(holder, "e1", UP), bearer=True) as first:
         # Another key with its own valid grant for the same role cannot squat the live slot.
