@@ -190,3 +190,44 @@ def test_kvasir_id_creates_once_and_prints_the_same_key(tmp_path: Path, capsys: 
     assert main(["id", "--identity", str(path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "readable by others" in err
+
+
+async def test_the_secure_handshake_runs_end_to_end_inside_messages() -> None:
+    """Over a relay the TLS session runs inside the messages: the middle sees only ciphertext."""
+    from kvasir.ring.msgstream import MessageStream
+
+    a, b = Credentials.of(Identity.generate()), Credentials.of(Identity.generate())
+    to_b_send, to_b_recv = trio.open_memory_channel[bytes](0)
+    to_a_send, to_a_recv = trio.open_memory_channel[bytes](0)
+    seen_by_relay: list[bytes] = []
+
+    async def relay_to_b(message: bytes) -> None:
+        seen_by_relay.append(message)
+        await to_b_send.send(message)
+
+    async def close() -> None:
+        pass
+
+    dialer = MessageStream(relay_to_b, to_a_recv.receive, close, closed_errors=(trio.EndOfChannel,))
+    acceptor = MessageStream(to_a_send.send, to_b_recv.receive, close, closed_errors=(trio.EndOfChannel,))
+    secret = b"my card PIN is 4921" * 100  # spans several TLS records
+    got: list[bytes] = []
+
+    async def accept() -> None:
+        tls, peer, _ = await accept_secure(acceptor, b, KeyPolicy(frozenset({a.identity.public})))
+        assert peer == a.identity.public
+        data = b""
+        while len(data) < len(secret):
+            data += await tls.receive_some()
+        got.append(data)
+
+    async def dial() -> None:
+        tls = await dial_secure(dialer, a, b.identity.public)
+        await tls.send_all(secret)
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(accept)
+            nursery.start_soon(dial)
+    assert got == [secret]
+    assert not any(b"PIN" in message for message in seen_by_relay)
