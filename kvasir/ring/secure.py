@@ -37,6 +37,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from kvasir.core.identity import Identity, PublicKey
 from kvasir.errors import ProtocolError, RingError
+from kvasir.ring.tlsstream import TLSStream
 
 MAGIC = b"KV\x02"
 CHALLENGE, AUTH, VERDICT = 1, 2, 3
@@ -126,6 +127,7 @@ class Credentials:
     def server_context(self, client_cert_der: bytes) -> ssl.SSLContext:
         """TLS 1.3 server context that accepts exactly one client certificate (the one AUTH proved)."""
         ctx = _tls13(ssl.PROTOCOL_TLS_SERVER)
+        ctx.num_tickets = 0  # links never resume sessions; no post-handshake messages to wait on
         self._load_into(ctx)
         ctx.verify_mode = ssl.CERT_REQUIRED
         ctx.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
@@ -217,7 +219,7 @@ async def _expect(reader: _Reader, kind: int) -> None:
 
 async def accept_secure(
     stream: trio.abc.Stream, creds: Credentials, policy: PeerPolicy
-) -> tuple[trio.SSLStream[trio.abc.Stream], PublicKey, bytes]:
+) -> tuple[TLSStream, PublicKey, bytes]:
     """The acceptor's side: challenge, verify AUTH against ``policy``, then TLS. Returns (tls, peer key, ticket).
 
     Raises :class:`LinkAuthError` (after sending the VERDICT) if the dialer is not allowed. The caller bounds the
@@ -250,11 +252,11 @@ async def accept_secure(
             await stream.send_all(MAGIC + bytes([VERDICT, exc.refusal]))
         raise
     await stream.send_all(MAGIC + bytes([VERDICT, Refusal.ACCEPTED]))
-    tls = trio.SSLStream(stream, creds.server_context(cert_der), server_side=True)
+    tls = TLSStream(stream, creds.server_context(cert_der), server_side=True)
     try:
         await tls.do_handshake()
-    except (trio.BrokenResourceError, ssl.SSLError) as exc:
-        raise LinkAuthError(f"TLS handshake failed: {exc}") from exc
+    except trio.BrokenResourceError as exc:
+        raise LinkAuthError(str(exc)) from exc
     client_der = tls.getpeercert(binary_form=True)
     if client_der != cert_der:  # CERT_REQUIRED pinned it; check anyway, it costs nothing
         raise LinkAuthError("TLS client certificate differs from the one AUTH proved")
@@ -263,7 +265,7 @@ async def accept_secure(
 
 async def dial_secure(
     stream: trio.abc.Stream, creds: Credentials, expected: PublicKey, ticket: bytes = b""
-) -> trio.SSLStream[trio.abc.Stream]:
+) -> TLSStream:
     """The dialer's side: answer the challenge, then TLS, checking the acceptor holds ``expected``."""
     if len(ticket) > MAX_TICKET_BYTES:
         raise ProtocolError(f"ticket of {len(ticket)} bytes is over the {MAX_TICKET_BYTES}-byte limit")
@@ -278,11 +280,11 @@ async def dial_secure(
         raise LinkAuthError(f"the peer refused this node's key ({name})", Refusal.UNKNOWN_KEY)
     if reader.leftover:
         raise LinkAuthError("bytes after VERDICT before TLS")
-    tls = trio.SSLStream(stream, creds.client_context(), server_hostname=None)
+    tls = TLSStream(stream, creds.client_context(), server_side=False)
     try:
         await tls.do_handshake()
-    except (trio.BrokenResourceError, ssl.SSLError) as exc:
-        raise LinkAuthError(f"TLS handshake failed: {exc}") from exc
+    except trio.BrokenResourceError as exc:
+        raise LinkAuthError(str(exc)) from exc
     server_der = tls.getpeercert(binary_form=True)
     if server_der is None or key_of_cert(server_der) != expected:
         raise LinkAuthError("the peer's TLS key is not the expected neighbour's")
