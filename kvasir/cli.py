@@ -18,6 +18,7 @@ from kvasir.util.cli import run_main
 
 # Modules that define subcommands; imported lazily so `kvasir --help` does not load llama.cpp.
 _COMMAND_MODULES = (
+    "kvasir.commands.id",
     "kvasir.commands.inspect",
     "kvasir.commands.slice",
     "kvasir.commands.generate",

@@ -24,7 +24,7 @@ from relay.token import Role, is_valid_edge_id
 __all__ = ["RelayLink", "edge_url", "open_relay_link"]
 
 
-def edge_url(relay_url: str, edge_id: str, token: str) -> str:
+def edge_url(relay_url: str, edge_id: str, token: str | None = None) -> str:
     """The WebSocket URL for ``edge_id`` under ``relay_url`` (``ws://host:port`` or ``wss://...``)."""
     parts = urllib.parse.urlsplit(relay_url)
     if parts.scheme not in ("ws", "wss") or not parts.hostname:
@@ -34,7 +34,8 @@ def edge_url(relay_url: str, edge_id: str, token: str) -> str:
     if not is_valid_edge_id(edge_id):
         raise RelayConfigError(f"invalid edge id {edge_id!r}")
     path = parts.path.rstrip("/") + EDGE_PATH_PREFIX + edge_id
-    query = urllib.parse.urlencode({"token": token})
+    # v1 tokens travel in the query; v2 tokens in the Authorization header (kept out of URLs and logs).
+    query = "" if token is None else urllib.parse.urlencode({"token": token})
     return urllib.parse.urlunsplit((parts.scheme, parts.netloc, path, query, ""))
 
 
@@ -73,6 +74,28 @@ class RelayLink:
         await self._conn.aclose()
 
 
+async def _close_leaked_streams(exc: BaseException) -> None:
+    """Close the socket trio-websocket 0.12 leaves open when the server refuses the upgrade (an HTTP status).
+
+    The refusal is raised inside the connection's reader task, whose frames still hold the connection; without
+    this, every refused redial would leak a socket until garbage collection.
+    """
+    seen: set[int] = set()
+    pending: list[BaseException | None] = [exc]
+    while pending:
+        err = pending.pop()
+        if err is None or id(err) in seen:
+            continue
+        seen.add(id(err))
+        pending += [err.__cause__, err.__context__, *getattr(err, "exceptions", ())]
+        tb = err.__traceback__
+        while tb is not None:
+            candidate = tb.tb_frame.f_locals.get("self")
+            if isinstance(candidate, WebSocketConnection):
+                await trio.aclose_forcefully(candidate._stream)
+            tb = tb.tb_next
+
+
 def _closed(exc: ConnectionClosed) -> RelayLinkClosed:
     reason = exc.reason
     return RelayLinkClosed(reason.code if reason else None, reason.reason if reason else None)
@@ -85,6 +108,7 @@ async def open_relay_link(
     role: Role,
     token: str,
     *,
+    bearer: bool = False,
     ssl_context: ssl.SSLContext | None = None,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     connect_timeout: float = 30.0,
@@ -92,11 +116,13 @@ async def open_relay_link(
 ) -> AsyncIterator[RelayLink]:
     """Join ``edge_id`` as ``role`` through the relay at ``url`` (``ws://`` or ``wss://``).
 
-    ``ssl_context`` is for ``wss://`` only (default: the system's trust store). Raises
-    :class:`RelayConnectError` if the relay cannot be reached or refuses the handshake; rejections after the
-    handshake (bad token, role taken, ...) arrive as :class:`RelayLinkClosed` with the close code.
+    ``bearer``: send ``token`` (a v2 token) in the Authorization header, where the relay checks it before it
+    accepts the WebSocket; otherwise it is a v1 token in the URL query. ``ssl_context`` is for ``wss://`` only
+    (default: the system's trust store). Raises :class:`RelayConnectError` if the relay cannot be reached or
+    refuses the handshake (a v2 token is refused there, with an HTTP status); rejections after the handshake
+    (v1 token, role taken, ...) arrive as :class:`RelayLinkClosed` with the close code.
     """
-    target = edge_url(url, edge_id, token)
+    target = edge_url(url, edge_id, None if bearer else token)
     if ssl_context is not None and not target.startswith("wss:"):
         raise RelayConfigError("an SSL context needs a wss:// relay URL")
     conn: WebSocketConnection | None = None
@@ -109,11 +135,13 @@ async def open_relay_link(
             receive_buffer_size=64 * 1024,
             connect_timeout=connect_timeout,
             disconnect_timeout=disconnect_timeout,
+            extra_headers=[(b"Authorization", b"Bearer " + token.encode("ascii"))] if bearer else None,
         ) as conn:
             link = RelayLink(conn)
             await link.send_message(bytes([Role(role)]))
             yield link
     except HandshakeError as exc:
+        await _close_leaked_streams(exc)
         raise RelayConnectError(f"cannot open relay link to {url}: {exc!r}") from exc
     finally:
         # trio-websocket 0.12's aclose() returns early when the relay closed first and leaves the socket open

@@ -14,6 +14,8 @@ plus the one being reassembled by the reader; a slow reader stalls its sender th
 from __future__ import annotations
 
 import collections
+import contextlib
+import ipaddress
 import logging
 import ssl
 import time
@@ -26,8 +28,10 @@ import trio
 import trio_websocket
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
+from kvasir.core.identity import PublicKey
 from relay.codes import CloseCode
 from relay.errors import EdgeTokenError, EdgeTokenExpired, RelayConfigError
+from relay.grant import verify_token
 from relay.token import MIN_SECRET_BYTES, Role, is_valid_edge_id, verify_edge_token
 
 __all__ = [
@@ -60,7 +64,10 @@ def _port(instance: object, attribute: attrs.Attribute[int], value: int) -> None
 class RelayConfig:
     """Everything the relay needs; times in seconds, sizes in bytes."""
 
-    secret: bytes = attrs.field(repr=False)  # the ring secret that keys edge tokens
+    #: v1 tokens: the ring secret that keys HMAC edge tokens (deprecated: every node of the ring holds it).
+    secret: bytes | None = attrs.field(default=None, repr=False)
+    #: v2 tokens: operator keys whose edge grants this relay honours (docs/protocol.md § Relay admission).
+    trusted_keys: frozenset[PublicKey] = frozenset()
     host: str = "127.0.0.1"
     port: int = attrs.field(default=8443, validator=_port)
     tls_cert: str | None = None
@@ -72,12 +79,15 @@ class RelayConfig:
     keepalive_interval: float = attrs.field(default=15.0, validator=_positive)
     keepalive_timeout: float = attrs.field(default=45.0, validator=_positive)  # silence while we wait to read
     max_message_bytes: int = attrs.field(default=DEFAULT_MAX_MESSAGE_BYTES, validator=_positive)
-    max_conns_per_ip: int = attrs.field(default=32, validator=_positive)
+    max_conns_per_ip: int = attrs.field(default=32, validator=_positive)  # per IPv4 address or IPv6 /64
+    max_connections: int = attrs.field(default=1024, validator=_positive)  # all addresses together
     receive_buffer_bytes: int = attrs.field(default=64 * 1024, validator=_positive)
     clock: Callable[[], float] = time.time  # Unix time for token expiry; a parameter so tests can move it
 
     def __attrs_post_init__(self) -> None:
-        if len(self.secret) < MIN_SECRET_BYTES:
+        if self.secret is None and not self.trusted_keys:
+            raise RelayConfigError("the relay needs operator keys to trust (or a v1 ring secret)")
+        if self.secret is not None and len(self.secret) < MIN_SECRET_BYTES:
             raise RelayConfigError(f"ring secret must be at least {MIN_SECRET_BYTES} bytes")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise RelayConfigError("--tls-cert and --tls-key go together")
@@ -142,11 +152,21 @@ class _WatchedStream(trio.abc.Stream):
         await self.inner.aclose()
 
 
+@attrs.frozen
+class _Admission:
+    """A v2 token's verdict, reached at the HTTP upgrade: who may join which edge in which role."""
+
+    edge_key: str  # the registry key: ring and edge id, so two rings never share an edge
+    role: Role
+    holder: PublicKey
+
+
 @attrs.define(eq=False)
 class _Member:
     role: Role
     conn: WebSocketConnection
     stream: _WatchedStream
+    holder: PublicKey | None = None  # the key a v2 token proved; a live slot yields only to the same key
     # True while a pump is writing a message to this connection; if the edge ends then, the frame is cut short
     # and the only honest close is a hard one.
     mid_send: bool = False
@@ -223,13 +243,14 @@ class Relay:
             raise RelayConfigError(f"cannot listen on {config.host}:{config.port}: {exc}") from exc
 
     async def _handle_stream(self, stream: trio.abc.Stream) -> None:
-        ip = _peer_ip(stream)
+        ip = _address_group(_peer_ip(stream))
         self._per_ip[ip] = self._per_ip.get(ip, 0) + 1
         self._connections += 1
         watched = _WatchedStream(stream)
+        over_cap = self._per_ip[ip] > self.config.max_conns_per_ip or self._connections > self.config.max_connections
         try:
             async with trio.open_nursery() as nursery:
-                await self._handle_connection(nursery, watched, self._per_ip[ip] > self.config.max_conns_per_ip)
+                await self._handle_connection(nursery, watched, over_cap)
                 nursery.cancel_scope.cancel()  # stops the WebSocket reader
         except Exception:
             # One connection's failure (a bug, or a protocol corner of the WebSocket layer) must not stop the
@@ -265,6 +286,17 @@ class Relay:
                 waiting.cancel_scope.cancel()
         if request is None:
             return
+        admission = self._admit(request)
+        if isinstance(admission, _Close) or (over_cap and admission is not None):
+            # v2: refused at the upgrade, before any WebSocket message can be sent to us.
+            refusal = (
+                admission
+                if isinstance(admission, _Close)
+                else self._reject(CloseCode.TOO_MANY_CONNECTIONS, "too many connections")
+            )
+            with trio.move_on_after(config.close_timeout, shield=True), contextlib.suppress(ConnectionClosed):
+                await request.reject(_HTTP_STATUS.get(CloseCode(refusal.code), 403), body=refusal.reason.encode())
+            return
         try:
             conn = await request.accept()
         except ConnectionClosed:
@@ -275,7 +307,7 @@ class Relay:
             if over_cap:
                 close = self._reject(CloseCode.TOO_MANY_CONNECTIONS, "too many connections from this address")
             else:
-                close, member = await self._session(conn, request.path, stream)
+                close, member = await self._session(conn, request.path, stream, admission)
         finally:
             # Shielded so that a relay shutting down still says why; bounded so a dead peer cannot hold it.
             with trio.move_on_after(config.close_timeout, shield=True):
@@ -288,8 +320,32 @@ class Relay:
         self._rejections[int(code)] += 1
         return _Close(code, reason)
 
+    def _admit(self, request: trio_websocket.WebSocketRequest) -> _Admission | _Close | None:
+        """Check a v2 token (``Authorization: Bearer v2.…``) at the upgrade; None: no v2 token (v1 path)."""
+        bearer = [v for k, v in request.headers if k.lower() == b"authorization"]
+        if not bearer:
+            if self.config.secret is None:
+                return self._reject(CloseCode.NO_TOKEN, "missing Authorization: Bearer edge token")
+            return None
+        if len(bearer) > 1 or not bearer[0].startswith(b"Bearer "):
+            return self._reject(CloseCode.BAD_TOKEN, "one Authorization: Bearer header")
+        path = urllib.parse.urlsplit(request.path).path
+        edge_id = path.removeprefix(EDGE_PATH_PREFIX)
+        if not path.startswith(EDGE_PATH_PREFIX) or not is_valid_edge_id(edge_id):
+            return self._reject(CloseCode.BAD_PATH, "path must be /v1/edge/{edge_id}")
+        token = bearer[0][len(b"Bearer ") :].decode("latin-1")
+        now = int(self.config.clock())
+        try:
+            # The token names its role in its grant; the preamble byte must then agree.
+            grant = verify_token(token, self.config.trusted_keys, edge_id, None, now)
+        except EdgeTokenExpired:
+            return self._reject(CloseCode.TOKEN_EXPIRED, "edge token expired")
+        except EdgeTokenError:
+            return self._reject(CloseCode.BAD_TOKEN, "edge token not valid for this edge")
+        return _Admission(f"{grant.ring}/{edge_id}", grant.role, grant.holder)
+
     async def _session(
-        self, conn: WebSocketConnection, target: str, stream: _WatchedStream
+        self, conn: WebSocketConnection, target: str, stream: _WatchedStream, admission: _Admission | None
     ) -> tuple[_Close | None, _Member | None]:
         """Admit one connection to its edge and serve it; return how to close it."""
         config = self.config
@@ -298,7 +354,7 @@ class Relay:
         if not url.path.startswith(EDGE_PATH_PREFIX) or not is_valid_edge_id(edge_id):
             return self._reject(CloseCode.BAD_PATH, "path must be /v1/edge/{edge_id}"), None
         tokens = urllib.parse.parse_qs(url.query, keep_blank_values=True).get("token", [])
-        if not tokens:
+        if admission is None and not tokens:
             return self._reject(CloseCode.NO_TOKEN, "missing token query parameter"), None
         if len(tokens) > 1:
             return self._reject(CloseCode.BAD_TOKEN, "more than one token"), None
@@ -316,19 +372,32 @@ class Relay:
         if preamble[0] not in (Role.UPSTREAM, Role.DOWNSTREAM):
             return self._reject(CloseCode.BAD_ROLE, f"unknown role byte 0x{preamble[0]:02x}"), None
         role = Role(preamble[0])
-        try:
-            verify_edge_token(config.secret, tokens[0], edge_id, role, int(config.clock()))
-        except EdgeTokenExpired:
-            return self._reject(CloseCode.TOKEN_EXPIRED, "edge token expired"), None
-        except EdgeTokenError:
-            return self._reject(CloseCode.BAD_TOKEN, "edge token not valid for this edge and role"), None
+        if admission is not None:
+            if role is not admission.role:
+                return self._reject(CloseCode.BAD_ROLE, "role byte differs from the token's role"), None
+            edge_key = admission.edge_key
+        else:
+            assert config.secret is not None  # _admit lets no v1 connection through without one
+            try:
+                verify_edge_token(config.secret, tokens[0], edge_id, role, int(config.clock()))
+            except EdgeTokenExpired:
+                return self._reject(CloseCode.TOKEN_EXPIRED, "edge token expired"), None
+            except EdgeTokenError:
+                return self._reject(CloseCode.BAD_TOKEN, "edge token not valid for this edge and role"), None
+            edge_key = edge_id
 
-        edge = self._edges.get(edge_id)
+        edge = self._edges.get(edge_key)
+        holder = None if admission is None else admission.holder
+        if edge is not None and role in edge.members:
+            if holder is None or edge.members[role].holder != holder:
+                return self._reject(CloseCode.ROLE_TAKEN, f"{role.name.lower()} end already joined"), None
+            # The same key again: its old connection is stale (half-open, or the node restarted). The new one
+            # wins; the edge re-forms and the other end redials.
+            edge.end(edge.members[role], _Close(CloseCode.ROLE_TAKEN, "replaced by a newer connection of this key"))
+            edge = None
         if edge is None:
-            edge = self._edges[edge_id] = _Edge(edge_id, self._edges)
-        if role in edge.members:
-            return self._reject(CloseCode.ROLE_TAKEN, f"{role.name.lower()} end already joined"), None
-        me = _Member(role, conn, stream)
+            edge = self._edges[edge_key] = _Edge(edge_key, self._edges)
+        me = _Member(role, conn, stream, holder)
         edge.members[role] = me
         if len(edge.members) == 2:
             edge.paired.set()
@@ -337,9 +406,9 @@ class Relay:
                 nursery.start_soon(self._pump, edge, me)
                 nursery.start_soon(self._keepalive, edge, me)
                 with trio.move_on_after(config.wait_timeout):
-                    await edge.paired.wait()
+                    await _first_of(edge.paired, edge.ended)  # ended: e.g. replaced by a newer connection
                 # Checked, not inferred from the timeout: the peer may have arrived just as it fired.
-                if not edge.paired.is_set():
+                if not edge.paired.is_set() and not edge.ended.is_set():
                     self._wait_timeouts += 1
                     edge.end(me, _Close(CloseCode.WAIT_TIMEOUT, "no peer joined in time"))
                 await edge.ended.wait()
@@ -391,6 +460,41 @@ def _listener_port(listener: trio.SocketListener | trio.SSLListener[trio.SocketS
     assert isinstance(inner, trio.SocketListener)
     port: int = inner.socket.getsockname()[1]
     return port
+
+
+async def _first_of(*events: trio.Event) -> None:
+    """Return as soon as any of ``events`` is set."""
+    async with trio.open_nursery() as nursery:
+
+        async def wait(event: trio.Event) -> None:
+            await event.wait()
+            nursery.cancel_scope.cancel()
+
+        for event in events:
+            nursery.start_soon(wait, event)
+
+
+#: HTTP statuses for refusals at the upgrade (before accept, so no close code can be sent).
+_HTTP_STATUS = {
+    CloseCode.NO_TOKEN: 401,
+    CloseCode.BAD_TOKEN: 403,
+    CloseCode.TOKEN_EXPIRED: 401,
+    CloseCode.BAD_PATH: 404,
+    CloseCode.TOO_MANY_CONNECTIONS: 429,
+}
+
+
+def _address_group(ip: str) -> str:
+    """The unit of per-address caps: an IPv4 address, or an IPv6 /64 (one host usually owns a whole /64)."""
+    try:
+        address = ipaddress.ip_address(ip)
+    except ValueError:
+        return ip
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.IPv6Network((address, 64), strict=False))
+    return str(address)
 
 
 def _peer_ip(stream: trio.abc.Stream) -> str:

@@ -1,0 +1,142 @@
+"""Edge tokens v2: relay admission signed by the ring's operator key, never by a secret every node shares.
+
+Two signatures, so the operator need not be online every few minutes:
+
+- an **edge grant**, signed by the operator (the ring's owner, or the market for market rings): ring (the manifest's
+  sha256), edge id, role, the holder's public key and the grant's expiry;
+- a **token**, signed by the holder with its own key: the grant's digest and a short expiry (at most
+  :data:`MAX_TOKEN_LIFETIME` ahead of the relay's clock), renewed by the node.
+
+Text form (one HTTP header value, URL-safe): ``v2.<grant>.<grant signature>.<expires_at>.<holder signature>`` where
+``<grant>`` is the base64url of the grant's canonical bytes (below) and signatures are base64url Ed25519. Canonical
+grant bytes: ``kvasir-edge-grant/v2\\n<ring>\\n<edge>\\n<role>\\n<holder key text>\\n<not_after>\\n<issuer key text>``.
+The holder signs ``kvasir-edge-token/v2\\n`` + sha256(grant bytes) + ``\\n<expires_at>``. Every function is pure:
+time is passed in.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import re
+
+import attrs
+
+from kvasir.core.identity import Identity, PublicKey
+from kvasir.errors import InputError
+from relay.errors import EdgeTokenError, EdgeTokenExpired
+from relay.token import Role, is_valid_edge_id
+
+TOKEN_VERSION_V2 = "v2"
+MAX_TOKEN_LIFETIME = 600  # seconds: a stolen token is worth ten minutes at most
+CLOCK_SKEW = 30  # seconds of disagreement between a node's clock and the relay's that we tolerate
+MAX_TOKEN_CHARS = 2048
+_RING = re.compile(r"[0-9a-f]{64}")
+_GRANT_DOMAIN = b"kvasir-edge-grant/v2\n"
+_TOKEN_DOMAIN = b"kvasir-edge-token/v2\n"
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
+
+
+def _unb64(text: str, what: str) -> bytes:
+    if not text.isascii():
+        raise EdgeTokenError(f"malformed edge token {what}")
+    try:
+        return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+    except (binascii.Error, ValueError) as exc:
+        raise EdgeTokenError(f"malformed edge token {what}") from exc
+
+
+@attrs.frozen
+class EdgeGrant:
+    """The operator's word that ``holder`` may be ``role`` on ``edge`` of ``ring`` until ``not_after``."""
+
+    ring: str
+    edge: str
+    role: Role
+    holder: PublicKey
+    not_after: int
+    issuer: PublicKey
+
+    def __attrs_post_init__(self) -> None:
+        if not _RING.fullmatch(self.ring):
+            raise InputError("a grant's ring is the manifest's lowercase hex sha256")
+        if not is_valid_edge_id(self.edge):
+            raise InputError(f"invalid edge id {self.edge!r}")
+        if self.not_after < 0:
+            raise InputError("not_after must be a non-negative Unix time")
+
+    def to_bytes(self) -> bytes:
+        return _GRANT_DOMAIN + (
+            f"{self.ring}\n{self.edge}\n{int(self.role)}\n{self.holder.to_text()}\n{self.not_after}\n"
+            f"{self.issuer.to_text()}"
+        ).encode("ascii")
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> EdgeGrant:
+        if not data.startswith(_GRANT_DOMAIN):
+            raise EdgeTokenError("malformed edge grant")
+        try:
+            ring, edge, role, holder, not_after, issuer = data[len(_GRANT_DOMAIN) :].decode("ascii").split("\n")
+            if not not_after.isdigit() or len(not_after) > 20 or str(int(not_after)) != not_after:
+                raise ValueError("not_after")
+            return cls(
+                ring, edge, Role(int(role)), PublicKey.from_text(holder), int(not_after), PublicKey.from_text(issuer)
+            )
+        except (ValueError, UnicodeDecodeError) as exc:  # InputError is a ValueError
+            raise EdgeTokenError("malformed edge grant") from exc
+
+
+def sign_grant(operator: Identity, grant: EdgeGrant) -> str:
+    """``<grant>.<signature>``: the part of a token the operator hands a node (manifest, ``ring up``, market)."""
+    if grant.issuer != operator.public:
+        raise InputError("a grant is signed by its issuer")
+    data = grant.to_bytes()
+    return f"{_b64(data)}.{_b64(operator.sign(data))}"
+
+
+def make_token(holder: Identity, signed_grant: str, expires_at: int) -> str:
+    """The token a node presents to the relay: its grant and its own signature over a short expiry."""
+    grant_text, _, _ = signed_grant.partition(".")
+    digest = hashlib.sha256(_unb64(grant_text, "grant")).digest()
+    signature = holder.sign(_TOKEN_DOMAIN + digest + f"\n{expires_at}".encode("ascii"))
+    return f"{TOKEN_VERSION_V2}.{signed_grant}.{expires_at}.{_b64(signature)}"
+
+
+def verify_token(token: str, trusted: frozenset[PublicKey], edge: str, role: Role | None, now: int) -> EdgeGrant:
+    """Check ``token`` for ``role`` (None: the role its grant names) on ``edge`` at Unix time ``now``.
+
+    Returns the verified grant. The caller keys the edge by ``(grant.ring, edge)`` and pins ``grant.holder`` for
+    the role. Raises :class:`EdgeTokenExpired` for a genuine but expired token or grant, :class:`EdgeTokenError`
+    for anything else.
+    """
+    if len(token) > MAX_TOKEN_CHARS:
+        raise EdgeTokenError("edge token too long")
+    parts = token.split(".")
+    if len(parts) != 5 or parts[0] != TOKEN_VERSION_V2:
+        raise EdgeTokenError("malformed edge token")
+    _, grant_text, grant_sig_text, expiry_text, holder_sig_text = parts
+    data = _unb64(grant_text, "grant")
+    grant = EdgeGrant.from_bytes(data)
+    if grant.issuer not in trusted:
+        raise EdgeTokenError(f"edge grant issued by an untrusted key {grant.issuer.fingerprint}")
+    if not grant.issuer.verify(_unb64(grant_sig_text, "grant signature"), data):
+        raise EdgeTokenError("edge grant signature does not verify")
+    if grant.edge != edge or (role is not None and grant.role != role):
+        raise EdgeTokenError("edge grant is for another edge or role")
+    if not expiry_text.isdigit() or len(expiry_text) > 20 or str(int(expiry_text)) != expiry_text:
+        raise EdgeTokenError("malformed edge token expiry")
+    expires_at = int(expiry_text)
+    message = _TOKEN_DOMAIN + hashlib.sha256(data).digest() + f"\n{expires_at}".encode("ascii")
+    if not grant.holder.verify(_unb64(holder_sig_text, "holder signature"), message):
+        raise EdgeTokenError("edge token is not signed by the grant's holder")
+    if expires_at - now > MAX_TOKEN_LIFETIME + CLOCK_SKEW:
+        raise EdgeTokenError(f"edge token lives longer than {MAX_TOKEN_LIFETIME} s")
+    if now >= expires_at:
+        raise EdgeTokenExpired(f"edge token expired at {expires_at}")
+    if now >= grant.not_after:
+        raise EdgeTokenExpired(f"edge grant expired at {grant.not_after}")
+    return grant
