@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import ipaddress
 import logging
 import ssl
 import time
@@ -29,6 +28,7 @@ import trio_websocket
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
 from kvasir.core.identity import PublicKey
+from kvasir.util.addrgroup import address_group
 from relay.codes import CloseCode
 from relay.errors import EdgeTokenError, EdgeTokenExpired, RelayConfigError
 from relay.grant import verify_token
@@ -243,7 +243,7 @@ class Relay:
             raise RelayConfigError(f"cannot listen on {config.host}:{config.port}: {exc}") from exc
 
     async def _handle_stream(self, stream: trio.abc.Stream) -> None:
-        ip = _address_group(_peer_ip(stream))
+        ip = address_group(_peer_ip(stream))
         self._per_ip[ip] = self._per_ip.get(ip, 0) + 1
         self._connections += 1
         watched = _WatchedStream(stream)
@@ -482,19 +482,6 @@ _HTTP_STATUS = {
     CloseCode.BAD_PATH: 404,
     CloseCode.TOO_MANY_CONNECTIONS: 429,
 }
-
-
-def _address_group(ip: str) -> str:
-    """The unit of per-address caps: an IPv4 address, or an IPv6 /64 (one host usually owns a whole /64)."""
-    try:
-        address = ipaddress.ip_address(ip)
-    except ValueError:
-        return ip
-    if isinstance(address, ipaddress.IPv6Address):
-        if address.ipv4_mapped is not None:
-            return str(address.ipv4_mapped)
-        return str(ipaddress.IPv6Network((address, 64), strict=False))
-    return str(address)
 
 
 def _peer_ip(stream: trio.abc.Stream) -> str:

@@ -11,9 +11,9 @@ import pytest
 import trio
 
 from kvasir.core.identity import Identity
+from kvasir.util.addrgroup import address_group as _address_group
 from relay import CloseCode, Relay, RelayConfig, RelayConnectError, RelayLinkClosed, Role, open_relay_link
 from relay.grant import EdgeGrant, make_token, sign_grant
-from relay.server import _address_group
 
 RING = hashlib.sha256(b"ring manifest").hexdigest()
 UP, DOWN = Role.UPSTREAM, Role.DOWNSTREAM
