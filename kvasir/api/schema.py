@@ -12,8 +12,7 @@ from typing import Any, Literal
 
 import attrs
 
-from kvasir.errors import ProtocolError
-from kvasir.wire import SamplingParams
+from kvasir.core.sampling import SamplingError, SamplingParams
 from kvasir.wire.frames import MAX_NEW_TOKENS, MAX_PROMPT_TOKENS, MAX_STOP_BYTES, MAX_STOP_STRINGS
 
 Json = dict[str, Any]
@@ -211,38 +210,10 @@ def _parse_stop(body: Mapping[str, Any]) -> tuple[str, ...]:
 
 
 def _parse_sampling(body: Mapping[str, Any]) -> SamplingParams:
-    defaults = SamplingParams()
-    kwargs: dict[str, Any] = {
-        # OpenAI's defaults for OpenAI's fields ...
-        "temperature": _opt_number(body, "temperature", 1.0),
-        "top_p": _opt_number(body, "top_p", 1.0),
-        # ... llama.cpp's for the extensions.
-        "min_p": _opt_number(body, "min_p", defaults.min_p),
-        "repeat_penalty": _opt_number(body, "repeat_penalty", defaults.repeat_penalty),
-    }
-    for name, default in (("top_k", defaults.top_k), ("repeat_last_n", defaults.repeat_last_n), ("seed", None)):
-        value = body.get(name)
-        if value is None:
-            kwargs[name] = default
-        elif type(value) is not int:
-            raise ApiError.invalid(f"'{name}' must be an integer", param=name)
-        else:
-            kwargs[name] = value
     try:
-        return SamplingParams(**kwargs)
-    except ProtocolError as exc:
-        # SamplingParams validates on construction; its message ends with .problem()'s phrase, field name first.
-        problem = str(exc).split("sampling ", 1)[-1]
-        raise ApiError.invalid(problem, param=problem.split(" ", 1)[0]) from None
-
-
-def _opt_number(body: Mapping[str, Any], name: str, default: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ApiError.invalid(f"'{name}' must be a number", param=name)
-    return float(value)
+        return SamplingParams.OPENAI.with_fields(body)
+    except SamplingError as exc:
+        raise ApiError.invalid(str(exc), param=exc.field) from None
 
 
 def _opt_int(body: Mapping[str, Any], name: str, lo: int, hi: int) -> int | None:
