@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 import attrs
 
-from kvasir.errors import InputError
+from kvasir.core.schema import FieldError
 
 I32_MAX = 2**31 - 1
 #: llama.cpp reads a seed of 0xFFFFFFFF as "random", so the largest usable seed is one less.
@@ -24,13 +24,8 @@ MAX_SEED = 2**32 - 2
 MAX_REPEAT_LAST_N = 1 << 20
 
 
-class SamplingError(InputError):
+class SamplingError(FieldError):
     """A sampling parameter out of range; ``field`` is its name (``top_p``), ``reason`` the rule it broke."""
-
-    def __init__(self, field: str, reason: str) -> None:
-        super().__init__(f"{field} {reason}")
-        self.field = field
-        self.reason = reason
 
 
 _Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]

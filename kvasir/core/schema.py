@@ -22,12 +22,29 @@ from typing import Any, TypeVar
 
 import cattrs
 from cattrs.cols import homogenous_tuple_structure_factory, is_sequence, list_structure_factory
-from cattrs.errors import BaseValidationError, ForbiddenExtraKeysError
+from cattrs.errors import (
+    BaseValidationError,
+    ClassValidationError,
+    ForbiddenExtraKeysError,
+    IterableValidationError,
+    IterableValidationNote,
+)
 from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn, override
 
 from kvasir.errors import InputError, KvasirError
 
 T = TypeVar("T")
+
+
+class FieldError(InputError):
+    """A field validator's refusal: ``field`` is the attribute (or wire key) and ``reason`` the rule it broke."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field} {reason}")
+        self.field = field
+        self.reason = reason
+
+
 Json = dict[str, Any]
 
 converter = cattrs.Converter()
@@ -110,10 +127,10 @@ converter.register_structure_hook_factory(is_sequence, _sequence_factory)
 def layers_pair(value: object) -> tuple[int, int]:
     """``[start, end]`` with ``0 <= start < end``."""
     if not (isinstance(value, list | tuple) and len(value) == 2 and all(type(x) is int for x in value)):
-        raise InputError("'layers' must be [start, end]")
+        raise FieldError("layers", "must be [start, end]")
     a, b = value
     if not 0 <= a < b:
-        raise InputError(f"'layers' [{a}, {b}] is not a non-empty window")
+        raise FieldError("layers", f"[{a}, {b}] is not a non-empty window")
     return a, b
 
 
@@ -142,7 +159,7 @@ def register_record(
             raise InputError(f"expected an object, not {_shown(data)}")
         if window:
             if "layers" not in data:
-                raise InputError("missing 'layers' [start, end]")
+                raise FieldError("layers", "required field missing")
             if forbid_extra and ("start" in data or "end" in data):
                 raise InputError(f"unknown field {'start' if 'start' in data else 'end'!r}")
             start, end = layers_pair(data["layers"])
@@ -171,14 +188,24 @@ def register_record(
 # ---------------------------------------------------------------------------------------------- entry points
 
 
-def structure(data: object, cls: type[T], *, where: str, error: type[KvasirError] = InputError) -> T:
-    """``data`` (parsed JSON or TOML) as a ``cls``; any problem is one ``error`` line naming ``where`` and the path."""
+class SchemaError(InputError):
+    """A body or file that does not fit its shape: ``where`` (the source), ``path`` (``stages[1].bytes``, may be
+    empty) and ``reason``, joined into one line."""
+
+    def __init__(self, where: str, path: str, reason: str) -> None:
+        super().__init__(": ".join(part for part in (where, path, reason) if part))
+        self.where = where
+        self.path = path
+        self.reason = reason
+
+
+def structure(data: object, cls: type[T], *, where: str) -> T:
+    """``data`` (parsed JSON or TOML) as a ``cls``; any problem is one :class:`SchemaError` line."""
     try:
         return converter.structure(data, cls)
-    except BaseValidationError as exc:
-        raise error(f"{where}: {_first_problem(exc)}") from None
-    except KvasirError as exc:  # raised at the top level: a class validator, or a record hook
-        raise error(f"{where}: {exc}") from None
+    except (BaseValidationError, KvasirError) as exc:  # KvasirError: a class validator, or a record hook
+        path, reason = locate(exc)
+        raise SchemaError(where, path, reason) from None
 
 
 def unstructure(obj: object) -> Any:
@@ -186,18 +213,24 @@ def unstructure(obj: object) -> Any:
     return converter.unstructure(obj)
 
 
-def _first_problem(exc: BaseValidationError) -> str:
-    line = cattrs.transform_error(exc, path="$", format_exception=_format)[0]
-    message, _, path = line.rpartition(" @ ")
-    path = path.removeprefix("$").removeprefix(".")
-    return f"{path}: {message}" if path else message
-
-
-def _format(exc: BaseException, _: type | None) -> str:
+def locate(exc: BaseException) -> tuple[str, str]:
+    """The first problem in a structuring failure: its field path and its reason."""
+    path = ""
+    while isinstance(exc, ClassValidationError | IterableValidationError):
+        noted, other = exc.group_exceptions()
+        if noted:
+            exc, note = noted[0]
+            step = f"[{note.index}]" if isinstance(note, IterableValidationNote) else f".{note.name}"
+            path += step
+        else:
+            exc = other[0]
+    if isinstance(exc, FieldError):
+        return (path + f".{exc.field}").lstrip("."), exc.reason
+    path = path.lstrip(".")
     if isinstance(exc, ForbiddenExtraKeysError):
-        return f"unknown field {sorted(exc.extra_fields)[0]!r}"
+        return path, f"unknown field {sorted(exc.extra_fields)[0]!r}"
     if isinstance(exc, KeyError):
-        return "required field missing"
+        return path, "required field missing"
     if isinstance(exc, KvasirError):
-        return str(exc)
-    return f"invalid value ({exc})"
+        return path, str(exc)
+    return path, f"invalid value ({exc})"

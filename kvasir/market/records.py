@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Literal, TypeVar
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
 
 import attrs
 
-from kvasir.core.schema import Json, register_record, structure, unstructure
+from kvasir.core.schema import FieldError, Json, register_record, structure, unstructure
 from kvasir.errors import InputError
 from kvasir.util.addr import parse_hostport
 
@@ -28,18 +28,17 @@ MAX_SOURCES = 16
 MAX_TEXT = 512
 LeaseState = Literal["fetching", "serving"]
 LEASE_STATES: tuple[LeaseState, ...] = ("fetching", "serving")
-_R = TypeVar("_R")
 
 
 # ---------------------------------------------------------------------------------------------- field rules
 
 
 def _rule(ok: Callable[[Any], bool], text: str, key: str | None = None) -> Callable[[Any, Any, Any], None]:
-    """An attrs validator: ``ok(value)`` or InputError "'<key>' <text>" (key defaults to the attribute name)."""
+    """An attrs validator: ``ok(value)`` or FieldError(key, text); the key defaults to the attribute name."""
 
     def check(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
         if not ok(value):
-            raise InputError(f"'{key or attribute.name}' {text}")
+            raise FieldError(key or attribute.name, text)
 
     return check
 
@@ -78,24 +77,21 @@ _state = _rule(lambda v: v in LEASE_STATES, f"must be one of {', '.join(LEASE_ST
 def _window_end(instance: Any, _: attrs.Attribute[int], end: Any) -> None:
     start = instance.start
     if not (_is_int(start) and _is_int(end) and 0 <= start < end):
-        raise InputError(f"'layers' [{start}, {end}] is not a non-empty window")
+        raise FieldError("layers", f"[{start}, {end}] is not a non-empty window")
 
 
 def _endpoint(_: object, __: attrs.Attribute[Any], v: Any) -> None:
     """``host:port`` of a direct link, or ``relay:<ws-url>`` for a node reached through a relay edge."""
     if v is None:
         return
-    if not isinstance(v, str) or len(v) > MAX_TEXT:
-        raise InputError("'endpoint' must be 'host:port' or 'relay:ws(s)://…'")
-    if v.startswith("relay:"):
-        if not v[6:].startswith(("ws://", "wss://")):
-            raise InputError("a relay endpoint is 'relay:ws://…' or 'relay:wss://…'")
+    if isinstance(v, str) and v.startswith("relay:"):
+        if not v[6:].startswith(("ws://", "wss://")) or len(v) > MAX_TEXT:
+            raise FieldError("endpoint", "of a relay is 'relay:ws://…' or 'relay:wss://…'")
         return
-    parse_hostport(v, what="'endpoint'")
-
-
-def _tuple(items: Iterable[_R]) -> tuple[_R, ...]:
-    return tuple(items)
+    try:
+        parse_hostport(v, what="endpoint")
+    except InputError:
+        raise FieldError("endpoint", "must be 'host:port' or 'relay:ws(s)://…'") from None
 
 
 def sha256_field(d: Mapping[str, Any], key: str, where: str) -> str:
@@ -129,10 +125,10 @@ class ModelRecord:
     #: Bytes of the GGUF header (metadata and tensor infos, up to the aligned data offset).
     header_bytes: int = attrs.field(validator=_count(24))
     #: URLs serving the whole GGUF with HTTP Range support.
-    sources: tuple[str, ...] = attrs.field(converter=_tuple)
-    layer_bytes: tuple[int, ...] = attrs.field(converter=_tuple)
+    sources: tuple[str, ...]
+    layer_bytes: tuple[int, ...]
     outside_bytes: int = attrs.field(validator=_count(0))
-    stages: tuple[StageHash, ...] = attrs.field(converter=_tuple)
+    stages: tuple[StageHash, ...]
 
     def __attrs_post_init__(self) -> None:
         if self.header_bytes > self.file_bytes:
@@ -180,7 +176,7 @@ class ManifestRecord:
     """The rank manifest of a model: its windows in ring order, each with a reward weight."""
 
     model: str
-    windows: tuple[WindowSpec, ...] = attrs.field(converter=_tuple)
+    windows: tuple[WindowSpec, ...]
     #: "planner" (windows from kvasir.planner) or "explicit".
     origin: str = attrs.field(
         default="explicit", validator=_rule(lambda v: v in ("planner", "explicit"), "must be 'planner' or 'explicit'")

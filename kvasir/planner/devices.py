@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import attrs
 
-from kvasir.core.schema import register_record, structure
+from kvasir.core.schema import FieldError, register_record, structure
 from kvasir.errors import InputError
 
 DeviceKind = Literal["gpu", "cpu", "npu", "phone"]
@@ -24,17 +24,17 @@ def _positive(instance: object, attribute: attrs.Attribute[float], value: float)
     # link_latency_ms may be 0 (same host); everything else must be strictly positive.
     low_ok = attribute.name == "link_latency_ms" and value == 0
     if not (math.isfinite(value) and (value > 0 or low_ok)):
-        raise InputError(f"device field {attribute.name!r} must be a positive number, not {value!r}")
+        raise FieldError(attribute.name, f"must be a positive number, not {value!r}")
 
 
 def _name(_: object, __: attrs.Attribute[str], value: str) -> None:
     if not isinstance(value, str) or not value:
-        raise InputError("device field 'name' must be a non-empty string")
+        raise FieldError("name", "must be a non-empty string")
 
 
 def _kind(instance: Device, _: attrs.Attribute[str], value: str) -> None:
     if value not in DEVICE_KINDS:
-        raise InputError(f"device {instance.name!r}: field 'kind' must be one of {', '.join(DEVICE_KINDS)}")
+        raise FieldError("kind", f"must be one of {', '.join(DEVICE_KINDS)}")
 
 
 @attrs.frozen

@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import attrs
 
-from kvasir.core.schema import register_record, structure, unstructure
+from kvasir.core.schema import FieldError, register_record, structure, unstructure
 from kvasir.errors import InputError, ModelFileError
 from kvasir.shard.gguf_io import GGUFFile, read_gguf
 
@@ -92,12 +92,12 @@ class ModelProfile:
 def _non_negative(_: object, attribute: attrs.Attribute[Any], value: int | tuple[int, ...] | None) -> None:
     values = value if isinstance(value, tuple) else () if value is None else (value,)
     if any(v < 0 for v in values):
-        raise InputError(f"field {attribute.name!r} must be non-negative")
+        raise FieldError(attribute.name, "must be non-negative")
 
 
 def _non_empty(_: object, attribute: attrs.Attribute[Any], value: str | tuple[int, ...]) -> None:
     if not value:
-        raise InputError(f"field {attribute.name!r} must not be empty")
+        raise FieldError(attribute.name, "must not be empty")
 
 
 @attrs.frozen
@@ -124,7 +124,7 @@ class _ProfileFile:
         for key in ("layer_active_bytes", "layer_kinds", "layer_kv_bytes_per_token", "layer_state_bytes"):
             value = getattr(self, key)
             if value is not None and len(value) != n:
-                raise InputError(f"field {key!r} must list {n} values, one per layer")
+                raise FieldError(key, f"must list {n} values, one per layer")
 
     def profile(self) -> ModelProfile:
         n = len(self.layer_bytes)

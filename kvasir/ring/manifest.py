@@ -25,7 +25,7 @@ from typing import Any
 import attrs
 import tomli_w
 
-from kvasir.core.schema import register_record, structure, unstructure
+from kvasir.core.schema import FieldError, register_record, structure, unstructure
 from kvasir.errors import InputError, WindowError
 from kvasir.shard.slice import atomic_output
 from kvasir.util.addr import format_hostport, parse_hostport
@@ -85,17 +85,17 @@ class Manifest:
 
 def _sha256(_: object, __: attrs.Attribute[str], value: str) -> None:
     if not value or len(value) > 128:
-        raise InputError("'sha256' must be a non-empty string of at most 128 characters")
+        raise FieldError("sha256", "must be a non-empty string of at most 128 characters")
 
 
 def _positive(_: object, attribute: attrs.Attribute[int], value: int) -> None:
     if value <= 0:
-        raise InputError(f"'{attribute.name}' must be a positive integer")
+        raise FieldError(attribute.name, "must be a positive integer")
 
 
 def _link(_: object, __: attrs.Attribute[str], value: str) -> None:
     if value not in LINK_KINDS:
-        raise InputError(f"'link' must be {' or '.join(map(repr, LINK_KINDS))}, not {value!r}")
+        raise FieldError("link", f"must be {' or '.join(map(repr, LINK_KINDS))}, not {value!r}")
 
 
 @attrs.frozen
