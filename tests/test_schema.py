@@ -66,6 +66,23 @@ def test_api_400_names_the_field_from_the_typed_error(body: dict[str, Any], para
     assert info.value.status == 400 and info.value.param == param and info.value.message.startswith(param)
 
 
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"max_tokens": True}, "max_tokens"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"stream": 1}, "stream"),
+        ({"stream_options": []}, "stream_options"),
+        ({"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+        ({"model": 5}, "model"),
+    ],
+)
+def test_api_body_fields_name_their_path(body: dict[str, Any], param: str) -> None:
+    with pytest.raises(ApiError) as info:
+        parse_generation("completion", {"prompt": "x", **body})
+    assert info.value.param == param and info.value.message.startswith(f"'{param}' ")
+
+
 def test_api_uses_the_openai_set() -> None:
     assert parse_generation("completion", {"prompt": "x"}).params == SamplingParams.OPENAI
 
@@ -112,7 +129,7 @@ register_record(_Shape, window=True, forbid_extra=True, omit_if_none=("note",))
         ({"layers": [2, 2], "count": 1}, "where: layers: [2, 2] is not a non-empty window"),
         ({"layers": [0, 2]}, "where: count: required field missing"),
         ({"count": 1}, "where: layers: required field missing"),
-        ([1], "where: expected an object"),
+        ([1], "where: must be an object"),
     ],
 )
 def test_converter_is_strict_and_names_the_path(data: object, message: str) -> None:

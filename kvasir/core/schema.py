@@ -48,6 +48,9 @@ class FieldError(InputError):
 Json = dict[str, Any]
 
 converter = cattrs.Converter()
+#: attribute -> wire key for renamed fields, so that error paths show the key a user wrote (cattrs' notes carry the
+#: attribute name only).
+_WIRE_KEYS: dict[str, str] = {}
 
 
 # ---------------------------------------------------------------------------------------------- strict primitives
@@ -150,13 +153,14 @@ def register_record(
     wire format fixes one (keys not listed follow in attribute order).
     """
     names = rename or {}
+    _WIRE_KEYS.update(names)
     overrides: dict[str, Any] = {a: override(rename=k) for a, k in names.items()}
     structure_fn = make_dict_structure_fn(cls, converter, _cattrs_forbid_extra_keys=forbid_extra, **overrides)
     unstructure_fn = make_dict_unstructure_fn(cls, converter, **overrides)
 
     def structure(data: object, _: type) -> T:
         if not isinstance(data, Mapping):
-            raise InputError(f"expected an object, not {_shown(data)}")
+            raise InputError(f"must be an object, not {_shown(data)}")
         if window:
             if "layers" not in data:
                 raise FieldError("layers", "required field missing")
@@ -220,7 +224,10 @@ def locate(exc: BaseException) -> tuple[str, str]:
         noted, other = exc.group_exceptions()
         if noted:
             exc, note = noted[0]
-            step = f"[{note.index}]" if isinstance(note, IterableValidationNote) else f".{note.name}"
+            if isinstance(note, IterableValidationNote):
+                step = f"[{note.index}]"
+            else:
+                step = f".{_WIRE_KEYS.get(note.name, note.name)}"
             path += step
         else:
             exc = other[0]
