@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal, Self
 
 import attrs
 
@@ -101,12 +101,32 @@ def sha256_field(d: Mapping[str, Any], key: str, where: str) -> str:
     return str(v)
 
 
+class _Record:
+    """``to_wire``: the record as its JSON body (the schema converter's shape)."""
+
+    def to_wire(self) -> Json:
+        out: Json = unstructure(self)
+        return out
+
+
+class _Body(_Record):
+    """A record that parses from its JSON body with no context; ``WHERE`` names it in errors."""
+
+    WHERE: ClassVar[str]
+
+    @classmethod
+    def from_wire(cls, data: Any, where: str | None = None) -> Self:
+        return structure(data, cls, where=where or cls.WHERE)
+
+
 # ---------------------------------------------------------------------------------------------- models
 
 
 @attrs.frozen
-class StageHash:
+class StageHash(_Body):
     """The stage file ``kvasir slice`` writes for one window: its sha256 and size."""
+
+    WHERE: ClassVar[str] = "stage"
 
     start: int
     end: int = attrs.field(validator=_window_end)
@@ -115,7 +135,7 @@ class StageHash:
 
 
 @attrs.frozen
-class ModelRecord:
+class ModelRecord(_Record):
     """A model on offer: its identity, where to download it, its byte profile and its windows' stage hashes."""
 
     sha256: str = attrs.field(validator=_sha256)
@@ -150,9 +170,6 @@ class ModelRecord:
     def stage(self, start: int, end: int) -> StageHash | None:
         return next((s for s in self.stages if (s.start, s.end) == (start, end)), None)
 
-    def to_wire(self) -> Json:
-        return _to_wire(self)
-
     @classmethod
     def from_wire(cls, data: Any, where: str = "model") -> ModelRecord:
         if isinstance(data, Mapping):  # the fields the wire may leave out
@@ -164,7 +181,9 @@ class ModelRecord:
 
 
 @attrs.frozen
-class WindowSpec:
+class WindowSpec(_Body):
+    WHERE: ClassVar[str] = "window"
+
     start: int
     end: int = attrs.field(validator=_window_end)
     #: Reward weight: credits per token this window earns at base demand.
@@ -172,7 +191,7 @@ class WindowSpec:
 
 
 @attrs.frozen
-class ManifestRecord:
+class ManifestRecord(_Record):
     """The rank manifest of a model: its windows in ring order, each with a reward weight."""
 
     model: str
@@ -186,9 +205,6 @@ class ManifestRecord:
         if not 2 <= len(self.windows) <= MAX_WINDOWS:
             raise InputError(f"'windows' must list 2-{MAX_WINDOWS} windows")
 
-    def to_wire(self) -> Json:
-        return _to_wire(self)
-
     @classmethod
     def from_wire(cls, data: Any, model: str, where: str = "manifest") -> ManifestRecord:
         """The body of ``PUT /v1/models/<model>/manifest``: the model comes from the URL, not the body."""
@@ -201,7 +217,7 @@ class ManifestRecord:
 
 
 @attrs.frozen
-class ClaimRequest:
+class ClaimRequest(_Record):
     """Body of claim and renew: which window, who, for how long, and (once serving) where to reach it."""
 
     model: str = attrs.field(validator=_sha256)
@@ -218,9 +234,6 @@ class ClaimRequest:
         if self.state == "serving" and self.endpoint is None:
             raise InputError("a serving holder must give its 'endpoint'")
 
-    def to_wire(self) -> Json:
-        return _to_wire(self)
-
     @classmethod
     def from_wire(cls, data: Any, *, renew: bool = False, where: str = "claim") -> ClaimRequest:
         if isinstance(data, Mapping) and not renew:
@@ -232,8 +245,10 @@ class ClaimRequest:
 
 
 @attrs.frozen
-class LeaseRef:
+class LeaseRef(_Body):
     """Body of release: the lease to give up."""
+
+    WHERE: ClassVar[str] = "release"
 
     model: str = attrs.field(validator=_sha256)
     start: int
@@ -241,17 +256,12 @@ class LeaseRef:
     node_id: str = attrs.field(validator=_node_id)
     lease_id: str = attrs.field(validator=_text)
 
-    def to_wire(self) -> Json:
-        return _to_wire(self)
-
-    @classmethod
-    def from_wire(cls, data: Any, where: str = "release") -> LeaseRef:
-        return structure(data, cls, where=where)
-
 
 @attrs.frozen
-class Lease:
+class Lease(_Body):
     """A granted lease: the holder owns the window until ``expires_at`` (unix seconds) unless it renews."""
+
+    WHERE: ClassVar[str] = "lease"
 
     model: str = attrs.field(validator=_sha256)
     start: int
@@ -260,36 +270,26 @@ class Lease:
     lease_id: str = attrs.field(validator=_text)
     expires_at: float = attrs.field(validator=_number(0, 1e12))
 
-    def to_wire(self) -> Json:
-        return _to_wire(self)
-
-    @classmethod
-    def from_wire(cls, data: Any, where: str = "lease") -> Lease:
-        return structure(data, cls, where=where)
-
 
 # ---------------------------------------------------------------------------------------------- demand, credits
 
 
 @attrs.frozen
-class DemandReport:
+class DemandReport(_Body):
     """Requests that entered the ring at the reporting node, and the tokens they generated."""
+
+    WHERE: ClassVar[str] = "demand"
 
     model: str = attrs.field(validator=_sha256)
     requests: int = attrs.field(default=0, validator=_count(0))
     tokens: int = attrs.field(default=0, validator=_count(0))
 
-    def to_wire(self) -> Json:
-        return _to_wire(self)
-
-    @classmethod
-    def from_wire(cls, data: Any, where: str = "demand") -> DemandReport:
-        return structure(data, cls, where=where)
-
 
 @attrs.frozen
-class CreditReport:
+class CreditReport(_Body):
     """Tokens a lease holder served on its window since its last report."""
+
+    WHERE: ClassVar[str] = "credit"
 
     model: str = attrs.field(validator=_sha256)
     start: int
@@ -298,20 +298,15 @@ class CreditReport:
     lease_id: str = attrs.field(validator=_text)
     tokens: int = attrs.field(default=0, validator=_count(0))
 
-    def to_wire(self) -> Json:
-        return _to_wire(self)
-
-    @classmethod
-    def from_wire(cls, data: Any, where: str = "credit") -> CreditReport:
-        return structure(data, cls, where=where)
-
 
 # ---------------------------------------------------------------------------------------------- coverage (read side)
 
 
 @attrs.frozen
-class CoverageEntry:
+class CoverageEntry(_Body):
     """One window of a model's rank manifest as the coverage map shows it."""
+
+    WHERE: ClassVar[str] = "window"
 
     model: str = attrs.field(validator=_sha256)
     rank: int = attrs.field(validator=_count(0))
@@ -336,13 +331,6 @@ class CoverageEntry:
     def serving(self) -> bool:
         return self.holder is not None and self.state == "serving" and self.endpoint is not None
 
-    def to_wire(self) -> Json:
-        return _to_wire(self)
-
-    @classmethod
-    def from_wire(cls, data: Any, where: str = "window") -> CoverageEntry:
-        return structure(data, cls, where=where)
-
 
 def coverage_from_wire(data: Any) -> list[CoverageEntry]:
     """The windows of every model in a ``GET /v1/coverage`` reply."""
@@ -355,11 +343,6 @@ def coverage_from_wire(data: Any) -> list[CoverageEntry]:
         if not isinstance(windows, list):
             raise InputError(f"coverage: models[{i}]: 'windows' must be a list")
         out += [CoverageEntry.from_wire(w, f"coverage: models[{i}].windows[{j}]") for j, w in enumerate(windows)]
-    return out
-
-
-def _to_wire(record: object) -> Json:
-    out: Json = unstructure(record)
     return out
 
 
