@@ -8,9 +8,11 @@ the few spellings that differ from the attribute names:
 - ``start``/``end`` attribute pairs are spelled ``"layers": [start, end]`` (:func:`register_record`);
 - classes registered with ``forbid_extra=True`` refuse unknown keys.
 
-:func:`structure` turns every failure into one line that names the field path (``model: stages[1].bytes: must be
-an integer``) and raises it as the caller's error type: ``InputError`` for users and files, ``ProtocolError`` for
-peers. It is pure Python, so it installs on Termux.
+:func:`structure` turns every failure into one :class:`SchemaError` line that names the source and the field path
+(``model: stages[1].bytes: must be an integer``); its ``path`` and ``reason`` stay apart for replies that name the
+field (an API 400's ``param``). Field validators raise :class:`FieldError` so the path ends at their field. Both are
+``InputError``s; a caller whose data came from a peer re-raises them as ``ProtocolError``. cattrs is pure Python, so
+this installs on Termux.
 """
 
 from __future__ import annotations
