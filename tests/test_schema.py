@@ -19,8 +19,8 @@ from kvasir.errors import InputError
 from kvasir.market.records import ClaimRequest, CoverageEntry, ModelRecord
 from kvasir.ring.manifest import Manifest, RankEntry, parse_manifest
 from kvasir.util.addr import format_hostport, parse_hostport
-from kvasir.wire import MAX_PROMPT_TOKENS
-from tui.screens import parse_sampling
+from kvasir.wire import MAX_NEW_TOKENS, MAX_PROMPT_TOKENS
+from tui.screens import MAX_TOKENS, parse_sampling
 
 SHA = "ab" * 32
 
@@ -38,7 +38,7 @@ def test_named_default_sets() -> None:
 
 
 def test_sampling_limits_agree_with_the_wire() -> None:
-    assert MAX_REPEAT_LAST_N == MAX_PROMPT_TOKENS
+    assert MAX_REPEAT_LAST_N == MAX_PROMPT_TOKENS and MAX_TOKENS == MAX_NEW_TOKENS
     assert SamplingParams(seed=MAX_SEED).seed == MAX_SEED
 
 
