@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvasir.errors import InputError
+from kvasir.util.addr import parse_hostport
 from relay.errors import RelayConfigError
 
 
@@ -45,14 +47,12 @@ def add_parser(subparsers: Any) -> None:
     parser.set_defaults(run=run)
 
 
-def parse_listen(text: str) -> tuple[str, int]:
-    """Split ``HOST:PORT`` (``[v6addr]:PORT`` for IPv6) into host and port."""
-    host, sep, port_text = text.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    if not sep or not host or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
-        raise RelayConfigError(f"--listen must be HOST:PORT, got {text!r}")
-    return host, int(port_text)
+def parse_listen(text: str, flag: str = "--listen") -> tuple[str, int]:
+    """Split ``HOST:PORT`` (``[v6addr]:PORT`` for IPv6) into host and port; port 0 picks a free one."""
+    try:
+        return parse_hostport(text, what=flag, allow_port_zero=True)
+    except InputError as exc:
+        raise RelayConfigError(str(exc)) from None
 
 
 def _parse_secret(args: argparse.Namespace) -> bytes:
@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from kvasir.market.service import serve_market
 
-    mhost, mport = parse_listen(args.market)
+    mhost, mport = parse_listen(args.market, "--market")
 
     async def relay_and_market() -> None:
         async with trio.open_nursery() as nursery:

@@ -15,7 +15,8 @@ import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvasir.errors import ProtocolError, RingError, ShapeError
+from kvasir.core.sampling import SamplingError
+from kvasir.errors import InputError, ProtocolError, RingError, ShapeError
 from kvasir.wire import (
     FLAG_FINAL,
     HEADER_SIZE,
@@ -459,15 +460,6 @@ def test_decoder_refuses_garbage_on_its_first_bytes() -> None:
 @pytest.mark.parametrize(
     ("build", "reason"),
     [
-        (lambda: SamplingParams(temperature=-1), "temperature"),
-        (lambda: SamplingParams(temperature=math.inf), "temperature"),
-        (lambda: SamplingParams(top_p=0), "top_p"),
-        (lambda: SamplingParams(min_p=1.5), "min_p"),
-        (lambda: SamplingParams(repeat_penalty=0), "repeat_penalty"),
-        (lambda: SamplingParams(top_k=-1), "top_k"),
-        (lambda: SamplingParams(repeat_last_n=-2), "repeat_last_n"),
-        (lambda: SamplingParams(seed=2**32 - 1), "seed"),
-        (lambda: SamplingParams(temperature=True), "must be a number"),
         (lambda: StartRequest(0, [1], 1, 0, "n"), "request id 0 outside"),
         (lambda: StartRequest(1, [], 1, 0, "n"), "prompt length 0"),
         (lambda: StartRequest(1, [-1], 1, 0, "n"), "prompt\\[0\\]"),
@@ -490,8 +482,35 @@ def test_invalid_frames_cannot_be_built(build: Callable[[], object], reason: str
         build()
 
 
-def test_sampling_problem_is_pure_and_greedy_is_temperature_zero() -> None:
-    assert SamplingParams().problem() is None
+@pytest.mark.parametrize(
+    ("build", "field", "reason"),
+    [
+        (lambda: SamplingParams(temperature=-1), "temperature", "must be in [0, 100]"),
+        (lambda: SamplingParams(temperature=math.inf), "temperature", "must be in [0, 100]"),
+        (lambda: SamplingParams(top_p=0), "top_p", "must be in (0, 1]"),
+        (lambda: SamplingParams(min_p=1.5), "min_p", "must be in [0, 1]"),
+        (lambda: SamplingParams(repeat_penalty=0), "repeat_penalty", "must be in (0, 100]"),
+        (lambda: SamplingParams(top_k=-1), "top_k", "must be an int"),
+        (lambda: SamplingParams(repeat_last_n=-2), "repeat_last_n", "must be an int"),
+        (lambda: SamplingParams(seed=2**32 - 1), "seed", "must be None or an int"),
+        (lambda: SamplingParams(temperature=True), "temperature", "must be a number"),
+    ],
+)
+def test_invalid_sampling_cannot_be_built(build: Callable[[], object], field: str, reason: str) -> None:
+    # A user's bad value: a typed InputError naming the field (decoding a peer's START makes it a ProtocolError).
+    with pytest.raises(SamplingError) as info:
+        build()
+    assert info.value.field == field and info.value.reason.startswith(reason)
+    assert str(info.value).startswith(field) and isinstance(info.value, InputError)
+
+
+def test_start_carrying_bad_sampling_is_a_protocol_error() -> None:
+    data = patched(START, _SAMPLING_AT + 12, "<d", 0.0)  # top_p = 0
+    with pytest.raises(ProtocolError, match=re.escape("START frame: sampling top_p must be in (0, 1]")):
+        decode_frame(data)
+
+
+def test_greedy_is_temperature_zero() -> None:
     assert SamplingParams(temperature=0).greedy
     assert not SamplingParams().greedy
 

@@ -12,6 +12,8 @@ from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Static, Switch
 
+from kvasir.core.sampling import SamplingParams
+
 #: (keys, what they do): the help screen and docs/tui.md list these.
 KEYS: tuple[tuple[str, str], ...] = (
     ("F1  ?", "this help"),
@@ -62,13 +64,18 @@ class HelpScreen(ModalScreen[None]):
         self.dismiss(None)
 
 
+_DEFAULTS = SamplingParams.GREEDY  # the CLI's and the control socket's defaults too
+#: The wire's MAX_NEW_TOKENS (a test checks they agree); spelled here so the TUI does not load the frame codec.
+MAX_TOKENS = 1 << 20
+
+
 @dataclass(frozen=True)
 class Sampling:
     """The chat's sampling settings, sent with each ``generate`` op."""
 
-    temperature: float = 0.0
-    top_k: int = 40
-    top_p: float = 0.95
+    temperature: float = _DEFAULTS.temperature
+    top_k: int = _DEFAULTS.top_k
+    top_p: float = _DEFAULTS.top_p
     max_tokens: int = 128
     seed: int | None = None
     chat: bool = True
@@ -89,27 +96,31 @@ class Sampling:
 
 
 def parse_sampling(values: dict[str, str], chat: bool) -> Sampling:
-    """The form's fields as settings; ValueError names the field that is wrong."""
+    """The form's fields as settings; ValueError names the field that is wrong.
 
-    def number(name: str, kind: type[float] | type[int], lo: float, hi: float) -> Any:
+    The ranges are the node's own (:class:`SamplingParams` validates), so the form cannot save a value the node
+    would refuse.
+    """
+
+    def number(name: str, kind: type[float] | type[int]) -> Any:
         raw = values.get(name, "").strip()
         try:
-            v = kind(raw)
+            return kind(raw)
         except ValueError:
             raise ValueError(f"{name}: {raw!r} is not a{'n integer' if kind is int else ' number'}") from None
-        if not lo <= v <= hi:
-            raise ValueError(f"{name} must be between {lo:g} and {hi:g}")
-        return v
 
     seed_raw = values.get("seed", "").strip()
-    return Sampling(
-        temperature=number("temperature", float, 0.0, 10.0),
-        top_k=number("top_k", int, 0, 1 << 20),
-        top_p=number("top_p", float, 0.0, 1.0),
-        max_tokens=number("max_tokens", int, 1, 1 << 20),
-        seed=None if seed_raw in ("", "-") else number("seed", int, 0, (1 << 63) - 1),
-        chat=chat,
-    )
+    fields = {
+        "temperature": number("temperature", float),
+        "top_k": number("top_k", int),
+        "top_p": number("top_p", float),
+        "seed": None if seed_raw in ("", "-") else number("seed", int),
+    }
+    params = _DEFAULTS.with_fields(fields)  # SamplingError (a ValueError) names the field
+    max_tokens = number("max_tokens", int)
+    if not 1 <= max_tokens <= MAX_TOKENS:
+        raise ValueError(f"max_tokens must be between 1 and {MAX_TOKENS}")
+    return Sampling(params.temperature, params.top_k, params.top_p, max_tokens, params.seed, chat)
 
 
 class SettingsScreen(ModalScreen[Sampling | None]):

@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager
 from typing import Protocol, TypeVar
 
+from kvasir.core.sampling import SamplingParams
 from kvasir.ring.requests import ClientEvent
-from kvasir.wire import SamplingParams
 
 #: The backend's handle for one submitted request (``RequestHandle`` on a real node); opaque to the API.
 HandleT = TypeVar("HandleT")

@@ -12,8 +12,8 @@ from typing import Any, Literal
 
 import attrs
 
-from kvasir.errors import ProtocolError
-from kvasir.wire import SamplingParams
+from kvasir.core.sampling import SamplingError, SamplingParams
+from kvasir.core.schema import FieldError, SchemaError, register_record, structure
 from kvasir.wire.frames import MAX_NEW_TOKENS, MAX_PROMPT_TOKENS, MAX_STOP_BYTES, MAX_STOP_STRINGS
 
 Json = dict[str, Any]
@@ -72,32 +72,54 @@ def new_id(kind: Kind) -> str:
 # ---------------------------------------------------------------------------------------------------- parsing
 
 
+def _token_count(_: object, attribute: attrs.Attribute[int | None], value: int | None) -> None:
+    if value is not None and not 1 <= value <= MAX_NEW_TOKENS:
+        raise FieldError(attribute.name, f"must be an integer in [1, {MAX_NEW_TOKENS}]")
+
+
+@attrs.frozen
+class _StreamOptions:
+    include_usage: bool = False
+
+
+@attrs.frozen
+class _Options:
+    """The plainly typed fields of a generation body (the OpenAI unions, prompt, messages and stop, are parsed by
+    hand below); unknown keys are left to :func:`_refuse_unsupported`."""
+
+    model: str | None = None
+    max_tokens: int | None = attrs.field(default=None, validator=_token_count)
+    max_completion_tokens: int | None = attrs.field(default=None, validator=_token_count)
+    stream: bool = False
+    stream_options: _StreamOptions | None = None
+
+
+register_record(_StreamOptions)
+register_record(_Options)
+
+
+def _parse_options(body: Mapping[str, Any]) -> _Options:
+    # JSON null means "not given" in OpenAI's API.
+    try:
+        return structure({k: v for k, v in body.items() if v is not None}, _Options, where="body")
+    except SchemaError as exc:
+        raise ApiError.invalid(f"'{exc.path}' {exc.reason}" if exc.path else exc.reason, param=exc.path) from None
+
+
 def parse_generation(kind: Kind, body: object) -> GenerationRequest:
     if not isinstance(body, dict):
         raise ApiError.invalid("the request body must be a JSON object")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise ApiError.invalid("'model' must be a string", param="model")
+    options = _parse_options(body)
     _refuse_unsupported(kind, body)
     if kind == "completion":
         prompt = _parse_prompt(body)
         messages: tuple[tuple[str, str], ...] = ()
-        max_tokens = _opt_int(body, "max_tokens", 1, MAX_NEW_TOKENS)
-        if max_tokens is None:
-            max_tokens = COMPLETION_DEFAULT_MAX_TOKENS
+        max_tokens: int | None = options.max_tokens if options.max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS
     else:
         prompt = None
         messages = _parse_messages(body)
-        max_tokens = _opt_int(body, "max_completion_tokens", 1, MAX_NEW_TOKENS)
-        if max_tokens is None:
-            max_tokens = _opt_int(body, "max_tokens", 1, MAX_NEW_TOKENS)
-    stream = _opt_bool(body, "stream", False)
-    include_usage = False
-    options = body.get("stream_options")
-    if options is not None:
-        if not isinstance(options, dict):
-            raise ApiError.invalid("'stream_options' must be an object", param="stream_options")
-        include_usage = _opt_bool(options, "include_usage", False, param="stream_options.include_usage")
+        max_tokens = options.max_completion_tokens if options.max_completion_tokens is not None else options.max_tokens
+    include_usage = options.stream_options is not None and options.stream_options.include_usage
     return GenerationRequest(
         kind=kind,
         prompt=prompt,
@@ -105,8 +127,8 @@ def parse_generation(kind: Kind, body: object) -> GenerationRequest:
         params=_parse_sampling(body),
         max_tokens=max_tokens,
         stop=_parse_stop(body),
-        stream=stream,
-        include_usage=include_usage and stream,
+        stream=options.stream,
+        include_usage=include_usage and options.stream,
     )
 
 
@@ -211,56 +233,10 @@ def _parse_stop(body: Mapping[str, Any]) -> tuple[str, ...]:
 
 
 def _parse_sampling(body: Mapping[str, Any]) -> SamplingParams:
-    defaults = SamplingParams()
-    kwargs: dict[str, Any] = {
-        # OpenAI's defaults for OpenAI's fields ...
-        "temperature": _opt_number(body, "temperature", 1.0),
-        "top_p": _opt_number(body, "top_p", 1.0),
-        # ... llama.cpp's for the extensions.
-        "min_p": _opt_number(body, "min_p", defaults.min_p),
-        "repeat_penalty": _opt_number(body, "repeat_penalty", defaults.repeat_penalty),
-    }
-    for name, default in (("top_k", defaults.top_k), ("repeat_last_n", defaults.repeat_last_n), ("seed", None)):
-        value = body.get(name)
-        if value is None:
-            kwargs[name] = default
-        elif type(value) is not int:
-            raise ApiError.invalid(f"'{name}' must be an integer", param=name)
-        else:
-            kwargs[name] = value
     try:
-        return SamplingParams(**kwargs)
-    except ProtocolError as exc:
-        # SamplingParams validates on construction; its message ends with .problem()'s phrase, field name first.
-        problem = str(exc).split("sampling ", 1)[-1]
-        raise ApiError.invalid(problem, param=problem.split(" ", 1)[0]) from None
-
-
-def _opt_number(body: Mapping[str, Any], name: str, default: float) -> float:
-    value = body.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ApiError.invalid(f"'{name}' must be a number", param=name)
-    return float(value)
-
-
-def _opt_int(body: Mapping[str, Any], name: str, lo: int, hi: int) -> int | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if type(value) is not int or not lo <= value <= hi:
-        raise ApiError.invalid(f"'{name}' must be an integer in [{lo}, {hi}]", param=name)
-    return value
-
-
-def _opt_bool(body: Mapping[str, Any], name: str, default: bool, *, param: str | None = None) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise ApiError.invalid(f"'{param or name}' must be a boolean", param=param or name)
-    return value
+        return SamplingParams.OPENAI.with_fields(body)
+    except SamplingError as exc:
+        raise ApiError.invalid(str(exc), param=exc.field) from None
 
 
 # ---------------------------------------------------------------------------------------------------- responses

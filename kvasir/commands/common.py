@@ -9,11 +9,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvasir.core.sampling import SamplingError, SamplingParams
 from kvasir.demo import demo_model_path
-from kvasir.errors import InputError, ProtocolError
+from kvasir.errors import InputError
 from kvasir.shard.cache import default_cache_dir, parse_splits
 from kvasir.shard.gguf_file import describe
-from kvasir.wire import SamplingParams
 
 Window = tuple[int, int]
 
@@ -30,13 +30,14 @@ def resolve_model(arg: Path | None) -> Path:
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    d = SamplingParams.GREEDY
     g = p.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-k", type=int, default=40)
-    g.add_argument("--top-p", type=float, default=0.95)
-    g.add_argument("--min-p", type=float, default=0.05)
-    g.add_argument("--repeat-penalty", type=float, default=1.0)
+    g.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=d.top_k)
+    g.add_argument("--top-p", type=float, default=d.top_p)
+    g.add_argument("--min-p", type=float, default=d.min_p)
+    g.add_argument("--repeat-penalty", type=float, default=d.repeat_penalty)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
@@ -44,18 +45,10 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
     if args.max_tokens < 1:
         raise InputError("--max-tokens must be at least 1")
-    fields: dict[str, Any] = {
-        "temperature": args.temperature,
-        "top_k": args.top_k,
-        "top_p": args.top_p,
-        "min_p": args.min_p,
-        "repeat_penalty": args.repeat_penalty,
-        "seed": args.seed,
-    }
     try:
-        return SamplingParams(**fields)
-    except ProtocolError as exc:
-        raise InputError(str(exc).replace("START frame: ", "invalid ")) from None
+        return SamplingParams.GREEDY.with_fields(vars(args))
+    except SamplingError as exc:
+        raise InputError(f"--{exc.field.replace('_', '-')} {exc.reason}") from None
 
 
 def add_text_args(

@@ -19,17 +19,15 @@ from rich.console import Console
 from rich.table import Table
 
 from kvasir.commands.common import print_json
-from kvasir.errors import InputError
+from kvasir.util import addr
 
 DEFAULT_LISTEN = "127.0.0.1:8480"
 DEFAULT_URL = "http://127.0.0.1:8480"
 
 
 def parse_hostport(text: str, flag: str) -> tuple[str, int]:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise InputError(f"{flag} must be HOST:PORT, got {text!r}")
-    return host.strip("[]"), int(port)
+    """A ``--listen``-style flag: port 0 picks a free port."""
+    return addr.parse_hostport(text, what=flag, allow_port_zero=True)
 
 
 def add_parser(sub: Any) -> None:

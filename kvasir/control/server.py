@@ -17,10 +17,10 @@ from typing import Any
 
 import trio
 
+from kvasir.control.ops import GenerateOp, StatusOp, WatchOp, parse_op
 from kvasir.errors import KvasirError
 from kvasir.ring.node import Node
 from kvasir.ring.requests import EndEvent, TokenEvent
-from kvasir.wire import SamplingParams
 
 log = logging.getLogger("kvasir.control")
 MAX_LINE = 1 << 20
@@ -86,22 +86,18 @@ async def _serve_client(node: Node, stream: trio.SocketStream) -> None:
                 return
             if msg is None:
                 return
-            op = msg.get("op")
             try:
-                if op == "status":
+                op = parse_op(msg)
+                if isinstance(op, StatusOp):
                     await lines.write({"type": "status", "status": node.status()})
-                elif op == "watch":
-                    await _watch(node, lines, float(msg.get("interval", 1.0)))
+                elif isinstance(op, WatchOp):
+                    await _watch(node, lines, op.clamped_interval)
                     return
-                elif op == "generate":
-                    await _generate(node, lines, msg)
-                elif op == "cancel":
-                    await node.cancel(int(msg.get("request", 0)))
-                    await lines.write({"type": "cancelled", "request": msg.get("request")})
+                elif isinstance(op, GenerateOp):
+                    await _generate(node, lines, op)
                 else:
-                    await lines.write(
-                        {"type": "error", "error": f"unknown op {op!r} (status, watch, generate, cancel)"}
-                    )
+                    await node.cancel(op.request)
+                    await lines.write({"type": "cancelled", "request": op.request})
             except (KvasirError, ValueError, TypeError, OverflowError) as exc:  # OverflowError: int(Infinity)
                 await lines.write({"type": "error", "error": str(exc)})
     except (trio.BrokenResourceError, trio.ClosedResourceError):
@@ -111,7 +107,6 @@ async def _serve_client(node: Node, stream: trio.SocketStream) -> None:
 
 
 async def _watch(node: Node, lines: _Lines, interval: float) -> None:
-    interval = min(max(interval, 0.1), 10.0)
     async with node.hub.subscribe() as events:
         await lines.write({"type": "status", "status": node.status()})
         next_status = trio.current_time() + interval
@@ -134,21 +129,9 @@ def prompt_tokens(node: Node, text: str, chat: bool) -> list[int]:
     return vocab.tokenize(text, add_special=True, parse_special=False)
 
 
-async def _generate(node: Node, lines: _Lines, msg: dict[str, Any]) -> None:
-    if "tokens" in msg:
-        tokens = [int(t) for t in msg["tokens"]]
-    else:
-        tokens = prompt_tokens(node, str(msg.get("prompt", "")), bool(msg.get("chat", False)))
-    params = SamplingParams(
-        temperature=float(msg.get("temperature", 0.0)),
-        top_k=int(msg.get("top_k", 40)),
-        top_p=float(msg.get("top_p", 0.95)),
-        min_p=float(msg.get("min_p", 0.05)),
-        repeat_penalty=float(msg.get("repeat_penalty", 1.0)),
-        seed=None if msg.get("seed") is None else int(msg["seed"]),
-    )
-    stop = [str(s) for s in msg.get("stop", [])]
-    async with node.request(tokens, params, int(msg.get("max_tokens", 64)), stop) as handle:
+async def _generate(node: Node, lines: _Lines, op: GenerateOp) -> None:
+    tokens = list(op.tokens) if op.tokens is not None else prompt_tokens(node, op.prompt, op.chat)
+    async with node.request(tokens, op.sampling, op.max_tokens, op.stop) as handle:
         await lines.write({"type": "accepted", "request": handle.request_id, "prompt_tokens": handle.prompt_tokens})
         async for ev in node.events(handle):
             if isinstance(ev, TokenEvent):

@@ -39,6 +39,7 @@ from kvasir.ring.manifest import Manifest, RankEntry
 from kvasir.ring.node import Node, NodeConfig
 from kvasir.shard.fetch import FetchResult, fetch_window, verify_stage
 from kvasir.stage.engine import Stage, StageConfig
+from kvasir.util.addr import format_hostport, parse_hostport
 
 log = logging.getLogger("kvasir.enroll")
 
@@ -92,8 +93,7 @@ def manifest_from_coverage(
         if w.rank == rank:
             h, p = host, port
         elif w.serving and w.endpoint is not None and not w.endpoint.startswith("relay:"):
-            eh, _, ep = w.endpoint.rpartition(":")
-            h, p = eh.strip("[]"), int(ep)
+            h, p = parse_hostport(w.endpoint, what="endpoint")
         ranks.append(RankEntry(w.rank, w.start, w.end, h, p, None, link))
     first = windows[0]
     return Manifest(
@@ -206,7 +206,7 @@ class Enrollment:
                 self.node = node
                 self._reported_tokens = 0
                 host = cfg.advertise_host or cfg.listen_host
-                self.endpoint = f"relay:{cfg.relay}" if cfg.relay else f"{host}:{port}"
+                self.endpoint = f"relay:{cfg.relay}" if cfg.relay else format_hostport(host, port)
                 node.update_manifest(attrs.evolve(manifest, ranks=_with_port(manifest.ranks, window.rank, port)))
                 await self._renew("serving")
                 self.state = "serving"

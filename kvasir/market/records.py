@@ -1,22 +1,26 @@
-"""The market's API bodies: frozen records with strict ``from_wire`` (JSON → record) and ``to_wire`` (record → JSON).
+"""The market's API bodies: frozen records whose field validators hold the rules; the schema converter
+(:mod:`kvasir.core.schema`) reads and writes their JSON.
 
 ``from_wire`` raises :class:`~kvasir.errors.InputError` naming the bad field; the service answers it with 400 and
-stores nothing. docs/protocol.md § Market API is the reference for every field.
+stores nothing. Unknown keys are ignored (a newer peer may send more). docs/protocol.md § Market API is the reference
+for every field.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, Literal, Self
 
 import attrs
 
+from kvasir.core.schema import FieldError, Json, register_record, structure, unstructure
 from kvasir.errors import InputError
+from kvasir.util.addr import parse_hostport
 
-_SHA256 = re.compile(r"^[0-9a-f]{64}$")
-_NODE_ID = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_NODE_ID = re.compile(r"[A-Za-z0-9._-]{1,64}")
 MAX_LEASE_S = 3600.0
 MIN_LEASE_S = 0.5
 MAX_WINDOWS = 4096
@@ -26,410 +30,298 @@ LeaseState = Literal["fetching", "serving"]
 LEASE_STATES: tuple[LeaseState, ...] = ("fetching", "serving")
 
 
-# ---------------------------------------------------------------------------------------------- field checks
+# ---------------------------------------------------------------------------------------------- field rules
 
 
-def _obj(data: Any, where: str) -> Mapping[str, Any]:
-    if not isinstance(data, Mapping):
-        raise InputError(f"{where}: expected a JSON object")
-    return data
+def _rule(ok: Callable[[Any], bool], text: str, key: str | None = None) -> Callable[[Any, Any, Any], None]:
+    """An attrs validator: ``ok(value)`` or FieldError(key, text); the key defaults to the attribute name."""
+
+    def check(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if not ok(value):
+            raise FieldError(key or attribute.name, text)
+
+    return check
 
 
-def _int(d: Mapping[str, Any], key: str, where: str, *, low: int = 0, default: int | None = None) -> int:
-    v = d.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, int) or v < low:
-        raise InputError(f"{where}: '{key}' must be an integer >= {low}")
-    return v
+def _is_int(v: Any) -> bool:
+    return type(v) is int
 
 
-def _num(d: Mapping[str, Any], key: str, where: str, *, low: float, high: float, default: float | None = None) -> float:
-    v = d.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or not low <= v <= high:
-        raise InputError(f"{where}: '{key}' must be a number in [{low}, {high}]")
-    return float(v)
+def _count(low: int = 0, key: str | None = None) -> Callable[[Any, Any, Any], None]:
+    return _rule(lambda v: _is_int(v) and v >= low, f"must be an integer >= {low}", key)
 
 
-def _str(d: Mapping[str, Any], key: str, where: str, *, default: str | None = None, optional: bool = False) -> Any:
-    v = d.get(key, default)
-    if v is None and optional:
-        return None
-    if not isinstance(v, str) or not v or len(v) > MAX_TEXT:
-        raise InputError(f"{where}: '{key}' must be a non-empty string of at most {MAX_TEXT} characters")
-    return v
+def _number(low: float, high: float) -> Callable[[Any, Any, Any], None]:
+    def ok(v: Any) -> bool:
+        return not isinstance(v, bool) and isinstance(v, int | float) and math.isfinite(v) and low <= v <= high
+
+    return _rule(ok, f"must be a number in [{low}, {high}]")
+
+
+def _optional(check: Callable[[Any, Any, Any], None]) -> Callable[[Any, Any, Any], None]:
+    return attrs.validators.optional(check)
+
+
+def is_sha256(v: Any) -> bool:
+    return isinstance(v, str) and _SHA256.fullmatch(v) is not None
+
+
+_sha256 = _rule(is_sha256, "must be a sha256 in lowercase hex")
+_node_id = _rule(lambda v: isinstance(v, str) and _NODE_ID.fullmatch(v) is not None,
+                 "must be 1-64 characters of [A-Za-z0-9._-]")  # fmt: skip
+_text = _rule(lambda v: isinstance(v, str) and 0 < len(v) <= MAX_TEXT,
+              f"must be a non-empty string of at most {MAX_TEXT} characters")  # fmt: skip
+_state = _rule(lambda v: v in LEASE_STATES, f"must be one of {', '.join(LEASE_STATES)}")
+
+
+def _window_end(instance: Any, _: attrs.Attribute[int], end: Any) -> None:
+    start = instance.start
+    if not (_is_int(start) and _is_int(end) and 0 <= start < end):
+        raise FieldError("layers", f"[{start}, {end}] is not a non-empty window")
+
+
+def _endpoint(_: object, __: attrs.Attribute[Any], v: Any) -> None:
+    """``host:port`` of a direct link, or ``relay:<ws-url>`` for a node reached through a relay edge."""
+    if v is None:
+        return
+    if isinstance(v, str) and v.startswith("relay:"):
+        if not v[6:].startswith(("ws://", "wss://")) or len(v) > MAX_TEXT:
+            raise FieldError("endpoint", "of a relay is 'relay:ws://…' or 'relay:wss://…'")
+        return
+    try:
+        parse_hostport(v, what="endpoint")
+    except InputError:
+        raise FieldError("endpoint", "must be 'host:port' or 'relay:ws(s)://…'") from None
 
 
 def sha256_field(d: Mapping[str, Any], key: str, where: str) -> str:
     v = d.get(key)
-    if not isinstance(v, str) or not _SHA256.match(v):
+    if not is_sha256(v):
         raise InputError(f"{where}: '{key}' must be a sha256 in lowercase hex")
-    return v
+    return str(v)
 
 
-def node_id_field(d: Mapping[str, Any], where: str) -> str:
-    v = d.get("node_id")
-    if not isinstance(v, str) or not _NODE_ID.match(v):
-        raise InputError(f"{where}: 'node_id' must be 1-64 characters of [A-Za-z0-9._-]")
-    return v
+class _Record:
+    """``to_wire``: the record as its JSON body (the schema converter's shape)."""
+
+    def to_wire(self) -> Json:
+        out: Json = unstructure(self)
+        return out
 
 
-def layers_field(d: Mapping[str, Any], where: str) -> tuple[int, int]:
-    v = d.get("layers")
-    if not (isinstance(v, list) and len(v) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in v)):
-        raise InputError(f"{where}: 'layers' must be [start, end]")
-    a, b = v
-    if not 0 <= a < b:
-        raise InputError(f"{where}: 'layers' [{a}, {b}] is not a non-empty window")
-    return a, b
+class _Body(_Record):
+    """A record that parses from its JSON body with no context; ``WHERE`` names it in errors."""
 
+    WHERE: ClassVar[str]
 
-def endpoint_field(d: Mapping[str, Any], where: str) -> str | None:
-    """``host:port`` of a direct link, or ``relay:<ws-url>`` for a node reached through a relay edge."""
-    v = d.get("endpoint")
-    if v is None:
-        return None
-    if not isinstance(v, str) or len(v) > MAX_TEXT:
-        raise InputError(f"{where}: 'endpoint' must be 'host:port' or 'relay:ws(s)://…'")
-    if v.startswith("relay:"):
-        if not v[6:].startswith(("ws://", "wss://")):
-            raise InputError(f"{where}: a relay endpoint is 'relay:ws://…' or 'relay:wss://…'")
-        return v
-    host, _, port = v.rpartition(":")
-    if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise InputError(f"{where}: 'endpoint' must be 'host:port' or 'relay:ws(s)://…'")
-    return v
+    @classmethod
+    def from_wire(cls, data: Any, where: str | None = None) -> Self:
+        return structure(data, cls, where=where or cls.WHERE)
 
 
 # ---------------------------------------------------------------------------------------------- models
 
 
 @attrs.frozen
-class StageHash:
+class StageHash(_Body):
     """The stage file ``kvasir slice`` writes for one window: its sha256 and size."""
 
+    WHERE: ClassVar[str] = "stage"
+
     start: int
-    end: int
-    sha256: str
-    bytes: int
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"layers": [self.start, self.end], "sha256": self.sha256, "bytes": self.bytes}
-
-    @classmethod
-    def from_wire(cls, data: Any, where: str = "stage") -> StageHash:
-        d = _obj(data, where)
-        a, b = layers_field(d, where)
-        return cls(a, b, sha256_field(d, "sha256", where), _int(d, "bytes", where, low=1))
+    end: int = attrs.field(validator=_window_end)
+    sha256: str = attrs.field(validator=_sha256)
+    bytes: int = attrs.field(validator=_count(1))
 
 
 @attrs.frozen
-class ModelRecord:
+class ModelRecord(_Record):
     """A model on offer: its identity, where to download it, its byte profile and its windows' stage hashes."""
 
-    sha256: str
-    name: str
-    n_layers: int
-    file_bytes: int
+    sha256: str = attrs.field(validator=_sha256)
+    name: str = attrs.field(validator=_text)
+    n_layers: int = attrs.field(validator=_count(1, "layers"))
+    file_bytes: int = attrs.field(validator=_count(1))
     #: Bytes of the GGUF header (metadata and tensor infos, up to the aligned data offset).
-    header_bytes: int
+    header_bytes: int = attrs.field(validator=_count(24))
     #: URLs serving the whole GGUF with HTTP Range support.
     sources: tuple[str, ...]
     layer_bytes: tuple[int, ...]
-    outside_bytes: int
+    outside_bytes: int = attrs.field(validator=_count(0))
     stages: tuple[StageHash, ...]
+
+    def __attrs_post_init__(self) -> None:
+        if self.header_bytes > self.file_bytes:
+            raise InputError("'header_bytes' exceeds 'file_bytes'")
+        if not 1 <= len(self.sources) <= MAX_SOURCES:
+            raise InputError(f"'sources' must be a list of 1-{MAX_SOURCES} URLs")
+        for url in self.sources:
+            if not isinstance(url, str) or not url.startswith(("http://", "https://")) or len(url) > MAX_TEXT:
+                raise InputError("every source must be an http:// or https:// URL")
+        if len(self.layer_bytes) != self.n_layers or not all(_is_int(x) and x >= 0 for x in self.layer_bytes):
+            raise InputError(f"'layer_bytes' must list {self.n_layers} byte counts")
+        if len(self.stages) > MAX_WINDOWS:
+            raise InputError(f"'stages' may list at most {MAX_WINDOWS} windows")
+        if any(s.end > self.n_layers for s in self.stages):
+            raise InputError(f"a stage window ends past layer {self.n_layers}")
+        if len({(s.start, s.end) for s in self.stages}) != len(self.stages):
+            raise InputError("a stage window is listed twice")
 
     def stage(self, start: int, end: int) -> StageHash | None:
         return next((s for s in self.stages if (s.start, s.end) == (start, end)), None)
 
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "sha256": self.sha256,
-            "name": self.name,
-            "layers": self.n_layers,
-            "file_bytes": self.file_bytes,
-            "header_bytes": self.header_bytes,
-            "sources": list(self.sources),
-            "layer_bytes": list(self.layer_bytes),
-            "outside_bytes": self.outside_bytes,
-            "stages": [s.to_wire() for s in self.stages],
-        }
-
     @classmethod
     def from_wire(cls, data: Any, where: str = "model") -> ModelRecord:
-        d = _obj(data, where)
-        n_layers = _int(d, "layers", where, low=1)
-        file_bytes = _int(d, "file_bytes", where, low=1)
-        header_bytes = _int(d, "header_bytes", where, low=24)
-        if header_bytes > file_bytes:
-            raise InputError(f"{where}: 'header_bytes' exceeds 'file_bytes'")
-        sources = d.get("sources")
-        if not isinstance(sources, list) or not 1 <= len(sources) <= MAX_SOURCES:
-            raise InputError(f"{where}: 'sources' must be a list of 1-{MAX_SOURCES} URLs")
-        for url in sources:
-            if not isinstance(url, str) or not url.startswith(("http://", "https://")) or len(url) > MAX_TEXT:
-                raise InputError(f"{where}: every source must be an http:// or https:// URL")
-        lb = d.get("layer_bytes")
-        if not isinstance(lb, list) or len(lb) != n_layers or not all(_is_count(x) for x in lb):
-            raise InputError(f"{where}: 'layer_bytes' must list {n_layers} byte counts")
-        raw_stages = d.get("stages", [])
-        if not isinstance(raw_stages, list) or len(raw_stages) > MAX_WINDOWS:
-            raise InputError(f"{where}: 'stages' must be a list")
-        stages = tuple(StageHash.from_wire(s, f"{where}: stages[{i}]") for i, s in enumerate(raw_stages))
-        if any(s.end > n_layers for s in stages):
-            raise InputError(f"{where}: a stage window ends past layer {n_layers}")
-        if len({(s.start, s.end) for s in stages}) != len(stages):
-            raise InputError(f"{where}: a stage window is listed twice")
-        return cls(
-            sha256=sha256_field(d, "sha256", where),
-            name=_str(d, "name", where, default="model"),
-            n_layers=n_layers,
-            file_bytes=file_bytes,
-            header_bytes=header_bytes,
-            sources=tuple(sources),
-            layer_bytes=tuple(lb),
-            outside_bytes=_int(d, "outside_bytes", where, default=0),
-            stages=stages,
-        )
-
-
-def _is_count(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+        if isinstance(data, Mapping):  # the fields the wire may leave out
+            data = {"name": "model", "outside_bytes": 0, "stages": [], **data}
+        return structure(data, cls, where=where)
 
 
 # ---------------------------------------------------------------------------------------------- rank manifest
 
 
 @attrs.frozen
-class WindowSpec:
+class WindowSpec(_Body):
+    WHERE: ClassVar[str] = "window"
+
     start: int
-    end: int
+    end: int = attrs.field(validator=_window_end)
     #: Reward weight: credits per token this window earns at base demand.
-    weight: float
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"layers": [self.start, self.end], "weight": self.weight}
-
-    @classmethod
-    def from_wire(cls, data: Any, where: str) -> WindowSpec:
-        d = _obj(data, where)
-        a, b = layers_field(d, where)
-        return cls(a, b, _num(d, "weight", where, low=0.0, high=1e12, default=1.0))
+    weight: float = attrs.field(default=1.0, validator=_number(0.0, 1e12))
 
 
 @attrs.frozen
-class ManifestRecord:
+class ManifestRecord(_Record):
     """The rank manifest of a model: its windows in ring order, each with a reward weight."""
 
     model: str
     windows: tuple[WindowSpec, ...]
     #: "planner" (windows from kvasir.planner) or "explicit".
-    origin: str = "explicit"
+    origin: str = attrs.field(
+        default="explicit", validator=_rule(lambda v: v in ("planner", "explicit"), "must be 'planner' or 'explicit'")
+    )
 
-    def to_wire(self) -> dict[str, Any]:
-        return {"model": self.model, "origin": self.origin, "windows": [w.to_wire() for w in self.windows]}
+    def __attrs_post_init__(self) -> None:
+        if not 2 <= len(self.windows) <= MAX_WINDOWS:
+            raise InputError(f"'windows' must list 2-{MAX_WINDOWS} windows")
 
     @classmethod
     def from_wire(cls, data: Any, model: str, where: str = "manifest") -> ManifestRecord:
-        d = _obj(data, where)
-        raw = d.get("windows")
-        if not isinstance(raw, list) or not 2 <= len(raw) <= MAX_WINDOWS:
-            raise InputError(f"{where}: 'windows' must list 2-{MAX_WINDOWS} windows")
-        windows = tuple(WindowSpec.from_wire(w, f"{where}: windows[{i}]") for i, w in enumerate(raw))
-        origin = d.get("origin", "explicit")
-        if origin not in ("planner", "explicit"):
-            raise InputError(f"{where}: 'origin' must be 'planner' or 'explicit'")
-        return cls(model, windows, origin)
+        """The body of ``PUT /v1/models/<model>/manifest``: the model comes from the URL, not the body."""
+        if isinstance(data, Mapping):
+            data = {**data, "model": model}
+        return structure(data, cls, where=where)
 
 
 # ---------------------------------------------------------------------------------------------- claims
 
 
 @attrs.frozen
-class ClaimRequest:
+class ClaimRequest(_Record):
     """Body of claim and renew: which window, who, for how long, and (once serving) where to reach it."""
 
-    model: str
+    model: str = attrs.field(validator=_sha256)
     start: int
-    end: int
-    node_id: str
-    lease_s: float
-    endpoint: str | None = None
-    state: LeaseState = "fetching"
+    end: int = attrs.field(validator=_window_end)
+    node_id: str = attrs.field(validator=_node_id)
+    lease_s: float = attrs.field(default=30.0, validator=_number(MIN_LEASE_S, MAX_LEASE_S))
+    endpoint: str | None = attrs.field(default=None, validator=_endpoint)
+    state: LeaseState = attrs.field(default="fetching", validator=_state)
     #: Renew only: the lease being renewed.
-    lease_id: str | None = None
+    lease_id: str | None = attrs.field(default=None, validator=_optional(_text))
 
-    def to_wire(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "model": self.model,
-            "layers": [self.start, self.end],
-            "node_id": self.node_id,
-            "lease_s": self.lease_s,
-            "endpoint": self.endpoint,
-            "state": self.state,
-        }
-        if self.lease_id is not None:
-            out["lease_id"] = self.lease_id
-        return out
+    def __attrs_post_init__(self) -> None:
+        if self.state == "serving" and self.endpoint is None:
+            raise InputError("a serving holder must give its 'endpoint'")
 
     @classmethod
     def from_wire(cls, data: Any, *, renew: bool = False, where: str = "claim") -> ClaimRequest:
-        d = _obj(data, where)
-        a, b = layers_field(d, where)
-        state = d.get("state", "fetching")
-        if state not in LEASE_STATES:
-            raise InputError(f"{where}: 'state' must be one of {', '.join(LEASE_STATES)}")
-        endpoint = endpoint_field(d, where)
-        if state == "serving" and endpoint is None:
-            raise InputError(f"{where}: a serving holder must give its 'endpoint'")
-        return cls(
-            model=sha256_field(d, "model", where),
-            start=a,
-            end=b,
-            node_id=node_id_field(d, where),
-            lease_s=_num(d, "lease_s", where, low=MIN_LEASE_S, high=MAX_LEASE_S, default=30.0),
-            endpoint=endpoint,
-            state=state,
-            lease_id=_str(d, "lease_id", where) if renew else None,
-        )
+        if isinstance(data, Mapping) and not renew:
+            data = {k: v for k, v in data.items() if k != "lease_id"}  # only a renewal names its lease
+        req = structure(data, cls, where=where)
+        if renew and req.lease_id is None:
+            raise InputError(f"{where}: 'lease_id' must be a non-empty string of at most {MAX_TEXT} characters")
+        return req
 
 
 @attrs.frozen
-class LeaseRef:
+class LeaseRef(_Body):
     """Body of release: the lease to give up."""
 
-    model: str
+    WHERE: ClassVar[str] = "release"
+
+    model: str = attrs.field(validator=_sha256)
     start: int
-    end: int
-    node_id: str
-    lease_id: str
-
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "layers": [self.start, self.end],
-            "node_id": self.node_id,
-            "lease_id": self.lease_id,
-        }
-
-    @classmethod
-    def from_wire(cls, data: Any, where: str = "release") -> LeaseRef:
-        d = _obj(data, where)
-        a, b = layers_field(d, where)
-        return cls(sha256_field(d, "model", where), a, b, node_id_field(d, where), _str(d, "lease_id", where))
+    end: int = attrs.field(validator=_window_end)
+    node_id: str = attrs.field(validator=_node_id)
+    lease_id: str = attrs.field(validator=_text)
 
 
 @attrs.frozen
-class Lease:
+class Lease(_Body):
     """A granted lease: the holder owns the window until ``expires_at`` (unix seconds) unless it renews."""
 
-    model: str
+    WHERE: ClassVar[str] = "lease"
+
+    model: str = attrs.field(validator=_sha256)
     start: int
-    end: int
-    node_id: str
-    lease_id: str
-    expires_at: float
-
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "layers": [self.start, self.end],
-            "node_id": self.node_id,
-            "lease_id": self.lease_id,
-            "expires_at": self.expires_at,
-        }
-
-    @classmethod
-    def from_wire(cls, data: Any, where: str = "lease") -> Lease:
-        d = _obj(data, where)
-        a, b = layers_field(d, where)
-        return cls(
-            sha256_field(d, "model", where),
-            a,
-            b,
-            node_id_field(d, where),
-            _str(d, "lease_id", where),
-            _num(d, "expires_at", where, low=0, high=1e12),
-        )
+    end: int = attrs.field(validator=_window_end)
+    node_id: str = attrs.field(validator=_node_id)
+    lease_id: str = attrs.field(validator=_text)
+    expires_at: float = attrs.field(validator=_number(0, 1e12))
 
 
 # ---------------------------------------------------------------------------------------------- demand, credits
 
 
 @attrs.frozen
-class DemandReport:
+class DemandReport(_Body):
     """Requests that entered the ring at the reporting node, and the tokens they generated."""
 
-    model: str
-    requests: int
-    tokens: int
+    WHERE: ClassVar[str] = "demand"
 
-    def to_wire(self) -> dict[str, Any]:
-        return {"model": self.model, "requests": self.requests, "tokens": self.tokens}
-
-    @classmethod
-    def from_wire(cls, data: Any, where: str = "demand") -> DemandReport:
-        d = _obj(data, where)
-        return cls(
-            sha256_field(d, "model", where),
-            _int(d, "requests", where, default=0),
-            _int(d, "tokens", where, default=0),
-        )
+    model: str = attrs.field(validator=_sha256)
+    requests: int = attrs.field(default=0, validator=_count(0))
+    tokens: int = attrs.field(default=0, validator=_count(0))
 
 
 @attrs.frozen
-class CreditReport:
+class CreditReport(_Body):
     """Tokens a lease holder served on its window since its last report."""
 
-    model: str
+    WHERE: ClassVar[str] = "credit"
+
+    model: str = attrs.field(validator=_sha256)
     start: int
-    end: int
-    node_id: str
-    lease_id: str
-    tokens: int
-
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "layers": [self.start, self.end],
-            "node_id": self.node_id,
-            "lease_id": self.lease_id,
-            "tokens": self.tokens,
-        }
-
-    @classmethod
-    def from_wire(cls, data: Any, where: str = "credit") -> CreditReport:
-        d = _obj(data, where)
-        a, b = layers_field(d, where)
-        return cls(
-            sha256_field(d, "model", where),
-            a,
-            b,
-            node_id_field(d, where),
-            _str(d, "lease_id", where),
-            _int(d, "tokens", where, default=0),
-        )
+    end: int = attrs.field(validator=_window_end)
+    node_id: str = attrs.field(validator=_node_id)
+    lease_id: str = attrs.field(validator=_text)
+    tokens: int = attrs.field(default=0, validator=_count(0))
 
 
 # ---------------------------------------------------------------------------------------------- coverage (read side)
 
 
 @attrs.frozen
-class CoverageEntry:
+class CoverageEntry(_Body):
     """One window of a model's rank manifest as the coverage map shows it."""
 
-    model: str
-    rank: int
+    WHERE: ClassVar[str] = "window"
+
+    model: str = attrs.field(validator=_sha256)
+    rank: int = attrs.field(validator=_count(0))
     start: int
-    end: int
-    weight: float
+    end: int = attrs.field(validator=_window_end)
+    weight: float = attrs.field(validator=_number(0, 1e12))
     #: Credits per token served on this window now (weight × the model's demand multiplier).
-    reward: float
+    reward: float = attrs.field(validator=_number(0, 1e18))
     #: Bytes of the window's stage file (what a holder downloads and loads).
-    bytes: int
-    sha256: str
+    bytes: int = attrs.field(validator=_count(1))
+    sha256: str = attrs.field(validator=_sha256)
     holder: str | None = None
-    lease_expires: float | None = None
-    state: LeaseState | None = None
-    endpoint: str | None = None
+    lease_expires: float | None = attrs.field(default=None, validator=_optional(_number(0, 1e12)))
+    state: LeaseState | None = attrs.field(default=None, validator=_optional(_state))
+    endpoint: str | None = attrs.field(default=None, validator=_endpoint)
 
     @property
     def covered(self) -> bool:
@@ -439,62 +331,24 @@ class CoverageEntry:
     def serving(self) -> bool:
         return self.holder is not None and self.state == "serving" and self.endpoint is not None
 
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "rank": self.rank,
-            "layers": [self.start, self.end],
-            "weight": self.weight,
-            "reward": self.reward,
-            "bytes": self.bytes,
-            "sha256": self.sha256,
-            "holder": self.holder,
-            "lease_expires": self.lease_expires,
-            "state": self.state,
-            "endpoint": self.endpoint,
-        }
-
-    @classmethod
-    def from_wire(cls, data: Any, where: str = "window") -> CoverageEntry:
-        d = _obj(data, where)
-        a, b = layers_field(d, where)
-        holder = d.get("holder")
-        if holder is not None and not isinstance(holder, str):
-            raise InputError(f"{where}: 'holder' must be a node id or null")
-        state = d.get("state")
-        if state is not None and state not in LEASE_STATES:
-            raise InputError(f"{where}: bad 'state'")
-        expires = d.get("lease_expires")
-        return cls(
-            model=sha256_field(d, "model", where),
-            rank=_int(d, "rank", where),
-            start=a,
-            end=b,
-            weight=_num(d, "weight", where, low=0, high=1e12),
-            reward=_num(d, "reward", where, low=0, high=1e18),
-            bytes=_int(d, "bytes", where, low=1),
-            sha256=sha256_field(d, "sha256", where),
-            holder=holder,
-            lease_expires=None if expires is None else _num(d, "lease_expires", where, low=0, high=1e12),
-            state=state,
-            endpoint=endpoint_field(d, where),
-        )
-
 
 def coverage_from_wire(data: Any) -> list[CoverageEntry]:
     """The windows of every model in a ``GET /v1/coverage`` reply."""
-    d = _obj(data, "coverage")
-    models = d.get("models")
+    models = data.get("models") if isinstance(data, Mapping) else None
     if not isinstance(models, list):
         raise InputError("coverage: 'models' must be a list")
     out: list[CoverageEntry] = []
-    for m in models:
-        windows = _obj(m, "coverage model").get("windows")
+    for i, m in enumerate(models):
+        windows = m.get("windows") if isinstance(m, Mapping) else None
         if not isinstance(windows, list):
-            raise InputError("coverage: a model's 'windows' must be a list")
-        out += [CoverageEntry.from_wire(w) for w in windows]
+            raise InputError(f"coverage: models[{i}]: 'windows' must be a list")
+        out += [CoverageEntry.from_wire(w, f"coverage: models[{i}].windows[{j}]") for j, w in enumerate(windows)]
     return out
 
 
-def windows_of(entries: Sequence[CoverageEntry], model: str) -> list[CoverageEntry]:
-    return sorted((e for e in entries if e.model == model), key=lambda e: e.rank)
+for _cls in (StageHash, WindowSpec, LeaseRef, Lease, CreditReport, CoverageEntry):
+    register_record(_cls, window=True)
+register_record(ClaimRequest, window=True, omit_if_none=("lease_id",))
+register_record(ModelRecord, rename={"n_layers": "layers"})
+register_record(ManifestRecord, key_order=("model", "origin", "windows"))
+register_record(DemandReport)

@@ -10,12 +10,13 @@ or from a profile mapping (:func:`profile_from_mapping`, the TOML format of ``kv
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import attrs
 
+from kvasir.core.schema import FieldError, register_record, structure, unstructure
 from kvasir.errors import InputError, ModelFileError
 from kvasir.shard.gguf_file import MAX_LAYERS
 from kvasir.shard.gguf_io import GGUFFile, read_gguf
@@ -89,109 +90,103 @@ class ModelProfile:
 # ---------------------------------------------------------------------------------------- mapping (TOML) form
 
 
-def _int_list(data: Mapping[str, Any], key: str, n: int, default: Sequence[int] | None, source: str) -> list[int]:
-    value = data.get(key)
-    if value is None:
-        if default is None:
-            raise InputError(f"{source}: missing field {key!r}")
-        return list(default)
-    if not isinstance(value, list) or len(value) != n or not all(_is_int(v) for v in value):
-        raise InputError(f"{source}: field {key!r} must be a list of {n} integers")
-    return [int(v) for v in value]
+def _non_negative(_: object, attribute: attrs.Attribute[Any], value: int | tuple[int, ...] | None) -> None:
+    values = value if isinstance(value, tuple) else () if value is None else (value,)
+    if any(v < 0 for v in values):
+        raise FieldError(attribute.name, "must be non-negative")
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _non_empty(_: object, attribute: attrs.Attribute[Any], value: str | tuple[int, ...]) -> None:
+    if not value:
+        raise FieldError(attribute.name, "must not be empty")
 
 
-def _int_field(data: Mapping[str, Any], key: str, source: str, default: int | None = None) -> int:
-    value = data.get(key, default)
-    if value is None:
-        raise InputError(f"{source}: missing field {key!r}")
-    if not _is_int(value) or value < 0:
-        raise InputError(f"{source}: field {key!r} must be a non-negative integer")
-    return int(value)
+@attrs.frozen
+class _ProfileFile:
+    """The TOML form of a profile (``kvasir/profiles/*.toml``): per-layer lists, each as long as ``layer_bytes``."""
+
+    name: str = attrs.field(validator=_non_empty)
+    arch: str = attrs.field(validator=_non_empty)
+    n_embd: int = attrs.field(validator=_non_negative)
+    embd_bytes: int = attrs.field(validator=_non_negative)
+    head_bytes: int = attrs.field(validator=_non_negative)
+    layer_bytes: tuple[int, ...] = attrs.field(validator=[_non_empty, _non_negative])
+    vocab_size: int = attrs.field(default=0, validator=_non_negative)
+    other_bytes: int = attrs.field(default=0, validator=_non_negative)
+    tied_head: bool = False
+    layer_active_bytes: tuple[int, ...] | None = attrs.field(default=None, validator=_non_negative)
+    layer_kinds: tuple[LayerKind, ...] | None = None
+    layer_kv_bytes_per_token: tuple[int, ...] | None = attrs.field(default=None, validator=_non_negative)
+    layer_state_bytes: tuple[int, ...] | None = attrs.field(default=None, validator=_non_negative)
+    description: str | None = None
+
+    def __attrs_post_init__(self) -> None:
+        n = len(self.layer_bytes)
+        for key in ("layer_active_bytes", "layer_kinds", "layer_kv_bytes_per_token", "layer_state_bytes"):
+            value = getattr(self, key)
+            if value is not None and len(value) != n:
+                raise FieldError(key, f"must list {n} values, one per layer")
+
+    def profile(self) -> ModelProfile:
+        n = len(self.layer_bytes)
+        active = self.layer_active_bytes or self.layer_bytes
+        attention: LayerKind = "attention"
+        kinds = self.layer_kinds or (attention,) * n
+        kv = self.layer_kv_bytes_per_token or (0,) * n
+        state = self.layer_state_bytes or (0,) * n
+        return ModelProfile(
+            name=self.name,
+            arch=self.arch,
+            n_embd=self.n_embd,
+            vocab_size=self.vocab_size,
+            layers=tuple(
+                LayerProfile(bytes=s, active_bytes=a, kind=k, kv_bytes_per_token=c, state_bytes=t)
+                for s, a, k, c, t in zip(self.layer_bytes, active, kinds, kv, state, strict=True)
+            ),
+            embd_bytes=self.embd_bytes,
+            head_bytes=self.head_bytes,
+            other_bytes=self.other_bytes,
+            tied_head=self.tied_head,
+        )
 
 
-def _str_field(data: Mapping[str, Any], key: str, source: str) -> str:
-    value = data.get(key)
-    if not isinstance(value, str) or not value:
-        raise InputError(f"{source}: field {key!r} must be a non-empty string")
-    return value
-
-
-_PROFILE_KEYS = frozenset(
-    {
-        "name",
-        "arch",
-        "n_embd",
-        "vocab_size",
-        "embd_bytes",
-        "head_bytes",
-        "other_bytes",
-        "tied_head",
-        "layer_bytes",
-        "layer_active_bytes",
-        "layer_kinds",
-        "layer_kv_bytes_per_token",
-        "layer_state_bytes",
-        "description",
-    }
+register_record(
+    _ProfileFile,
+    forbid_extra=True,
+    omit_if_none=("description",),
+    key_order=("name", "arch", "n_embd", "vocab_size", "embd_bytes", "head_bytes", "other_bytes", "tied_head"),
 )
 
 
 def profile_from_mapping(data: Mapping[str, Any], *, source: str = "profile") -> ModelProfile:
     """Build a profile from its mapping form (a parsed profile TOML); errors name the field."""
-    unknown = sorted(set(data) - _PROFILE_KEYS)
-    if unknown:
-        raise InputError(f"{source}: unknown field {unknown[0]!r}")
-    layer_bytes = data.get("layer_bytes")
-    if not isinstance(layer_bytes, list) or not layer_bytes:
-        raise InputError(f"{source}: field 'layer_bytes' must be a non-empty list of integers")
-    n = len(layer_bytes)
-    sizes = _int_list(data, "layer_bytes", n, None, source)
-    active = _int_list(data, "layer_active_bytes", n, sizes, source)
-    kv = _int_list(data, "layer_kv_bytes_per_token", n, [0] * n, source)
-    state = _int_list(data, "layer_state_bytes", n, [0] * n, source)
-    kinds_raw = data.get("layer_kinds", ["attention"] * n)
-    if not isinstance(kinds_raw, list) or len(kinds_raw) != n or not all(k in LAYER_KINDS for k in kinds_raw):
-        raise InputError(f"{source}: field 'layer_kinds' must be a list of {n} of {', '.join(LAYER_KINDS)}")
-    tied = data.get("tied_head", False)
-    if not isinstance(tied, bool):
-        raise InputError(f"{source}: field 'tied_head' must be true or false")
-    return ModelProfile(
-        name=_str_field(data, "name", source),
-        arch=_str_field(data, "arch", source),
-        n_embd=_int_field(data, "n_embd", source),
-        vocab_size=_int_field(data, "vocab_size", source, 0),
-        layers=tuple(
-            LayerProfile(bytes=s, active_bytes=a, kind=k, kv_bytes_per_token=c, state_bytes=t)
-            for s, a, k, c, t in zip(sizes, active, kinds_raw, kv, state, strict=True)
-        ),
-        embd_bytes=_int_field(data, "embd_bytes", source),
-        head_bytes=_int_field(data, "head_bytes", source),
-        other_bytes=_int_field(data, "other_bytes", source, 0),
-        tied_head=tied,
-    )
+    shape = structure(data, _ProfileFile, where=source)
+    try:
+        return shape.profile()
+    except InputError as exc:
+        raise InputError(f"{source}: {exc}") from None
 
 
 def profile_to_mapping(profile: ModelProfile) -> dict[str, Any]:
     """The inverse of :func:`profile_from_mapping` (e.g. to save a GGUF's profile as TOML)."""
-    return {
-        "name": profile.name,
-        "arch": profile.arch,
-        "n_embd": profile.n_embd,
-        "vocab_size": profile.vocab_size,
-        "embd_bytes": profile.embd_bytes,
-        "head_bytes": profile.head_bytes,
-        "other_bytes": profile.other_bytes,
-        "tied_head": profile.tied_head,
-        "layer_bytes": [layer.bytes for layer in profile.layers],
-        "layer_active_bytes": [layer.active_bytes for layer in profile.layers],
-        "layer_kinds": [layer.kind for layer in profile.layers],
-        "layer_kv_bytes_per_token": [layer.kv_bytes_per_token for layer in profile.layers],
-        "layer_state_bytes": [layer.state_bytes for layer in profile.layers],
-    }
+    layers = profile.layers
+    shape = _ProfileFile(
+        name=profile.name,
+        arch=profile.arch,
+        n_embd=profile.n_embd,
+        embd_bytes=profile.embd_bytes,
+        head_bytes=profile.head_bytes,
+        layer_bytes=tuple(layer.bytes for layer in layers),
+        vocab_size=profile.vocab_size,
+        other_bytes=profile.other_bytes,
+        tied_head=profile.tied_head,
+        layer_active_bytes=tuple(layer.active_bytes for layer in layers),
+        layer_kinds=tuple(layer.kind for layer in layers),
+        layer_kv_bytes_per_token=tuple(layer.kv_bytes_per_token for layer in layers),
+        layer_state_bytes=tuple(layer.state_bytes for layer in layers),
+    )
+    out: dict[str, Any] = unstructure(shape)
+    return out
 
 
 # -------------------------------------------------------------------------------------------------- GGUF form

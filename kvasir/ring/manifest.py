@@ -23,9 +23,14 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import tomli_w
 
+from kvasir.core.schema import FieldError, register_record, structure, unstructure
 from kvasir.errors import InputError, WindowError
+from kvasir.util.addr import format_hostport, parse_hostport
 from kvasir.util.files import atomic_output
+
+LINK_KINDS = ("direct", "relay")
 
 
 @attrs.frozen
@@ -41,7 +46,7 @@ class RankEntry:
 
     @property
     def address(self) -> str:
-        return f"{self.host}:{self.port}"
+        return format_hostport(self.host, self.port)
 
 
 @attrs.frozen
@@ -60,49 +65,66 @@ class Manifest:
     def successor(self, rank: int) -> RankEntry:
         return self.ranks[(rank + 1) % self.size]
 
-    def predecessor(self, rank: int) -> RankEntry:
-        return self.ranks[(rank - 1) % self.size]
-
     def rank(self, k: int) -> RankEntry:
         if not 0 <= k < self.size:
             raise InputError(f"rank {k} is not in the manifest (ranks 0..{self.size - 1})")
         return self.ranks[k]
 
     def to_toml(self) -> str:
-        lines = ["[model]", f'sha256 = "{self.model_sha256}"', f"layers = {self.n_layers}"]
-        lines.append(f'name = "{_escape(self.model_name)}"')
-        if self.secret:
-            lines.append(f'secret = "{self.secret}"')
-        if self.relay:
-            lines.append(f'relay = "{_escape(self.relay)}"')
-        for r in self.ranks:
-            lines += ["", "[[rank]]", f"layers = [{r.start}, {r.end}]", f'listen = "{r.address}"']
-            if r.stage:
-                lines.append(f'stage = "{_escape(r.stage)}"')
-            if r.link != "direct":
-                lines.append(f'link = "{r.link}"')
-        return "\n".join(lines) + "\n"
+        model = _ModelTable(self.model_sha256, self.n_layers, self.model_name, self.secret, self.relay)
+        ranks = tuple(_RankTable(r.start, r.end, r.address, r.stage, r.link) for r in self.ranks)
+        return tomli_w.dumps(unstructure(_ManifestFile(model, ranks)))
 
     def write(self, path: Path) -> None:
         with atomic_output(path) as tmp:
             tmp.write_text(self.to_toml())
 
 
-def _escape(s: str) -> str:
-    return s.replace("\\", "\\\\").replace('"', '\\"')
+# The TOML file's own shape; parse_manifest turns it into a Manifest.
 
 
-def _parse_address(text: Any, where: str) -> tuple[str, int]:
-    if not isinstance(text, str) or ":" not in text:
-        raise InputError(f"{where}: listen must be 'HOST:PORT', got {text!r}")
-    host, _, port = text.rpartition(":")
-    try:
-        p = int(port)
-    except ValueError:
-        raise InputError(f"{where}: bad port in {text!r}") from None
-    if not 0 < p < 65536:
-        raise InputError(f"{where}: port {p} out of range")
-    return host.strip("[]"), p
+def _sha256(_: object, __: attrs.Attribute[str], value: str) -> None:
+    if not value or len(value) > 128:
+        raise FieldError("sha256", "must be a non-empty string of at most 128 characters")
+
+
+def _positive(_: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if value <= 0:
+        raise FieldError(attribute.name, "must be a positive integer")
+
+
+def _link(_: object, __: attrs.Attribute[str], value: str) -> None:
+    if value not in LINK_KINDS:
+        raise FieldError("link", f"must be {' or '.join(map(repr, LINK_KINDS))}, not {value!r}")
+
+
+@attrs.frozen
+class _ModelTable:
+    sha256: str = attrs.field(validator=_sha256)
+    layers: int = attrs.field(validator=_positive)
+    name: str = "model"
+    secret: str | None = None
+    relay: str | None = None
+
+
+@attrs.frozen
+class _RankTable:
+    start: int
+    end: int
+    listen: str
+    stage: str | None = None
+    link: str = attrs.field(default="direct", validator=_link)
+
+
+@attrs.frozen
+class _ManifestFile:
+    model: _ModelTable
+    rank: tuple[_RankTable, ...] = attrs.field(validator=attrs.validators.min_len(1))
+
+
+register_record(_ModelTable, omit_if_none=("secret", "relay"))
+register_record(_RankTable, window=True, omit_if_none=("stage",))
+register_record(_ManifestFile)
 
 
 def check_windows(windows: Sequence[tuple[int, int]], n_layers: int) -> None:
@@ -119,40 +141,16 @@ def check_windows(windows: Sequence[tuple[int, int]], n_layers: int) -> None:
 
 
 def parse_manifest(data: dict[str, Any], where: str = "manifest") -> Manifest:
-    model = data.get("model")
-    if not isinstance(model, dict):
-        raise InputError(f"{where}: missing [model] table")
-    sha, layers = model.get("sha256"), model.get("layers")
-    if not isinstance(sha, str) or not sha or len(sha) > 128:
-        raise InputError(f"{where}: [model] sha256 must be a non-empty string")
-    if not isinstance(layers, int) or layers <= 0:
-        raise InputError(f"{where}: [model] layers must be a positive integer")
-    raw_ranks = data.get("rank")
-    if not isinstance(raw_ranks, list) or not raw_ranks:
+    if not isinstance(data.get("rank"), list) or not data["rank"]:
         raise InputError(f"{where}: needs at least one [[rank]]")
+    shape = structure(data, _ManifestFile, where=where)
     ranks = []
-    for i, r in enumerate(raw_ranks):
-        w = f"{where}: rank {i}"
-        win = r.get("layers") if isinstance(r, dict) else None
-        if not (isinstance(win, list) and len(win) == 2 and all(isinstance(x, int) for x in win)):
-            raise InputError(f"{w}: layers must be [start, end]")
-        host, port = _parse_address(r.get("listen"), w)
-        link = r.get("link", "direct")
-        if link not in ("direct", "relay"):
-            raise InputError(f"{w}: link must be 'direct' or 'relay'")
-        stage = r.get("stage")
-        ranks.append(RankEntry(i, win[0], win[1], host, port, stage if isinstance(stage, str) else None, link))
-    check_windows([(r.start, r.end) for r in ranks], layers)
-    secret = model.get("secret")
-    relay = model.get("relay")
-    return Manifest(
-        model_sha256=sha,
-        n_layers=layers,
-        ranks=tuple(ranks),
-        model_name=str(model.get("name", "model")),
-        secret=secret if isinstance(secret, str) else None,
-        relay=relay if isinstance(relay, str) else None,
-    )
+    for i, r in enumerate(shape.rank):
+        host, port = parse_hostport(r.listen, what=f"{where}: rank[{i}].listen")
+        ranks.append(RankEntry(i, r.start, r.end, host, port, r.stage, r.link))
+    check_windows([(r.start, r.end) for r in ranks], shape.model.layers)
+    m = shape.model
+    return Manifest(m.sha256, m.layers, tuple(ranks), m.name, m.secret, m.relay)
 
 
 def load_manifest(path: Path) -> Manifest:

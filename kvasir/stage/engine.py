@@ -21,6 +21,7 @@ import attrs
 import numpy as np
 import trio
 
+from kvasir.core.sampling import SamplingParams
 from kvasir.errors import InputError, ShapeError, StageError
 from kvasir.shard.arch import rules_for
 from kvasir.shard.cache import default_cache_dir
@@ -32,7 +33,6 @@ from kvasir.stage.embedding import TokenEmbedding
 from kvasir.stage.llama_ffi import runtime
 from kvasir.stage.sampling import Sampler
 from kvasir.stage.vocab import Vocab
-from kvasir.wire import SamplingParams
 
 T = TypeVar("T")
 FloatArray = np.ndarray[Any, np.dtype[np.float32]]

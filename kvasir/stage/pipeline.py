@@ -12,10 +12,10 @@ from typing import Any
 
 import attrs
 
+from kvasir.core.sampling import SamplingParams
 from kvasir.errors import InputError
 from kvasir.stage.engine import FloatArray, Stage
 from kvasir.stage.vocab import TextStream
-from kvasir.wire import SamplingParams
 
 #: Prompt tokens per prefill step, in-process and on the ring alike. llama.cpp's result depends on how a prompt is
 #: batched (a 200-token prompt prefilled in one batch and in 64-token chunks differ in the last bits of the logits),

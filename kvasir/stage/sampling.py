@@ -1,12 +1,12 @@
-"""The llama.cpp sampler chain built from a request's :class:`~kvasir.wire.SamplingParams`."""
+"""The llama.cpp sampler chain built from a request's :class:`~kvasir.core.sampling.SamplingParams`."""
 
 from __future__ import annotations
 
 import ctypes
 from typing import Any
 
+from kvasir.core.sampling import SamplingParams
 from kvasir.stage.llama_ffi import runtime
-from kvasir.wire import SamplingParams
 
 #: llama.cpp reads this seed as "pick a random one".
 RANDOM_SEED = 0xFFFFFFFF

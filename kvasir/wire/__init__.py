@@ -3,6 +3,7 @@
 Byte-level specification: docs/protocol.md. Every decode failure raises :class:`kvasir.errors.ProtocolError`.
 """
 
+from kvasir.core.sampling import SamplingParams  # re-exported: the codec carries it in START
 from kvasir.wire.boundary import (
     BoundaryDType,
     Divergence,
@@ -42,7 +43,6 @@ from kvasir.wire.frames import (
     FrameType,
     Hello,
     Keepalive,
-    SamplingParams,
     StartRequest,
     Token,
     decode_body,

@@ -8,13 +8,13 @@ violations raise :class:`~kvasir.errors.ProtocolError` with one precise line.
 from __future__ import annotations
 
 import enum
-import math
 import struct
 from typing import ClassVar, Self, TypeAlias, TypeVar
 
 import attrs
 import numpy as np
 
+from kvasir.core.sampling import SamplingError, SamplingParams
 from kvasir.errors import ProtocolError
 from kvasir.wire._codec import I32_MAX, U32_MAX, BodyReader, pack_text
 from kvasir.wire.boundary import BoundaryDType, F32Array, decode_boundary, encode_boundary
@@ -286,72 +286,24 @@ class Hello:
         return _from_wire_as(cls, data, max_frame_bytes)
 
 
-def _as_float(value: float) -> float:
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        raise ProtocolError(f"sampling parameter must be a number, got {type(value).__name__}")
-    return float(value)
+def _pack_sampling(s: SamplingParams) -> bytes:
+    return _SAMPLING.pack(
+        s.temperature, s.top_k, s.top_p, s.min_p, s.repeat_penalty,
+        s.repeat_last_n, s.seed if s.seed is not None else 0, int(s.seed is not None), b"",
+    )  # fmt: skip
 
 
-@attrs.frozen
-class SamplingParams:
-    """How the last rank samples. Defaults are llama.cpp's; ``temperature == 0`` means greedy."""
-
-    temperature: float = attrs.field(default=0.8, converter=_as_float)
-    top_k: int = 40  # 0 = whole vocabulary
-    top_p: float = attrs.field(default=0.95, converter=_as_float)  # 1 = off
-    min_p: float = attrs.field(default=0.05, converter=_as_float)  # 0 = off
-    repeat_penalty: float = attrs.field(default=1.0, converter=_as_float)  # 1 = off
-    repeat_last_n: int = 64  # 0 = off, -1 = whole context
-    seed: int | None = None  # None: the sampling node picks one
-
-    MAX_SEED: ClassVar[int] = U32_MAX - 1  # llama.cpp reads 0xFFFFFFFF as "random"
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    def __attrs_post_init__(self) -> None:
-        problem = self.problem()
-        if problem:
-            raise ProtocolError(f"START frame: sampling {problem}")
-
-    def problem(self) -> str | None:
-        """The first invalid field as a short phrase, or None; pure, so an API can reuse it for a 400."""
-        checks: list[tuple[bool, str]] = [
-            (math.isfinite(self.temperature) and 0.0 <= self.temperature <= 100.0,
-             "temperature must be in [0, 100]"),
-            (math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p must be in (0, 1]"),
-            (math.isfinite(self.min_p) and 0.0 <= self.min_p <= 1.0, "min_p must be in [0, 1]"),
-            (math.isfinite(self.repeat_penalty) and 0.0 < self.repeat_penalty <= 100.0,
-             "repeat_penalty must be in (0, 100]"),
-        ]  # fmt: skip
-        for ok, reason in checks:
-            if not ok:
-                return reason
-        if type(self.top_k) is not int or not 0 <= self.top_k <= I32_MAX:
-            return f"top_k must be an int in [0, {I32_MAX}]"
-        if type(self.repeat_last_n) is not int or not -1 <= self.repeat_last_n <= MAX_PROMPT_TOKENS:
-            return f"repeat_last_n must be an int in [-1, {MAX_PROMPT_TOKENS}]"
-        if self.seed is not None and (type(self.seed) is not int or not 0 <= self.seed <= self.MAX_SEED):
-            return f"seed must be None or an int in [0, {self.MAX_SEED}]"
-        return None
-
-    def pack(self) -> bytes:
-        has_seed = self.seed is not None
-        return _SAMPLING.pack(
-            self.temperature, self.top_k, self.top_p, self.min_p, self.repeat_penalty,
-            self.repeat_last_n, self.seed if self.seed is not None else 0, int(has_seed), b"",
-        )  # fmt: skip
-
-    @classmethod
-    def unpack(cls, r: BodyReader) -> Self:
-        temperature, top_k, top_p, min_p, penalty, last_n, seed, sflags, pad = r.unpack(_SAMPLING, "sampling")
-        r.reserved(pad)
-        if sflags not in (0, 1):
-            raise r.fail(f"undefined sampling flag bits {sflags:#04x}")
-        if not sflags and seed:
-            raise r.fail("sampling seed must be zero when absent")
-        return cls(temperature, top_k, top_p, min_p, penalty, last_n, seed if sflags else None)
+def _unpack_sampling(r: BodyReader) -> SamplingParams:
+    temperature, top_k, top_p, min_p, penalty, last_n, seed, sflags, pad = r.unpack(_SAMPLING, "sampling")
+    r.reserved(pad)
+    if sflags not in (0, 1):
+        raise r.fail(f"undefined sampling flag bits {sflags:#04x}")
+    if not sflags and seed:
+        raise r.fail("sampling seed must be zero when absent")
+    try:
+        return SamplingParams(temperature, top_k, top_p, min_p, penalty, last_n, seed if sflags else None)
+    except SamplingError as exc:  # the peer sent it: a protocol error, not the user's input
+        raise r.fail(f"sampling {exc}") from None
 
 
 def _tuple_of_ints(value: object) -> tuple[int, ...]:
@@ -405,7 +357,7 @@ class StartRequest:
     def to_wire(self) -> bytes:
         parts = [
             _START_FIXED.pack(self.entry_rank, self.max_tokens, len(self.prompt), len(self.stop), b""),
-            self.sampling.pack(),
+            _pack_sampling(self.sampling),
             pack_text(self.entry_node_id),
             np.asarray(self.prompt, dtype="<i4").tobytes(),
             *(pack_text(s) for s in self.stop),
@@ -423,7 +375,7 @@ class StartRequest:
             raise r.fail(f"prompt length {n_prompt} outside [1, {MAX_PROMPT_TOKENS}]")
         if n_stop > MAX_STOP_STRINGS:
             raise r.fail(f"stop count {n_stop} exceeds {MAX_STOP_STRINGS}")
-        sampling = SamplingParams.unpack(r)
+        sampling = _unpack_sampling(r)
         entry_node_id = r.text("entry node id", MAX_ID_BYTES)
         tokens = np.frombuffer(r.take(4 * n_prompt, "prompt"), dtype="<i4")
         if n_prompt and int(tokens.min()) < 0:
