@@ -39,7 +39,7 @@ async def show(pilot: Pilot[None], screen: str) -> None:
         for key in "How does the ring work?":
             await pilot.press("space" if key == " " else "question_mark" if key == "?" else key)
         await pilot.press("enter")
-        for _ in range(200):
+        for _ in range(1500):  # up to 30 s: a loaded machine replays slowly, and the picture needs the whole answer
             await pilot.pause(0.02)
             if app.answer_done:
                 break
