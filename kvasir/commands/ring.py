@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import argparse
-import os
+import contextlib
+import signal
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from kvasir.commands.common import add_model_arg, add_sampling_args, print_json, resolve_model, sampling_from_args
 from kvasir.control.client import ControlClient
+from kvasir.control.paths import find_socket
 from kvasir.errors import InputError, RingError
-from kvasir.ring.launcher import start_ring
+from kvasir.ring.launcher import LocalRing, Supervisor, default_threads, start_ring
 from kvasir.shard.cache import default_cache_dir, even_splits, parse_splits
 from kvasir.shard.gguf_file import describe
+from kvasir.wire import SamplingParams
 
 
 def add_parser(sub: Any) -> None:
@@ -28,7 +32,9 @@ def add_parser(sub: Any) -> None:
     up.add_argument("--chat", action="store_true")
     up.add_argument("--json", action="store_true", help="print one JSON object (like `kvasir generate --json`)")
     up.add_argument("--api-port", type=int, default=None, help="serve the OpenAI-compatible API on rank 0")
-    up.add_argument("--threads", type=int, default=None, help="llama.cpp threads per node")
+    up.add_argument(
+        "--threads", type=int, default=None, help="llama.cpp threads per node (default: the cores shared among nodes)"
+    )
     up.add_argument("--relay", action="store_true", help="start a local relay and send every link through it")
     up.add_argument("--ctx", type=int, default=2048)
     up.add_argument("--seqs", type=int, default=8, help="concurrent requests per node")
@@ -38,90 +44,161 @@ def add_parser(sub: Any) -> None:
 
 def run_up(args: argparse.Namespace) -> int:
     params = sampling_from_args(args)
-    model = resolve_model(args.model)
+    # A serving ring is for the TUI's chat pane and the API: an instruction-tuned model by default.
+    model = resolve_model(args.model, chat=args.chat or args.prompt is None)
     info = describe(model)
     n_main = info.n_layer - info.nextn_layers
     windows = parse_splits(args.splits, n_main) if args.splits else even_splits(n_main, args.stages)
     if len(windows) < 2:
         raise InputError("a ring needs at least 2 stages (for one stage use `kvasir generate`)")
-    threads = args.threads or max(1, os.cpu_count() or 1)
-    ring = start_ring(
-        model, windows, default_cache_dir(), api_port=args.api_port, threads=threads, ctx=args.ctx, seqs=args.seqs
-    )
+    threads = args.threads or default_threads(len(windows))
+    with _stop_signals() as stopper:
+        ring = start_ring(
+            model,
+            windows,
+            default_cache_dir(),
+            api_port=args.api_port,
+            threads=threads,
+            ctx=args.ctx,
+            seqs=args.seqs,
+            relay=args.relay,
+            default_control=args.prompt is None,
+        )
+        try:
+            stopper.arm()
+            return _run(ring, args, windows, params)
+        except _Stopped as stop:
+            print(f"{stop.name}: stopping the ring", file=sys.stderr)
+            # Stopping a serving ring is its normal end (systemd, tmux); an interrupted prompt is not.
+            return 0 if args.prompt is None else 128 + stop.signum
+        finally:
+            stopper.disarm()  # a second signal must not cut the cleanup short
+            ring.stop()
+
+
+class _Stopped(BaseException):
+    """A stop signal arrived (BaseException, like KeyboardInterrupt: no ``except Exception`` may swallow it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+        self.name = signal.Signals(signum).name
+
+
+class _Stopper:
+    """Turns SIGTERM/SIGHUP/SIGINT into :class:`_Stopped` once the ring exists; before that it only remembers them,
+    so a signal that arrives while processes are being started cannot orphan the ones already running."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.pending: int | None = None
+
+    def handle(self, signum: int, _frame: object) -> None:
+        if self.armed:
+            self.armed = False
+            raise _Stopped(signum)
+        if self.pending is None:
+            self.pending = signum
+
+    def arm(self) -> None:
+        self.armed = True
+        if self.pending is not None:
+            self.handle(self.pending, None)
+
+    def disarm(self) -> None:
+        self.armed = False
+        self.pending = -1  # ignore the rest
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+
+
+@contextlib.contextmanager
+def _stop_signals() -> Iterator[_Stopper]:
+    stopper = _Stopper()
+    previous = {s: signal.signal(s, stopper.handle) for s in STOP_SIGNALS}
     try:
-        ring.wait_ready()
-        if args.prompt is None:
-            return _serve_forever(ring, args)
-        with ControlClient(ring.sockets[0], timeout=600) as client:
-            tokens: list[int] = []
-            text = ""
-            t0 = time.perf_counter()
-            t_first = t_last = t0
-            end: dict[str, Any] = {}
-            for msg in client.generate(
-                prompt=args.prompt,
-                chat=args.chat,
-                max_tokens=args.max_tokens,
-                temperature=params.temperature,
-                top_k=params.top_k,
-                top_p=params.top_p,
-                min_p=params.min_p,
-                repeat_penalty=params.repeat_penalty,
-                seed=params.seed,
-                stop=args.stop,
-            ):
-                if msg["type"] == "token":
-                    if msg["token"] >= 0:
-                        tokens.append(msg["token"])
-                        t_last = time.perf_counter()
-                        if len(tokens) == 1:
-                            t_first = t_last
-                    text += msg["text"]
-                    if not args.json:
-                        sys.stdout.write(msg["text"])
-                        sys.stdout.flush()
-                elif msg["type"] == "end":
-                    end = msg
-        if end.get("reason") == "error":
-            raise RingError(f"request failed: {end.get('error')}")
-        steps = max(len(tokens) - 1, 0)
-        result = {
-            "tokens": tokens,
-            "text": end.get("text", text),
-            "prompt_tokens": end.get("prompt_tokens"),
-            "stop_reason": end.get("reason"),
-            "prefill_ms": round((t_first - t0) * 1e3, 3),
-            "decode_ms_per_token": round((t_last - t_first) * 1e3 / steps, 3) if steps else 0.0,
-            "stages": len(windows),
-        }
-        if args.json:
-            print_json(result)
-        else:
-            sys.stdout.write("\n")
-            print(
-                f"[{len(tokens)} tokens through {len(windows)} nodes, decode {result['decode_ms_per_token']} ms/token]",
-                file=sys.stderr,
-            )
-        return 0
+        yield stopper
     finally:
-        ring.stop()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
-def _serve_forever(ring: Any, args: argparse.Namespace) -> int:
+def _run(ring: LocalRing, args: argparse.Namespace, windows: list[tuple[int, int]], params: SamplingParams) -> int:
+    ring.wait_ready()
+    if args.prompt is None:
+        return _serve_forever(ring, args)
+    with ControlClient(ring.sockets[0], timeout=600) as client:
+        tokens: list[int] = []
+        text = ""
+        t0 = time.perf_counter()
+        t_first = t_last = t0
+        end: dict[str, Any] = {}
+        for msg in client.generate(
+            prompt=args.prompt,
+            chat=args.chat,
+            max_tokens=args.max_tokens,
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            min_p=params.min_p,
+            repeat_penalty=params.repeat_penalty,
+            seed=params.seed,
+            stop=args.stop,
+        ):
+            if msg["type"] == "token":
+                if msg["token"] >= 0:
+                    tokens.append(msg["token"])
+                    t_last = time.perf_counter()
+                    if len(tokens) == 1:
+                        t_first = t_last
+                text += msg["text"]
+                if not args.json:
+                    sys.stdout.write(msg["text"])
+                    sys.stdout.flush()
+            elif msg["type"] == "end":
+                end = msg
+    if end.get("reason") == "error":
+        raise RingError(f"request failed: {end.get('error')}")
+    steps = max(len(tokens) - 1, 0)
+    result = {
+        "tokens": tokens,
+        "text": end.get("text", text),
+        "prompt_tokens": end.get("prompt_tokens"),
+        "stop_reason": end.get("reason"),
+        "prefill_ms": round((t_first - t0) * 1e3, 3),
+        "decode_ms_per_token": round((t_last - t_first) * 1e3 / steps, 3) if steps else 0.0,
+        "stages": len(windows),
+    }
+    if args.json:
+        print_json(result)
+    else:
+        sys.stdout.write("\n")
+        print(
+            f"[{len(tokens)} tokens through {len(windows)} nodes, decode {result['decode_ms_per_token']} ms/token]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _serve_forever(ring: LocalRing, args: argparse.Namespace) -> int:
     print(f"ring up: {len(ring.processes)} nodes, manifest {ring.run_dir / 'ring.toml'}")
     for k, sock in enumerate(ring.sockets):
         w = ring.manifest.ranks[k]
-        print(f"  rank {k}: layers {w.start}:{w.end} at {w.address}, control {sock}")
-    if ring.relay_url:
-        print(f"  relay: {ring.relay_url} (every link goes through it)")
+        print(f"  rank {k}: layers {w.start}:{w.end} at {w.address}, pid {ring.processes[k].pid}, control {sock}")
+    if ring.relay is not None:
+        print(f"  relay: {ring.relay_url}, pid {ring.relay.pid} (every link goes through it)")
     if args.api_port is not None:
         print(f"OpenAI API: http://127.0.0.1:{args.api_port}/v1")
-    print(f"watch it:   kvasir tui --socket {ring.sockets[0]}")
-    print("Ctrl-C stops the ring.")
     try:
-        while all(p.poll() is None for p in ring.processes):
-            time.sleep(0.5)
-        print("a node exited; stopping the ring", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 0
+        found = find_socket()
+    except InputError:
+        found = None
+    # Another node in the runtime directory may sort first; then the bare command would watch that one.
+    print("watch it:   kvasir tui" + ("" if found == ring.sockets[0] else f" --socket {ring.sockets[0]}"))
+    print("Ctrl-C (or SIGTERM/SIGHUP) stops the ring; a node that dies is restarted.", flush=True)
+    supervisor = Supervisor(ring)
+    while True:
+        time.sleep(0.5)
+        for note in supervisor.check():
+            print(note, file=sys.stderr, flush=True)
