@@ -6,6 +6,8 @@ import contextlib
 import json
 import os
 import re
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -40,6 +42,12 @@ def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
         time.sleep(0.1)
 
 
+def banner_pids(banner: str) -> dict[str, int]:
+    """Rank and relay pids from the banner of `kvasir ring up`."""
+    found = re.findall(r"^\s+(rank \d+|relay):.*? pid (\d+)", banner, re.M)
+    return {name: int(pid) for name, pid in found}
+
+
 @attrs.define
 class RingUp:
     proc: subprocess.Popen[bytes]
@@ -54,9 +62,7 @@ class RingUp:
         return self.err.read_text()
 
     def pids(self) -> dict[str, int]:
-        """Rank and relay pids from the banner."""
-        found = re.findall(r"^\s+(rank \d+|relay):.*? pid (\d+)", self.stdout(), re.M)
-        return {name: int(pid) for name, pid in found}
+        return banner_pids(self.stdout())
 
     def kvasir(self, *args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
@@ -196,3 +202,45 @@ def test_a_stop_signal_during_startup_is_delivered_once_the_ring_exists() -> Non
         stopper.disarm()
         os.kill(os.getpid(), signal.SIGINT)  # during cleanup: ignored
     assert signal.getsignal(signal.SIGTERM) is not stopper.handle
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+def test_bare_tui_finds_the_ring_and_killing_the_tmux_session_stops_it(
+    tiny_model: Callable[..., Path], cache_dir: Path, tmp_path: Path
+) -> None:
+    """As a user runs it: `kvasir ring up` in one tmux window, a bare `kvasir tui` in another, then kill-session."""
+    model = tiny_model("llama", "f32")
+    runtime = tmp_path / "xdg"
+    runtime.mkdir(mode=0o700)
+    env = dict(os.environ, XDG_RUNTIME_DIR=str(runtime), KVASIR_CACHE=str(cache_dir), PYTHONPATH=str(REPO))
+    env["TERM"] = "xterm-256color"
+    out = tmp_path / "ring-up.out"
+    up = shlex.join([sys.executable, "-m", "kvasir", "ring", "up", str(model), "--stages=2", "--threads=1"])
+    tmux = ["tmux", "-L", f"kvasir-service-test-{os.getpid()}"]
+    subprocess.run(
+        [*tmux, "new-session", "-d", "-s", "ring", "-x", "120", "-y", "30", f"{up} > {shlex.quote(str(out))}"],
+        check=True,
+        env=env,
+    )
+    pids: dict[str, int] = {}
+    try:
+        wait_for(lambda: out.exists() and "stops the ring" in out.read_text(), 120, "the ring")
+        pids = banner_pids(out.read_text())
+        assert len(pids) == 2
+        assert "watch it:   kvasir tui\n" in out.read_text()
+        tui = shlex.join([sys.executable, "-m", "kvasir", "tui"])
+        subprocess.run([*tmux, "new-window", "-t", "ring", "-n", "tui", tui], check=True, env=env)
+
+        def screen() -> str:
+            r = subprocess.run([*tmux, "capture-pane", "-p", "-t", "ring:tui"], capture_output=True, text=True)
+            return r.stdout
+
+        wait_for(lambda: "connected" in screen() and "rank 0/2" in screen(), 60, "the TUI on rank 0")
+        subprocess.run([*tmux, "kill-session", "-t", "ring"], check=True)
+        wait_for(lambda: not any(alive(pid) for pid in pids.values()), 30, "every node to stop")
+    finally:
+        subprocess.run([*tmux, "kill-server"], capture_output=True)
+        for pid in pids.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

@@ -68,7 +68,8 @@ def run_up(args: argparse.Namespace) -> int:
             stopper.arm()
             return _run(ring, args, windows, params)
         except _Stopped as stop:
-            print(f"{stop.name}: stopping the ring", file=sys.stderr)
+            with contextlib.suppress(OSError):  # the terminal may be gone (SIGHUP)
+                print(f"{stop.name}: stopping the ring", file=sys.stderr)
             # Stopping a serving ring is its normal end (systemd, tmux); an interrupted prompt is not.
             return 0 if args.prompt is None else 128 + stop.signum
         finally:
