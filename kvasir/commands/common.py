@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvasir.demo import demo_model_path
+from kvasir.demo import default_model_path
 from kvasir.errors import InputError, ProtocolError
 from kvasir.shard.cache import default_cache_dir
 from kvasir.wire import SamplingParams
@@ -16,13 +16,15 @@ from kvasir.wire import SamplingParams
 
 def add_model_arg(p: argparse.ArgumentParser, *, optional: bool) -> None:
     if optional:
-        p.add_argument("model", nargs="?", type=Path, metavar="MODEL.gguf", help="default: the Gemma 3 270M demo")
+        p.add_argument(
+            "model", nargs="?", type=Path, metavar="MODEL.gguf", help="default: Gemma 3 270M (chat: SmolLM2-135M)"
+        )
     else:
         p.add_argument("model", type=Path, metavar="MODEL.gguf")
 
 
-def resolve_model(arg: Path | None) -> Path:
-    return arg if arg is not None else demo_model_path(default_cache_dir())
+def resolve_model(arg: Path | None, *, chat: bool = False) -> Path:
+    return arg if arg is not None else default_model_path(default_cache_dir(), chat=chat)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

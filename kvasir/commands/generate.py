@@ -30,7 +30,7 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     params = sampling_from_args(args)
-    model = resolve_model(args.model)
+    model = resolve_model(args.model, chat=args.chat)
     info = describe(model)
     n_main = info.n_layer - info.nextn_layers
     windows = parse_splits(args.splits, n_main) if args.splits else [(0, n_main)]
