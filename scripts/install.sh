@@ -9,7 +9,7 @@
 # ~/.cache/kvasir/wheels/<flags hash>/ (pass CMAKE_ARGS, e.g. -DGGML_CUDA=on, for another backend). On x86_64 the build
 # targets AVX2/FMA/F16C/BMI2 instead of -march=native: ggml's native build enables the AMX kernels on CPUs that report
 # AMX, and those crash in VMs that do not grant AMX tile state (seen on our CI machines). flake.nix builds with the
-# same flags (tests/test_termux.py keeps them equal).
+# same flags (tests/test_flake.py keeps them equal).
 #
 # On Android (Termux, where Python 3.13 reports sys.platform == "android") the pinned 0.3.36 refuses to load its own
 # library ("Unsupported platform"): the build then patches its loader (scripts/patch_llama_android.py) and turns
