@@ -244,3 +244,15 @@ def test_bare_tui_finds_the_ring_and_killing_the_tmux_session_stops_it(
         for pid in pids.values():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
+def test_nodes_die_with_a_killed_ring_up(tiny_model: Callable[..., Path], cache_dir: Path, tmp_path: Path) -> None:
+    """SIGKILL gives `kvasir ring up` no chance to clean up: the kernel stops its nodes instead."""
+    with ring_up(tiny_model("llama", "f32"), tmp_path, cache_dir, "--stages=2", "--relay") as up:
+        pids = up.pids()
+        assert len(pids) == 3
+        up.proc.kill()
+        up.proc.wait()
+        wait_for(lambda: not any(alive(pid) for pid in pids.values()), 30, "the orphaned nodes to stop")

@@ -63,6 +63,7 @@ def run_up(args: argparse.Namespace) -> int:
             seqs=args.seqs,
             relay=args.relay,
             default_control=args.prompt is None,
+            tied=True,
         )
         try:
             stopper.arm()

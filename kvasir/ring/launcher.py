@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import secrets
 import signal
@@ -11,7 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import attrs
@@ -47,14 +48,13 @@ class LocalRing:
     relay_url: str | None = None
     #: Each rank's command line and environment, so a rank can be restarted as it was started.
     commands: list[tuple[list[str], dict[str, str]]] = attrs.field(factory=list)
+    #: The processes die with the one that started them (see :func:`spawn`).
+    tied: bool = False
 
     def restart(self, rank: int) -> None:
         """Start rank ``rank`` again (after it died or was stopped), logging to the same file."""
         cmd, env = self.commands[rank]
-        with (self.run_dir / f"rank{rank}.log").open("ab") as log_file:
-            self.processes[rank] = subprocess.Popen(
-                cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
+        self.processes[rank] = spawn(cmd, env, self.run_dir / f"rank{rank}.log", append=True, tied=self.tied)
 
     def log_tail(self, rank: int, lines: int = 20) -> str:
         try:
@@ -159,11 +159,13 @@ def start_ring(
     extra_args: Sequence[str] = (),
     relay: bool = False,
     default_control: bool = False,
+    tied: bool = False,
 ) -> LocalRing:
     """Cut the stage files, write the manifest, start one node process per window.
 
     Control sockets go into ``run_dir``; with ``default_control`` (``kvasir ring up``) each node's default path in the
-    runtime directory instead, where a bare ``kvasir status``/``kvasir tui`` finds rank 0.
+    runtime directory instead, where a bare ``kvasir status``/``kvasir tui`` finds rank 0. ``tied``: the processes
+    die with this one (:func:`spawn`).
     """
     paths = stage_files(model, windows, cache_dir)
     sha = model_sha256(model, cache_dir)
@@ -191,23 +193,8 @@ def start_ring(
     relay_url = None
     if relay:
         (relay_port,) = free_ports(1, host)
-        with (run_dir / "relay.log").open("wb") as log_file:
-            relay_proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "kvasir",
-                    "relay",
-                    "--listen",
-                    f"{host}:{relay_port}",
-                    "--secret-hex",
-                    manifest.secret or "",
-                ],
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-            )
+        relay_cmd = [sys.executable, "-m", "kvasir", "relay", "--listen", f"{host}:{relay_port}"]
+        relay_proc = spawn([*relay_cmd, "--secret-hex", manifest.secret or ""], env, run_dir / "relay.log", tied=tied)
         relay_url = f"ws://{host}:{relay_port}"
         wait_listening(host, relay_port, relay_proc, timeout=30)
         extra_args = [*extra_args, "--relay", relay_url]
@@ -235,12 +222,37 @@ def start_ring(
         if api_port is not None and k == 0:
             cmd += ["--api-port", str(api_port)]
         commands.append((cmd, env))
-        with (run_dir / f"rank{k}.log").open("wb") as log_file:
-            procs.append(
-                subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-            )
+        procs.append(spawn(cmd, env, run_dir / f"rank{k}.log", tied=tied))
         socks.append(sock)
-    return LocalRing(manifest, run_dir, procs, socks, api_port, relay_proc, relay_url, commands)
+    return LocalRing(manifest, run_dir, procs, socks, api_port, relay_proc, relay_url, commands, tied)
+
+
+def spawn(
+    cmd: list[str], env: dict[str, str], log: Path, *, append: bool = False, tied: bool = False
+) -> subprocess.Popen[bytes]:
+    """Start ``cmd`` in its own session (a terminal's Ctrl-C goes to its owner, who stops it in order), output to
+    ``log``. ``tied``: on Linux the kernel sends it SIGTERM when its parent dies, even by SIGKILL, so a killed
+    ``kvasir ring up`` leaves no node behind (strictly: when the thread that started it ends, so start tied processes
+    from the main thread)."""
+    preexec = _die_with_parent(os.getpid()) if tied and sys.platform.startswith("linux") else None
+    with log.open("ab" if append else "wb") as log_file:
+        return subprocess.Popen(
+            cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=preexec
+        )
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent: int) -> Callable[[], None]:
+    libc = ctypes.CDLL(None, use_errno=True)  # loaded before the fork: the child only calls into it
+
+    def preexec() -> None:
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died before the line above: nobody is left to stop us
+            os._exit(1)
+
+    return preexec
 
 
 def wait_listening(host: str, port: int, proc: subprocess.Popen[bytes], timeout: float) -> None:
