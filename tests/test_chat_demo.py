@@ -12,6 +12,8 @@ from kvasir import demo
 from kvasir.errors import InputError
 from kvasir.shard.gguf_file import describe
 from tests.conftest import run_cli
+from tests.ringutil import ring_generate
+from tests.test_ring_service import ring_up
 
 QUESTION = "What is the capital of France?"
 
@@ -59,3 +61,16 @@ def test_a_three_node_ring_answers_the_question() -> None:
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["stages"] == 3 and "Paris" in out["text"], out
+
+
+@pytest.mark.slow
+def test_a_serving_ring_chats_by_default(chat_model: Path, cache_dir: Path, tmp_path: Path) -> None:
+    """What the TUI's chat pane gets from a bare `kvasir ring up`: the instruct model, answering through 3 nodes."""
+    with ring_up(None, tmp_path, cache_dir) as up:
+        r = up.kvasir("status", "--json")
+        assert r.returncode == 0, r.stderr
+        status = json.loads(r.stdout)
+        assert status["model"]["name"] == chat_model.stem and status["ring_size"] == 3
+        (sock,) = (tmp_path / "xdg" / "kvasir").glob("rank0-*.sock")
+        end = ring_generate(sock, QUESTION, 24, chat=True)  # the chat pane's request
+        assert "Paris" in end["text"], end

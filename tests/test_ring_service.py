@@ -71,12 +71,14 @@ class RingUp:
 
 
 @contextlib.contextmanager
-def ring_up(model: Path, tmp_path: Path, cache_dir: Path, *extra: str) -> Iterator[RingUp]:
+def ring_up(model: Path | None, tmp_path: Path, cache_dir: Path, *extra: str) -> Iterator[RingUp]:
+    """`kvasir ring up [MODEL] EXTRA...` serving, in its own runtime directory, until the banner is out."""
     runtime = tmp_path / "xdg"
     runtime.mkdir(mode=0o700)
     env = dict(os.environ, XDG_RUNTIME_DIR=str(runtime), KVASIR_CACHE=str(cache_dir), PYTHONPATH=str(REPO))
     out, err = tmp_path / "ring-up.out", tmp_path / "ring-up.err"
-    cmd = [sys.executable, "-m", "kvasir", "ring", "up", str(model), "--threads=1", "--ctx=256", "--seqs=2", *extra]
+    cmd = [sys.executable, "-m", "kvasir", "ring", "up", *([str(model)] if model else []), "--threads=1", "--seqs=2"]
+    cmd += ["--ctx=256", *extra]
     with out.open("wb") as o, err.open("wb") as e:
         proc = subprocess.Popen(cmd, stdout=o, stderr=e, env=env, cwd=tmp_path)
     up = RingUp(proc, out, err, env)
