@@ -14,12 +14,14 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import attrs
 import pytest
 
 from kvasir.commands import ring as ring_command
 from kvasir.errors import RingError
+from kvasir.ring import launcher
 from kvasir.ring.launcher import LocalRing, Supervisor, default_threads
 from kvasir.ring.manifest import Manifest
 from tests.conftest import REPO
@@ -258,3 +260,21 @@ def test_nodes_die_with_a_killed_ring_up(tiny_model: Callable[..., Path], cache_
         up.proc.kill()
         up.proc.wait()
         wait_for(lambda: not any(alive(pid) for pid in pids.values()), 30, "the orphaned nodes to stop")
+
+
+def test_a_launch_that_fails_half_way_leaves_no_process(
+    tiny_model: Callable[..., Path], cache_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    started: list[subprocess.Popen[bytes]] = []
+
+    def spawn_once(*args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
+        if started:
+            raise OSError("no more processes")
+        started.append(real_spawn(*args, **kwargs))
+        return started[0]
+
+    real_spawn = launcher.spawn
+    monkeypatch.setattr(launcher, "spawn", spawn_once)
+    with pytest.raises(OSError, match="no more processes"):
+        launcher.start_ring(tiny_model("llama", "f32"), [(0, 3), (3, 6)], cache_dir, run_dir=tmp_path, threads=1)
+    assert started and started[0].returncode is not None

@@ -15,7 +15,7 @@ from kvasir.control.client import ControlClient
 from kvasir.control.paths import find_socket
 from kvasir.errors import InputError, RingError
 from kvasir.ring.launcher import LocalRing, Supervisor, default_threads, start_ring
-from kvasir.shard.cache import default_cache_dir, even_splits, parse_splits
+from kvasir.shard.cache import default_cache_dir, even_splits, model_sha256, parse_splits, stage_files
 from kvasir.shard.gguf_file import describe
 from kvasir.wire import SamplingParams
 
@@ -52,11 +52,20 @@ def run_up(args: argparse.Namespace) -> int:
     if len(windows) < 2:
         raise InputError("a ring needs at least 2 stages (for one stage use `kvasir generate`)")
     threads = args.threads or default_threads(len(windows))
+    cache = default_cache_dir()
     with _stop_signals() as stopper:
+        try:
+            stopper.arm()
+            # The slow part, before any process exists: a signal stops it at once (both are cached, written atomically).
+            stage_files(model, windows, cache)
+            model_sha256(model, cache)
+            stopper.defer()  # processes start next: a signal now waits until the ring exists to stop it
+        except _Stopped as stop:
+            return 128 + stop.signum
         ring = start_ring(
             model,
             windows,
-            default_cache_dir(),
+            cache,
             api_port=args.api_port,
             threads=threads,
             ctx=args.ctx,
@@ -88,8 +97,8 @@ class _Stopped(BaseException):
 
 
 class _Stopper:
-    """Turns SIGTERM/SIGHUP/SIGINT into :class:`_Stopped` once the ring exists; before that it only remembers them,
-    so a signal that arrives while processes are being started cannot orphan the ones already running."""
+    """Turns SIGTERM/SIGHUP/SIGINT into :class:`_Stopped` while armed. Deferred, it only remembers the first one and
+    raises it at :meth:`arm`: a signal that arrives while processes are being started cannot orphan any of them."""
 
     def __init__(self) -> None:
         self.armed = False
@@ -106,6 +115,9 @@ class _Stopper:
         self.armed = True
         if self.pending is not None:
             self.handle(self.pending, None)
+
+    def defer(self) -> None:
+        self.armed = False
 
     def disarm(self) -> None:
         self.armed = False

@@ -180,26 +180,42 @@ def start_ring(
     )
     manifest_path = run_dir / "ring.toml"
     manifest.write(manifest_path)
-    procs: list[subprocess.Popen[bytes]] = []
-    socks: list[Path] = []
-    commands: list[tuple[list[str], dict[str, str]]] = []
+    ring = LocalRing(manifest, run_dir, [], [], api_port, tied=tied)
     env = dict(os.environ)
     # Several nodes share this machine's cores and only one computes at a time. ggml's OpenMP workers meet at a
     # barrier after every graph op: spinning forever (OMP_WAIT_POLICY=active) starves the busy stage, sleeping at
     # once (passive) makes every barrier a futex round trip. A short spin keeps barriers fast and idle nodes quiet
     # (measured in bench/ring_loopback.py: 4 nodes x 2 threads on 2 cores, compute 45 -> 33 ms/token).
     env.setdefault("GOMP_SPINCOUNT", "30000")
-    relay_proc: subprocess.Popen[bytes] | None = None
-    relay_url = None
+    try:  # whatever fails half-way, no process it started outlives it
+        _launch(ring, env, host, threads, ctx, seqs, extra_args, relay, default_control)
+    except BaseException:
+        ring.stop()
+        raise
+    return ring
+
+
+def _launch(
+    ring: LocalRing,
+    env: dict[str, str],
+    host: str,
+    threads: int | None,
+    ctx: int,
+    seqs: int,
+    extra_args: Sequence[str],
+    relay: bool,
+    default_control: bool,
+) -> None:
+    manifest, run_dir, manifest_path, tied = ring.manifest, ring.run_dir, ring.run_dir / "ring.toml", ring.tied
     if relay:
         (relay_port,) = free_ports(1, host)
         relay_cmd = [sys.executable, "-m", "kvasir", "relay", "--listen", f"{host}:{relay_port}"]
-        relay_proc = spawn([*relay_cmd, "--secret-hex", manifest.secret or ""], env, run_dir / "relay.log", tied=tied)
-        relay_url = f"ws://{host}:{relay_port}"
-        wait_listening(host, relay_port, relay_proc, timeout=30)
-        extra_args = [*extra_args, "--relay", relay_url]
-    for k in range(len(windows)):
-        sock = node_socket_path(k, ports[k]) if default_control else run_dir / f"rank{k}.sock"
+        ring.relay = spawn([*relay_cmd, "--secret-hex", manifest.secret or ""], env, run_dir / "relay.log", tied=tied)
+        ring.relay_url = f"ws://{host}:{relay_port}"
+        wait_listening(host, relay_port, ring.relay, timeout=30)
+        extra_args = [*extra_args, "--relay", ring.relay_url]
+    for k, rank in enumerate(manifest.ranks):
+        sock = node_socket_path(k, rank.port) if default_control else run_dir / f"rank{k}.sock"
         cmd = [
             sys.executable,
             "-m",
@@ -219,12 +235,11 @@ def start_ring(
         ]
         if threads:
             cmd += ["--threads", str(threads)]
-        if api_port is not None and k == 0:
-            cmd += ["--api-port", str(api_port)]
-        commands.append((cmd, env))
-        procs.append(spawn(cmd, env, run_dir / f"rank{k}.log", tied=tied))
-        socks.append(sock)
-    return LocalRing(manifest, run_dir, procs, socks, api_port, relay_proc, relay_url, commands, tied)
+        if ring.api_port is not None and k == 0:
+            cmd += ["--api-port", str(ring.api_port)]
+        ring.commands.append((cmd, env))
+        ring.sockets.append(sock)
+        ring.processes.append(spawn(cmd, env, run_dir / f"rank{k}.log", tied=tied))
 
 
 def spawn(
