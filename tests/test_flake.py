@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -82,3 +83,37 @@ def test_nixpkgs_is_pinned_and_python_is_the_cached_default() -> None:
 def test_nix_files_parse(path: str) -> None:
     r = subprocess.run(["nix-instantiate", "--parse", str(REPO / path)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
+
+
+FAKE_LIB = """{
+  concatStringsSep = builtins.concatStringsSep;
+  optionals = cond: list: if cond then list else [ ];
+  getDev = x: x;
+  getExe = x: x;
+  licenses.mit = "mit";
+}"""
+
+
+@pytest.mark.skipif(shutil.which("nix-instantiate") is None, reason="nix is not installed")
+def test_llama_recipe_builds_the_pinned_sdist_with_the_flags_it_is_given() -> None:
+    """Evaluate nix/llama-cpp-python.nix with stand-ins for nixpkgs (no nixpkgs here): source and cmake arguments."""
+    flags = nix_list("x86Flags")
+    expr = f"""
+      let recipe = import {REPO / "nix" / "llama-cpp-python.nix"} {{
+        lib = {FAKE_LIB};
+        stdenv = {{ }};
+        buildPythonPackage = attrs: attrs;
+        fetchPypi = attrs: attrs;
+        version = "{llama_pin()}";
+        cmakeFlags = [ {" ".join(f'"{f}"' for f in flags)} ];
+        cmake = "cmake"; ninja = "ninja"; scikit-build-core = "skb"; pathspec = "ps"; pyproject-metadata = "pm";
+        numpy = "np"; typing-extensions = "te"; diskcache = "dc"; jinja2 = "j2";
+      }};
+      in {{ inherit (recipe) version src dontUseCmakeConfigure; args = recipe.env.SKBUILD_CMAKE_ARGS; }}
+    """
+    r = subprocess.run(["nix-instantiate", "--eval", "--strict", "--json", "-E", expr], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert got["args"].split(";") == flags == install_sh_flags("x86_64")
+    assert got["src"]["pname"] == "llama_cpp_python" and got["src"]["version"] == got["version"] == llama_pin()
+    assert got["dontUseCmakeConfigure"] is True
