@@ -117,3 +117,29 @@ def test_llama_recipe_builds_the_pinned_sdist_with_the_flags_it_is_given() -> No
     assert got["args"].split(";") == flags == install_sh_flags("x86_64")
     assert got["src"]["pname"] == "llama_cpp_python" and got["src"]["version"] == got["version"] == llama_pin()
     assert got["dontUseCmakeConfigure"] is True
+
+
+@pytest.mark.skipif(shutil.which("nix-instantiate") is None, reason="nix is not installed")
+def test_flake_outputs_against_a_stub_nixpkgs() -> None:
+    """The flake's own logic (not nixpkgs' API): outputs per system, dependencies from pyproject, flags per system."""
+    evaluate = REPO / "tests" / "data" / "nixpkgs-stub" / "eval-flake.nix"
+    r = subprocess.run(["nix-instantiate", "--eval", "--strict", "--json", evaluate], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    systems = ["aarch64-darwin", "aarch64-linux", "x86_64-linux"]
+    assert sorted(got["packages"]) == systems
+    assert got["packages"]["aarch64-darwin"] == ["default", "kvasir"]
+    assert got["packages"]["x86_64-linux"] == ["cuda", "default", "kvasir"]
+    for system in systems:
+        assert sorted(got["apps"][system]) == ["default", "node", "relay", "tui"]
+        assert all(app["type"] == "app" and app["meta"]["description"] for app in got["apps"][system].values())
+        assert got["checks"][system] == ["cli", "package"]
+    assert "iproute2" in got["devShells"]["x86_64-linux"] and "iproute2" not in got["devShells"]["aarch64-darwin"]
+    names = [re.split(r"[<>=!~;\[ ]", d, maxsplit=1)[0] for d in PYPROJECT["project"]["dependencies"]]
+    assert got["kvasir"]["dependencies"] == names and got["kvasir"]["version"] == PYPROJECT["project"]["version"]
+    assert got["llamaVersion"] == llama_pin()
+    assert got["llamaArgs"]["x86_64-linux"].split(";") == install_sh_flags("x86_64")
+    assert got["llamaArgs"]["aarch64-linux"] == got["llamaArgs"]["aarch64-darwin"] == "-DGGML_NATIVE=OFF"
+    assert got["cudaArgs"].startswith(got["llamaArgs"]["x86_64-linux"] + ";-DGGML_CUDA=ON;")
+    assert got["ggufWithoutPyside"] is True
+    assert "PATH" in got["kvasir"]["makeWrapperArgs"]  # a C compiler for the capture callback
