@@ -203,8 +203,14 @@ def test_a_stop_signal_during_startup_is_delivered_once_the_ring_exists() -> Non
         with pytest.raises(ring_command._Stopped) as stopped:
             stopper.arm()
         assert stopped.value.name == "SIGTERM"
+        stopper.arm()  # armed again (the ring is serving): a signal raises at once
+        with pytest.raises(ring_command._Stopped) as stopped:
+            os.kill(os.getpid(), signal.SIGHUP)
+            time.sleep(1)  # the handler runs in the main thread at the next bytecode boundary
+        assert stopped.value.name == "SIGHUP"
         stopper.disarm()
-        os.kill(os.getpid(), signal.SIGINT)  # during cleanup: ignored
+        os.kill(os.getpid(), signal.SIGINT)  # during cleanup: ignored, also by a later arm
+        stopper.arm()
     assert signal.getsignal(signal.SIGTERM) is not stopper.handle
 
 

@@ -102,26 +102,30 @@ class _Stopper:
 
     def __init__(self) -> None:
         self.armed = False
+        self.closed = False
         self.pending: int | None = None
 
     def handle(self, signum: int, _frame: object) -> None:
         if self.armed:
             self.armed = False
             raise _Stopped(signum)
-        if self.pending is None:
+        if self.pending is None and not self.closed:
             self.pending = signum
 
     def arm(self) -> None:
-        self.armed = True
+        self.armed = not self.closed
         if self.pending is not None:
-            self.handle(self.pending, None)
+            pending, self.pending = self.pending, None
+            self.handle(pending, None)
 
     def defer(self) -> None:
         self.armed = False
 
     def disarm(self) -> None:
+        """For good: the ring is being stopped, further signals change nothing."""
         self.armed = False
-        self.pending = -1  # ignore the rest
+        self.closed = True
+        self.pending = None
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
