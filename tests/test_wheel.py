@@ -7,6 +7,7 @@ cannot be imported by accident (checked: ``kvasir.__file__`` must lie in the ven
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -40,8 +41,9 @@ def build_wheel(out: Path) -> Path:
     src = out / "src"
     shutil.copytree(REPO, src, ignore=COPY_IGNORE)
     cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), str(src)]
-    # build-system.requires is setuptools>=68 (its own bdist_wheel); an older one here means an isolated build.
-    if _setuptools_version() >= (70, 1):
+    # Offline when this environment can build wheels itself (setuptools' own bdist_wheel since 70.1, or the `wheel`
+    # package); otherwise pip fetches build-system.requires (setuptools>=68) into an isolated build environment.
+    if _setuptools_version() >= (70, 1) or importlib.util.find_spec("wheel") is not None:
         cmd.insert(4, "--no-build-isolation")
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
