@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from kvasir.core.sampling import SamplingError, SamplingParams
-from kvasir.demo import demo_model_path
+from kvasir.demo import default_model_path
 from kvasir.errors import InputError
 from kvasir.shard.cache import default_cache_dir, parse_splits
 from kvasir.shard.gguf_file import describe
@@ -20,13 +20,15 @@ Window = tuple[int, int]
 
 def add_model_arg(p: argparse.ArgumentParser, *, optional: bool) -> None:
     if optional:
-        p.add_argument("model", nargs="?", type=Path, metavar="MODEL.gguf", help="default: the Gemma 3 270M demo")
+        p.add_argument(
+            "model", nargs="?", type=Path, metavar="MODEL.gguf", help="default: Gemma 3 270M (chat: SmolLM2-135M)"
+        )
     else:
         p.add_argument("model", type=Path, metavar="MODEL.gguf")
 
 
-def resolve_model(arg: Path | None) -> Path:
-    return arg if arg is not None else demo_model_path(default_cache_dir())
+def resolve_model(arg: Path | None, *, chat: bool = False) -> Path:
+    return arg if arg is not None else default_model_path(default_cache_dir(), chat=chat)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -58,14 +60,22 @@ def add_text_args(
     p.add_argument("--prompt", required=prompt_required, help=prompt_help)
     p.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
     p.add_argument("--json", action="store_true", help=json_help)
-    p.add_argument("--threads", type=int, default=None, help="llama.cpp threads per stage (default: all cores)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="llama.cpp threads per stage (default: all cores, shared among ring up's nodes)",
+    )
     p.add_argument("--ctx", type=int, default=2048, help="context length (default 2048)")
     add_sampling_args(p)
 
 
-def model_windows(args: argparse.Namespace, default: Callable[[int], list[Window]]) -> tuple[Path, list[Window]]:
-    """The model (the demo when none is given) and its windows: ``--splits``, else ``default(main layer count)``."""
-    model = resolve_model(args.model)
+def model_windows(
+    args: argparse.Namespace, default: Callable[[int], list[Window]], *, chat: bool = False
+) -> tuple[Path, list[Window]]:
+    """The model (the demo, or for ``chat`` the chat demo, when none is given) and its windows: ``--splits``, else
+    ``default(main layer count)``."""
+    model = resolve_model(args.model, chat=chat)
     n_main = describe(model).n_main
     return model, parse_splits(args.splits, n_main) if args.splits else default(n_main)
 

@@ -26,7 +26,7 @@ def add_parser(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     params = sampling_from_args(args)
-    model, windows = model_windows(args, lambda n_main: [(0, n_main)])
+    model, windows = model_windows(args, lambda n_main: [(0, n_main)], chat=args.chat)
     paths = stage_files(model, windows, default_cache_dir())
     with contextlib.ExitStack() as stack:
         stages = [

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import argparse
-import os
+import contextlib
+import signal
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from kvasir.commands.common import add_model_arg, add_text_args, model_windows, print_json, sampling_from_args
 from kvasir.control.client import ControlClient
+from kvasir.control.paths import find_socket
+from kvasir.core.sampling import SamplingParams
 from kvasir.errors import InputError, RingError
-from kvasir.ring.launcher import start_ring
-from kvasir.shard.cache import default_cache_dir, even_splits
+from kvasir.ring.launcher import LocalRing, Supervisor, default_threads, start_ring
+from kvasir.shard.cache import default_cache_dir, even_splits, model_sha256, stage_files
 
 
 def add_parser(sub: Any) -> None:
@@ -37,87 +41,177 @@ def add_parser(sub: Any) -> None:
 
 def run_up(args: argparse.Namespace) -> int:
     params = sampling_from_args(args)
-    model, windows = model_windows(args, lambda n_main: even_splits(n_main, args.stages))
+    # A serving ring is for the TUI's chat pane and the API: an instruction-tuned model by default.
+    chat = args.chat or args.prompt is None
+    model, windows = model_windows(args, lambda n_main: even_splits(n_main, args.stages), chat=chat)
     if len(windows) < 2:
         raise InputError("a ring needs at least 2 stages (for one stage use `kvasir generate`)")
-    threads = args.threads or max(1, os.cpu_count() or 1)
-    ring = start_ring(
-        model, windows, default_cache_dir(), api_port=args.api_port, threads=threads, ctx=args.ctx, seqs=args.seqs
-    )
+    threads = args.threads or default_threads(len(windows))
+    cache = default_cache_dir()
+    with _stop_signals() as stopper:
+        try:
+            stopper.arm()
+            # The slow part, before any process exists: a signal stops it at once (both are cached, written atomically).
+            stage_files(model, windows, cache)
+            model_sha256(model, cache)
+            stopper.defer()  # processes start next: a signal now waits until the ring exists to stop it
+        except _Stopped as stop:
+            return 128 + stop.signum
+        ring = start_ring(
+            model,
+            windows,
+            cache,
+            api_port=args.api_port,
+            threads=threads,
+            ctx=args.ctx,
+            seqs=args.seqs,
+            relay=args.relay,
+            default_control=args.prompt is None,
+            tied=True,
+        )
+        try:
+            stopper.arm()
+            return _run(ring, args, windows, params)
+        except _Stopped as stop:
+            with contextlib.suppress(OSError):  # the terminal may be gone (SIGHUP)
+                print(f"{stop.name}: stopping the ring", file=sys.stderr)
+            # Stopping a serving ring is its normal end (systemd, tmux); an interrupted prompt is not.
+            return 0 if args.prompt is None else 128 + stop.signum
+        finally:
+            stopper.disarm()  # a second signal must not cut the cleanup short
+            ring.stop()
+
+
+class _Stopped(BaseException):
+    """A stop signal arrived (BaseException, like KeyboardInterrupt: no ``except Exception`` may swallow it)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+        self.name = signal.Signals(signum).name
+
+
+class _Stopper:
+    """Turns SIGTERM/SIGHUP/SIGINT into :class:`_Stopped` while armed. Deferred, it only remembers the first one and
+    raises it at :meth:`arm`: a signal that arrives while processes are being started cannot orphan any of them."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.closed = False
+        self.pending: int | None = None
+
+    def handle(self, signum: int, _frame: object) -> None:
+        if self.armed:
+            self.armed = False
+            raise _Stopped(signum)
+        if self.pending is None and not self.closed:
+            self.pending = signum
+
+    def arm(self) -> None:
+        self.armed = not self.closed
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            self.handle(pending, None)
+
+    def defer(self) -> None:
+        self.armed = False
+
+    def disarm(self) -> None:
+        """For good: the ring is being stopped, further signals change nothing."""
+        self.armed = False
+        self.closed = True
+        self.pending = None
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+
+
+@contextlib.contextmanager
+def _stop_signals() -> Iterator[_Stopper]:
+    stopper = _Stopper()
+    previous = {s: signal.signal(s, stopper.handle) for s in STOP_SIGNALS}
     try:
-        ring.wait_ready()
-        if args.prompt is None:
-            return _serve_forever(ring, args)
-        with ControlClient(ring.sockets[0], timeout=600) as client:
-            tokens: list[int] = []
-            text = ""
-            t0 = time.perf_counter()
-            t_first = t_last = t0
-            end: dict[str, Any] = {}
-            for msg in client.generate(
-                prompt=args.prompt,
-                chat=args.chat,
-                max_tokens=args.max_tokens,
-                temperature=params.temperature,
-                top_k=params.top_k,
-                top_p=params.top_p,
-                min_p=params.min_p,
-                repeat_penalty=params.repeat_penalty,
-                seed=params.seed,
-                stop=args.stop,
-            ):
-                if msg["type"] == "token":
-                    if msg["token"] >= 0:
-                        tokens.append(msg["token"])
-                        t_last = time.perf_counter()
-                        if len(tokens) == 1:
-                            t_first = t_last
-                    text += msg["text"]
-                    if not args.json:
-                        sys.stdout.write(msg["text"])
-                        sys.stdout.flush()
-                elif msg["type"] == "end":
-                    end = msg
-        if end.get("reason") == "error":
-            raise RingError(f"request failed: {end.get('error')}")
-        steps = max(len(tokens) - 1, 0)
-        result = {
-            "tokens": tokens,
-            "text": end.get("text", text),
-            "prompt_tokens": end.get("prompt_tokens"),
-            "stop_reason": end.get("reason"),
-            "prefill_ms": round((t_first - t0) * 1e3, 3),
-            "decode_ms_per_token": round((t_last - t_first) * 1e3 / steps, 3) if steps else 0.0,
-            "stages": len(windows),
-        }
-        if args.json:
-            print_json(result)
-        else:
-            sys.stdout.write("\n")
-            print(
-                f"[{len(tokens)} tokens through {len(windows)} nodes, decode {result['decode_ms_per_token']} ms/token]",
-                file=sys.stderr,
-            )
-        return 0
+        yield stopper
     finally:
-        ring.stop()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
-def _serve_forever(ring: Any, args: argparse.Namespace) -> int:
+def _run(ring: LocalRing, args: argparse.Namespace, windows: list[tuple[int, int]], params: SamplingParams) -> int:
+    ring.wait_ready()
+    if args.prompt is None:
+        return _serve_forever(ring, args)
+    with ControlClient(ring.sockets[0], timeout=600) as client:
+        tokens: list[int] = []
+        text = ""
+        t0 = time.perf_counter()
+        t_first = t_last = t0
+        end: dict[str, Any] = {}
+        for msg in client.generate(
+            prompt=args.prompt,
+            chat=args.chat,
+            max_tokens=args.max_tokens,
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            min_p=params.min_p,
+            repeat_penalty=params.repeat_penalty,
+            seed=params.seed,
+            stop=args.stop,
+        ):
+            if msg["type"] == "token":
+                if msg["token"] >= 0:
+                    tokens.append(msg["token"])
+                    t_last = time.perf_counter()
+                    if len(tokens) == 1:
+                        t_first = t_last
+                text += msg["text"]
+                if not args.json:
+                    sys.stdout.write(msg["text"])
+                    sys.stdout.flush()
+            elif msg["type"] == "end":
+                end = msg
+    if end.get("reason") == "error":
+        raise RingError(f"request failed: {end.get('error')}")
+    steps = max(len(tokens) - 1, 0)
+    result = {
+        "tokens": tokens,
+        "text": end.get("text", text),
+        "prompt_tokens": end.get("prompt_tokens"),
+        "stop_reason": end.get("reason"),
+        "prefill_ms": round((t_first - t0) * 1e3, 3),
+        "decode_ms_per_token": round((t_last - t_first) * 1e3 / steps, 3) if steps else 0.0,
+        "stages": len(windows),
+    }
+    if args.json:
+        print_json(result)
+    else:
+        sys.stdout.write("\n")
+        print(
+            f"[{len(tokens)} tokens through {len(windows)} nodes, decode {result['decode_ms_per_token']} ms/token]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _serve_forever(ring: LocalRing, args: argparse.Namespace) -> int:
     print(f"ring up: {len(ring.processes)} nodes, manifest {ring.run_dir / 'ring.toml'}")
     for k, sock in enumerate(ring.sockets):
         w = ring.manifest.ranks[k]
-        print(f"  rank {k}: layers {w.start}:{w.end} at {w.address}, control {sock}")
-    if ring.relay_url:
-        print(f"  relay: {ring.relay_url} (every link goes through it)")
+        print(f"  rank {k}: layers {w.start}:{w.end} at {w.address}, pid {ring.processes[k].pid}, control {sock}")
+    if ring.relay is not None:
+        print(f"  relay: {ring.relay_url}, pid {ring.relay.pid} (every link goes through it)")
     if args.api_port is not None:
         print(f"OpenAI API: http://127.0.0.1:{args.api_port}/v1")
-    print(f"watch it:   kvasir tui --socket {ring.sockets[0]}")
-    print("Ctrl-C stops the ring.")
     try:
-        while all(p.poll() is None for p in ring.processes):
-            time.sleep(0.5)
-        print("a node exited; stopping the ring", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 0
+        found = find_socket()
+    except InputError:
+        found = None
+    # Another node in the runtime directory may sort first; then the bare command would watch that one.
+    print("watch it:   kvasir tui" + ("" if found == ring.sockets[0] else f" --socket {ring.sockets[0]}"))
+    print("Ctrl-C (or SIGTERM/SIGHUP) stops the ring; a node that dies is restarted.", flush=True)
+    supervisor = Supervisor(ring)
+    while True:
+        time.sleep(0.5)
+        for note in supervisor.check():
+            print(note, file=sys.stderr, flush=True)

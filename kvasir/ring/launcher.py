@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import secrets
 import signal
@@ -11,12 +12,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import attrs
 
 from kvasir.control.client import ControlClient
+from kvasir.control.paths import node_socket_path
 from kvasir.errors import RingError
 from kvasir.ring.manifest import Manifest, RankEntry
 from kvasir.shard.cache import model_sha256, stage_files
@@ -46,14 +48,13 @@ class LocalRing:
     relay_url: str | None = None
     #: Each rank's command line and environment, so a rank can be restarted as it was started.
     commands: list[tuple[list[str], dict[str, str]]] = attrs.field(factory=list)
+    #: The processes die with the one that started them (see :func:`spawn`).
+    tied: bool = False
 
     def restart(self, rank: int) -> None:
         """Start rank ``rank`` again (after it died or was stopped), logging to the same file."""
         cmd, env = self.commands[rank]
-        with (self.run_dir / f"rank{rank}.log").open("ab") as log_file:
-            self.processes[rank] = subprocess.Popen(
-                cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
+        self.processes[rank] = spawn(cmd, env, self.run_dir / f"rank{rank}.log", append=True, tied=self.tied)
 
     def log_tail(self, rank: int, lines: int = 20) -> str:
         try:
@@ -82,6 +83,10 @@ class LocalRing:
             if pending:
                 time.sleep(0.1)
 
+    def dead(self) -> list[tuple[int, int]]:
+        """``(rank, exit code)`` of every node process that has exited (a negative code: killed by that signal)."""
+        return [(k, code) for k, p in enumerate(self.processes) if (code := p.poll()) is not None]
+
     def stop(self, timeout: float = 10.0) -> None:
         procs = [*self.processes, *([self.relay] if self.relay else [])]
         for p in procs:
@@ -94,6 +99,50 @@ class LocalRing:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+
+
+@attrs.define
+class Supervisor:
+    """Restarts the ring's nodes when they die, until one dies too often (a crash loop is not worth hiding).
+
+    ``check`` is called periodically by the owner of the ring (``kvasir ring up``); it returns one line per restart.
+    """
+
+    ring: LocalRing
+    max_restarts: int = 5
+    window_s: float = 60.0
+    restarts: dict[int, list[float]] = attrs.field(factory=dict)
+
+    def check(self, now: float | None = None) -> list[str]:
+        now = time.monotonic() if now is None else now
+        if self.ring.relay is not None and (code := self.ring.relay.poll()) is not None:
+            raise RingError(f"the relay exited with code {code}; every link went through it")
+        notes = []
+        for rank, code in self.ring.dead():
+            recent = [t for t in self.restarts.get(rank, []) if now - t < self.window_s]
+            if len(recent) >= self.max_restarts:
+                raise RingError(
+                    f"rank {rank} exited with code {code} after {len(recent)} restarts in {self.window_s:.0f} s:\n"
+                    f"{self.ring.log_tail(rank)}"
+                )
+            self.restarts[rank] = [*recent, now]
+            self.ring.restart(rank)
+            notes.append(f"rank {rank} exited with code {code}; restarted as pid {self.ring.processes[rank].pid}")
+        return notes
+
+
+def default_threads(n_nodes: int) -> int:
+    """llama.cpp threads for each of ``n_nodes`` co-located nodes: this machine's cores shared, never oversubscribed.
+
+    All nodes compute at once under concurrent requests; threads beyond the cores make every ggml barrier wait for a
+    descheduled thread (measured on a 3-node ring: 8 requests at cpu_count threads each gave 8.4 tokens/s in total,
+    at 1 thread each 64.6).
+    """
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on macOS
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, n_nodes))
 
 
 def start_ring(
@@ -109,8 +158,15 @@ def start_ring(
     host: str = "127.0.0.1",
     extra_args: Sequence[str] = (),
     relay: bool = False,
+    default_control: bool = False,
+    tied: bool = False,
 ) -> LocalRing:
-    """Cut the stage files, write the manifest, start one node process per window."""
+    """Cut the stage files, write the manifest, start one node process per window.
+
+    Control sockets go into ``run_dir``; with ``default_control`` (``kvasir ring up``) each node's default path in the
+    runtime directory instead, where a bare ``kvasir status``/``kvasir tui`` finds rank 0. ``tied``: the processes
+    die with this one (:func:`spawn`).
+    """
     paths = stage_files(model, windows, cache_dir)
     sha = model_sha256(model, cache_dir)
     run_dir = run_dir or Path(tempfile.mkdtemp(prefix="kvasir-ring-"))
@@ -124,41 +180,42 @@ def start_ring(
     )
     manifest_path = run_dir / "ring.toml"
     manifest.write(manifest_path)
-    procs: list[subprocess.Popen[bytes]] = []
-    socks: list[Path] = []
-    commands: list[tuple[list[str], dict[str, str]]] = []
+    ring = LocalRing(manifest, run_dir, [], [], api_port, tied=tied)
     env = dict(os.environ)
     # Several nodes share this machine's cores and only one computes at a time. ggml's OpenMP workers meet at a
     # barrier after every graph op: spinning forever (OMP_WAIT_POLICY=active) starves the busy stage, sleeping at
     # once (passive) makes every barrier a futex round trip. A short spin keeps barriers fast and idle nodes quiet
     # (measured in bench/ring_loopback.py: 4 nodes x 2 threads on 2 cores, compute 45 -> 33 ms/token).
     env.setdefault("GOMP_SPINCOUNT", "30000")
-    relay_proc: subprocess.Popen[bytes] | None = None
-    relay_url = None
+    try:  # whatever fails half-way, no process it started outlives it
+        _launch(ring, env, host, threads, ctx, seqs, extra_args, relay, default_control)
+    except BaseException:
+        ring.stop()
+        raise
+    return ring
+
+
+def _launch(
+    ring: LocalRing,
+    env: dict[str, str],
+    host: str,
+    threads: int | None,
+    ctx: int,
+    seqs: int,
+    extra_args: Sequence[str],
+    relay: bool,
+    default_control: bool,
+) -> None:
+    manifest, run_dir, manifest_path, tied = ring.manifest, ring.run_dir, ring.run_dir / "ring.toml", ring.tied
     if relay:
         (relay_port,) = free_ports(1, host)
-        with (run_dir / "relay.log").open("wb") as log_file:
-            relay_proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "kvasir",
-                    "relay",
-                    "--listen",
-                    f"{host}:{relay_port}",
-                    "--secret-hex",
-                    manifest.secret or "",
-                ],
-                stdout=log_file,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-            )
-        relay_url = f"ws://{host}:{relay_port}"
-        wait_listening(host, relay_port, relay_proc, timeout=30)
-        extra_args = [*extra_args, "--relay", relay_url]
-    for k in range(len(windows)):
-        sock = run_dir / f"rank{k}.sock"
+        relay_cmd = [sys.executable, "-m", "kvasir", "relay", "--listen", f"{host}:{relay_port}"]
+        ring.relay = spawn([*relay_cmd, "--secret-hex", manifest.secret or ""], env, run_dir / "relay.log", tied=tied)
+        ring.relay_url = f"ws://{host}:{relay_port}"
+        wait_listening(host, relay_port, ring.relay, timeout=30)
+        extra_args = [*extra_args, "--relay", ring.relay_url]
+    for k, rank in enumerate(manifest.ranks):
+        sock = node_socket_path(k, rank.port) if default_control else run_dir / f"rank{k}.sock"
         cmd = [
             sys.executable,
             "-m",
@@ -178,15 +235,39 @@ def start_ring(
         ]
         if threads:
             cmd += ["--threads", str(threads)]
-        if api_port is not None and k == 0:
-            cmd += ["--api-port", str(api_port)]
-        commands.append((cmd, env))
-        with (run_dir / f"rank{k}.log").open("wb") as log_file:
-            procs.append(
-                subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-            )
-        socks.append(sock)
-    return LocalRing(manifest, run_dir, procs, socks, api_port, relay_proc, relay_url, commands)
+        if ring.api_port is not None and k == 0:
+            cmd += ["--api-port", str(ring.api_port)]
+        ring.commands.append((cmd, env))
+        ring.sockets.append(sock)
+        ring.processes.append(spawn(cmd, env, run_dir / f"rank{k}.log", tied=tied))
+
+
+def spawn(
+    cmd: list[str], env: dict[str, str], log: Path, *, append: bool = False, tied: bool = False
+) -> subprocess.Popen[bytes]:
+    """Start ``cmd`` in its own session (a terminal's Ctrl-C goes to its owner, who stops it in order), output to
+    ``log``. ``tied``: on Linux the kernel sends it SIGTERM when its parent dies, even by SIGKILL, so a killed
+    ``kvasir ring up`` leaves no node behind (strictly: when the thread that started it ends, so start tied processes
+    from the main thread)."""
+    preexec = _die_with_parent(os.getpid()) if tied and sys.platform.startswith("linux") else None
+    with log.open("ab" if append else "wb") as log_file:
+        return subprocess.Popen(
+            cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=preexec
+        )
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent(parent: int) -> Callable[[], None]:
+    libc = ctypes.CDLL(None, use_errno=True)  # loaded before the fork: the child only calls into it
+
+    def preexec() -> None:
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent died before the line above: nobody is left to stop us
+            os._exit(1)
+
+    return preexec
 
 
 def wait_listening(host: str, port: int, proc: subprocess.Popen[bytes], timeout: float) -> None:

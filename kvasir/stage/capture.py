@@ -122,8 +122,13 @@ def make_capture(node: str, n_embd: int, cache_dir: Path, *, native: bool = True
 _loaded: dict[Path, ctypes.CDLL | None] = {}
 
 
-def _native_library(cache_dir: Path) -> ctypes.CDLL | None:
-    source = _SOURCE.read_bytes()
+def _native_library(cache_dir: Path, source_path: Path = _SOURCE) -> ctypes.CDLL | None:
+    """The compiled callback, or None (and the Python callback) without its source, a compiler or a loadable .so."""
+    try:
+        source = source_path.read_bytes()  # a broken install may lack it: slower, not dead
+    except OSError as exc:
+        log.warning("no C boundary capture source (%s); using the slower Python callback", exc)
+        return None
     key = hashlib.sha256(source + platform.platform().encode()).hexdigest()[:16]
     target = cache_dir / "native" / f"capture-{key}.so"
     if target in _loaded:
@@ -131,7 +136,7 @@ def _native_library(cache_dir: Path) -> ctypes.CDLL | None:
     lib = None
     try:
         if not target.exists():
-            _compile(target)
+            _compile(target, source_path)
         lib = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as exc:
         log.warning("no C boundary capture (%s); using the slower Python callback", exc)
@@ -139,14 +144,14 @@ def _native_library(cache_dir: Path) -> ctypes.CDLL | None:
     return lib
 
 
-def _compile(target: Path) -> None:
+def _compile(target: Path, source_path: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
     os.close(fd)
     try:
         cc = os.environ.get("CC", "cc")
         subprocess.run(
-            [cc, "-O2", "-shared", "-fPIC", "-o", tmp, str(_SOURCE)], check=True, capture_output=True, timeout=120
+            [cc, "-O2", "-shared", "-fPIC", "-o", tmp, str(source_path)], check=True, capture_output=True, timeout=120
         )
         os.replace(tmp, target)
     finally:

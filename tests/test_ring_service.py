@@ -1,0 +1,286 @@
+"""`kvasir ring up` as a service: signals stop all its nodes, a bare `kvasir status` finds it, dead nodes restart."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+
+from kvasir.commands import ring as ring_command
+from kvasir.errors import RingError
+from kvasir.ring import launcher
+from kvasir.ring.launcher import LocalRing, Supervisor, default_threads
+from kvasir.ring.manifest import Manifest
+from tests.conftest import REPO
+from tests.ringutil import ring_generate
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def banner_pids(banner: str) -> dict[str, int]:
+    """Rank and relay pids from the banner of `kvasir ring up`."""
+    found = re.findall(r"^\s+(rank \d+|relay):.*? pid (\d+)", banner, re.M)
+    return {name: int(pid) for name, pid in found}
+
+
+@attrs.define
+class RingUp:
+    proc: subprocess.Popen[bytes]
+    out: Path
+    err: Path
+    env: dict[str, str]
+
+    def stdout(self) -> str:
+        return self.out.read_text()
+
+    def stderr(self) -> str:
+        return self.err.read_text()
+
+    def pids(self) -> dict[str, int]:
+        return banner_pids(self.stdout())
+
+    def kvasir(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "kvasir", *args], env=self.env, capture_output=True, text=True, timeout=60
+        )
+
+
+@contextlib.contextmanager
+def ring_up(model: Path | None, tmp_path: Path, cache_dir: Path, *extra: str) -> Iterator[RingUp]:
+    """`kvasir ring up [MODEL] EXTRA...` serving, in its own runtime directory, until the banner is out."""
+    runtime = tmp_path / "xdg"
+    runtime.mkdir(mode=0o700)
+    env = dict(os.environ, XDG_RUNTIME_DIR=str(runtime), KVASIR_CACHE=str(cache_dir), PYTHONPATH=str(REPO))
+    out, err = tmp_path / "ring-up.out", tmp_path / "ring-up.err"
+    cmd = [sys.executable, "-m", "kvasir", "ring", "up", *([str(model)] if model else []), "--threads=1", "--seqs=2"]
+    cmd += ["--ctx=256", *extra]
+    with out.open("wb") as o, err.open("wb") as e:
+        proc = subprocess.Popen(cmd, stdout=o, stderr=e, env=env, cwd=tmp_path)
+    up = RingUp(proc, out, err, env)
+    try:
+        wait_for(lambda: "stops the ring" in up.stdout() or proc.poll() is not None, 180, "the ring")
+        assert proc.poll() is None, up.stderr()
+        yield up
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in up.pids().values():  # never leave a node behind, whatever the test found
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_stop_signal_ends_every_node_and_the_relay(
+    signum: signal.Signals, tiny_model: Callable[..., Path], cache_dir: Path, tmp_path: Path
+) -> None:
+    model = tiny_model("llama", "f32")
+    extra = ("--stages=3", "--relay") if signum == signal.SIGTERM else ("--stages=2",)
+    with ring_up(model, tmp_path, cache_dir, *extra) as up:
+        pids = up.pids()
+        assert len(pids) == (4 if signum == signal.SIGTERM else 2), up.stdout()
+        assert all(alive(pid) for pid in pids.values())
+        # A bare `kvasir status` (no --socket) finds rank 0 of this ring in the runtime directory.
+        st = up.kvasir("status", "--json")
+        assert st.returncode == 0, st.stderr
+        status = json.loads(st.stdout)
+        assert status["rank"] == 0 and status["ring_size"] == len(pids) - ("relay" in pids)
+        up.proc.send_signal(signum)
+        assert up.proc.wait(timeout=30) == 0, up.stderr()
+        assert signum.name in up.stderr()
+        assert [name for name, pid in pids.items() if alive(pid)] == []
+        assert list((tmp_path / "xdg" / "kvasir").glob("*.sock")) == []
+
+
+@pytest.mark.slow
+def test_a_killed_node_is_restarted_and_the_ring_serves_again(
+    tiny_model: Callable[..., Path], cache_dir: Path, tmp_path: Path
+) -> None:
+    model = tiny_model("llama", "f32")
+    with ring_up(model, tmp_path, cache_dir, "--stages=3") as up:
+        pids = up.pids()
+        sock0 = next((tmp_path / "xdg" / "kvasir").glob("rank0-*.sock"))
+        before = ring_generate(sock0, "Hello world", 8)
+        os.kill(pids["rank 1"], signal.SIGKILL)
+        wait_for(lambda: "rank 1 exited" in up.stderr(), 30, "the restart")
+        match = re.search(r"rank 1 exited with code -9; restarted as pid (\d+)", up.stderr())
+        assert match, up.stderr()
+        new_pid = int(match.group(1))
+        assert new_pid != pids["rank 1"] and alive(new_pid)
+
+        def serves() -> bool:
+            try:
+                return bool(ring_generate(sock0, "Hello world", 8)["tokens"] == before["tokens"])
+            except (RingError, OSError):
+                return False
+
+        wait_for(serves, 90, "the relinked ring")
+        up.proc.send_signal(signal.SIGTERM)
+        assert up.proc.wait(timeout=30) == 0
+        assert not alive(new_pid) and not any(alive(p) for p in pids.values())
+
+
+def _crashing_ring(tmp_path: Path, n: int, code: int) -> LocalRing:
+    cmd = [sys.executable, "-c", f"import sys; sys.exit({code})"]
+    procs = [subprocess.Popen(cmd) for _ in range(n)]
+    manifest = Manifest(model_sha256="0" * 64, n_layers=n, ranks=())
+    return LocalRing(manifest, tmp_path, procs, [], None, commands=[(cmd, dict(os.environ))] * n)
+
+
+def test_supervisor_restarts_dead_ranks_and_gives_up_on_a_crash_loop(tmp_path: Path) -> None:
+    ring = _crashing_ring(tmp_path, 2, 3)
+    for p in ring.processes:
+        p.wait()
+    sup = Supervisor(ring, max_restarts=2, window_s=60)
+    first = [p.pid for p in ring.processes]
+    notes = sup.check(now=0.0)
+    assert [n.split(";")[0] for n in notes] == ["rank 0 exited with code 3", "rank 1 exited with code 3"]
+    assert [p.pid for p in ring.processes] != first
+    for p in ring.processes:
+        p.wait()
+    assert len(sup.check(now=1.0)) == 2
+    for p in ring.processes:
+        p.wait()
+    with pytest.raises(RingError, match="rank 0 exited with code 3 after 2 restarts"):
+        sup.check(now=2.0)
+    # Restarts older than the window are forgiven: a node that dies once a day is restarted forever.
+    assert len(sup.check(now=100.0)) == 2
+    ring.stop()
+
+
+def test_supervisor_leaves_running_ranks_alone(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-c", "import time; time.sleep(60)"]
+    proc = subprocess.Popen(cmd)
+    ring = LocalRing(Manifest(model_sha256="0" * 64, n_layers=1, ranks=()), tmp_path, [proc], [], None)
+    try:
+        assert Supervisor(ring).check() == []
+        assert ring.processes[0] is proc
+    finally:
+        ring.stop()
+    assert proc.returncode == -signal.SIGTERM
+
+
+def test_default_threads_share_the_cores() -> None:
+    cores = len(os.sched_getaffinity(0))
+    for n in (1, 2, 3, 8, 64):
+        t = default_threads(n)
+        assert t >= 1 and (t * n <= cores or t == 1)
+    assert default_threads(1) == cores
+
+
+def test_a_stop_signal_during_startup_is_delivered_once_the_ring_exists() -> None:
+    with ring_command._stop_signals() as stopper:
+        os.kill(os.getpid(), signal.SIGTERM)  # while processes would be starting: only remembered
+        os.kill(os.getpid(), signal.SIGHUP)
+        with pytest.raises(ring_command._Stopped) as stopped:
+            stopper.arm()
+        assert stopped.value.name == "SIGTERM"
+        stopper.arm()  # armed again (the ring is serving): a signal raises at once
+        with pytest.raises(ring_command._Stopped) as stopped:
+            os.kill(os.getpid(), signal.SIGHUP)
+            time.sleep(1)  # the handler runs in the main thread at the next bytecode boundary
+        assert stopped.value.name == "SIGHUP"
+        stopper.disarm()
+        os.kill(os.getpid(), signal.SIGINT)  # during cleanup: ignored, also by a later arm
+        stopper.arm()
+    assert signal.getsignal(signal.SIGTERM) is not stopper.handle
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+def test_bare_tui_finds_the_ring_and_killing_the_tmux_session_stops_it(
+    tiny_model: Callable[..., Path], cache_dir: Path, tmp_path: Path
+) -> None:
+    """As a user runs it: `kvasir ring up` in one tmux window, a bare `kvasir tui` in another, then kill-session."""
+    model = tiny_model("llama", "f32")
+    runtime = tmp_path / "xdg"
+    runtime.mkdir(mode=0o700)
+    env = dict(os.environ, XDG_RUNTIME_DIR=str(runtime), KVASIR_CACHE=str(cache_dir), PYTHONPATH=str(REPO))
+    env["TERM"] = "xterm-256color"
+    out = tmp_path / "ring-up.out"
+    up = shlex.join([sys.executable, "-m", "kvasir", "ring", "up", str(model), "--stages=2", "--threads=1"])
+    tmux = ["tmux", "-L", f"kvasir-service-test-{os.getpid()}"]
+    subprocess.run(
+        [*tmux, "new-session", "-d", "-s", "ring", "-x", "120", "-y", "30", f"{up} > {shlex.quote(str(out))}"],
+        check=True,
+        env=env,
+    )
+    pids: dict[str, int] = {}
+    try:
+        wait_for(lambda: out.exists() and "stops the ring" in out.read_text(), 120, "the ring")
+        pids = banner_pids(out.read_text())
+        assert len(pids) == 2
+        assert "watch it:   kvasir tui\n" in out.read_text()
+        tui = shlex.join([sys.executable, "-m", "kvasir", "tui"])
+        subprocess.run([*tmux, "new-window", "-t", "ring", "-n", "tui", tui], check=True, env=env)
+
+        def screen() -> str:
+            r = subprocess.run([*tmux, "capture-pane", "-p", "-t", "ring:tui"], capture_output=True, text=True)
+            return r.stdout
+
+        wait_for(lambda: "connected" in screen() and "rank 0/2" in screen(), 60, "the TUI on rank 0")
+        subprocess.run([*tmux, "kill-session", "-t", "ring"], check=True)
+        wait_for(lambda: not any(alive(pid) for pid in pids.values()), 30, "every node to stop")
+    finally:
+        subprocess.run([*tmux, "kill-server"], capture_output=True)
+        for pid in pids.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux-only")
+def test_nodes_die_with_a_killed_ring_up(tiny_model: Callable[..., Path], cache_dir: Path, tmp_path: Path) -> None:
+    """SIGKILL gives `kvasir ring up` no chance to clean up: the kernel stops its nodes instead."""
+    with ring_up(tiny_model("llama", "f32"), tmp_path, cache_dir, "--stages=2", "--relay") as up:
+        pids = up.pids()
+        assert len(pids) == 3
+        up.proc.kill()
+        up.proc.wait()
+        wait_for(lambda: not any(alive(pid) for pid in pids.values()), 30, "the orphaned nodes to stop")
+
+
+def test_a_launch_that_fails_half_way_leaves_no_process(
+    tiny_model: Callable[..., Path], cache_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    started: list[subprocess.Popen[bytes]] = []
+
+    def spawn_once(*args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
+        if started:
+            raise OSError("no more processes")
+        started.append(real_spawn(*args, **kwargs))
+        return started[0]
+
+    real_spawn = launcher.spawn
+    monkeypatch.setattr(launcher, "spawn", spawn_once)
+    with pytest.raises(OSError, match="no more processes"):
+        launcher.start_ring(tiny_model("llama", "f32"), [(0, 3), (3, 6)], cache_dir, run_dir=tmp_path, threads=1)
+    assert started and started[0].returncode is not None
