@@ -1,4 +1,4 @@
-"""Kvasir's h11 server (kvasir.httpserve) against hypercorn's trio worker with Starlette, on loopback.
+"""Kvasir's h11 server (kvasir.net.http) against hypercorn's trio worker with Starlette, on loopback.
 
 Each server runs in its own process with the same four routes: ``/json`` (a small JSON reply), ``/sse`` (events
 with the server's monotonic clock in them, 2 ms apart, like tokens), ``/big`` (64 MiB streamed) and ``/upload``
@@ -44,7 +44,7 @@ SSE_GAP = 0.002
 
 
 async def serve_h11(port: int) -> None:
-    from kvasir.httpserve import ApiLimits, HttpConnection, HttpError, HttpRequest, serve_http
+    from kvasir.net.http import ApiLimits, HttpConnection, HttpError, HttpRequest, serve_http
 
     async def handle(http: HttpConnection, request: HttpRequest) -> None:
         if request.path == "/json":
@@ -297,7 +297,7 @@ async def measure(kind: str, args: argparse.Namespace) -> Result:
 
 
 def table(results: dict[str, Result]) -> str:
-    base = results["h11 (kvasir.httpserve)"]
+    base = results["h11 (kvasir.net.http)"]
     rows = [("server", "JSON req/s", "ratio", "SSE p50 ms", "SSE p99 ms", "send timeout", "body limit pre-read")]
     for name, r in results.items():
         rows.append(
@@ -318,7 +318,7 @@ def table(results: dict[str, Result]) -> str:
 
 
 async def run(args: argparse.Namespace) -> None:
-    results = {"h11 (kvasir.httpserve)": await measure("h11", args)}
+    results = {"h11 (kvasir.net.http)": await measure("h11", args)}
     missing = hypercorn_missing()
     if missing is None:
         results["hypercorn trio + Starlette"] = await measure("hypercorn", args)

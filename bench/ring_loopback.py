@@ -24,7 +24,7 @@ from rich.table import Table
 
 from kvasir.control.client import ControlClient
 from kvasir.demo import demo_model_path
-from kvasir.ring.launcher import start_ring
+from kvasir.local.launcher import start_ring
 from kvasir.ring.links import StreamLink
 from kvasir.shard.cache import default_cache_dir, even_splits
 from kvasir.shard.gguf_file import describe

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kvasir.control.client import ControlClient
-from kvasir.ring.launcher import LocalRing, start_ring
+from kvasir.local.launcher import LocalRing, start_ring
 from kvasir.stage.engine import Stage, StageConfig
 from kvasir.stage.pipeline import GenerationResult, LocalPipeline
 from kvasir.wire import SamplingParams

@@ -8,7 +8,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from kvasir.ring.launcher import free_ports
+from kvasir.local.launcher import free_ports
 from tests.ringutil import running_ring, whole_model
 
 PROMPT = "The ring passes the hidden state on"

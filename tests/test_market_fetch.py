@@ -14,12 +14,12 @@ import pytest
 import trio
 
 from kvasir.errors import InputError, ModelFileError
-from kvasir.httpserve import HttpConnection, HttpRequest, serve_http
+from kvasir.net.http import HttpConnection, HttpRequest, serve_http
+from kvasir.net.seed import ModelSeeder, parse_range
 from kvasir.shard.cache import file_sha256, model_sha256
 from kvasir.shard.fetch import SourceError, fetch_window, temp_paths
 from kvasir.shard.gguf_header import HeaderCursor, NeedBytes
 from kvasir.shard.gguf_io import read_gguf
-from kvasir.shard.seed import ModelSeeder, parse_range
 from kvasir.shard.slice import slice_model, window_ranges
 from tests.conftest import run_cli
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvasir.control.client import ControlClient
-from kvasir.ring.launcher import LocalRing
+from kvasir.local.launcher import LocalRing
 from kvasir.ring.manifest import Manifest, RankEntry
 from kvasir.shard.cache import model_sha256, stage_files
 from tests.netns import PHONE_IP, PUB_IP, carrier_nat, listening_tcp, netns_unavailable

@@ -15,7 +15,7 @@ import pytest
 import trio
 
 from kvasir.control.server import serve_control
-from kvasir.ring.launcher import free_ports
+from kvasir.local.launcher import free_ports
 from kvasir.ring.links import StreamLink, handshake
 from kvasir.ring.manifest import Manifest, RankEntry
 from kvasir.ring.node import Node, NodeConfig

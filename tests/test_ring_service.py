@@ -21,8 +21,8 @@ import pytest
 
 from kvasir.commands import ring as ring_command
 from kvasir.errors import RingError
-from kvasir.ring import launcher
-from kvasir.ring.launcher import LocalRing, Supervisor, default_threads
+from kvasir.local import launcher
+from kvasir.local.launcher import LocalRing, Supervisor, default_threads
 from kvasir.ring.manifest import Manifest
 from tests.conftest import REPO
 from tests.ringutil import ring_generate

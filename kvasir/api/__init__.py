@@ -2,6 +2,6 @@
 
 from kvasir.api.backend import ApiBackend
 from kvasir.api.server import ApiAccess, serve_api
-from kvasir.httpserve import ApiLimits
+from kvasir.net.http import ApiLimits
 
 __all__ = ["ApiAccess", "ApiBackend", "ApiLimits", "serve_api"]

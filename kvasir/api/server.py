@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP API of a ring node (docs/api.md).
 
-``serve_api`` is a handler on the shared server (kvasir.httpserve): it reads requests one at a time per connection
+``serve_api`` is a handler on the shared server (kvasir.net.http): it reads requests one at a time per connection
 (keep-alive); while a request is handled the server's watcher notices a client that disconnects and cancels the
 handler, which leaves ``node.request(...)`` and so cancels the request on the ring.
 """
@@ -37,7 +37,7 @@ from kvasir.api.schema import (
     usage_chunk,
 )
 from kvasir.errors import InputError, KvasirError, ProtocolError, RingError
-from kvasir.httpserve import ApiLimits, HttpConnection, HttpError, HttpRequest, serve_http
+from kvasir.net.http import ApiLimits, HttpConnection, HttpError, HttpRequest, serve_http
 from kvasir.ring.requests import ClientEvent, EndEvent, TokenEvent
 
 log = logging.getLogger("kvasir.api")
@@ -118,7 +118,7 @@ def openai_error(err: HttpError) -> HttpError:
 
 
 class ApiServer:
-    """The API's request handler for :func:`kvasir.httpserve.serve_http`."""
+    """The API's request handler for :func:`kvasir.net.http.serve_http`."""
 
     def __init__(self, node: ApiBackend[Any], access: ApiAccess | None = None) -> None:
         self.node = node

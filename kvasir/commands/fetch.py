@@ -91,9 +91,9 @@ def run_fetch(args: argparse.Namespace) -> int:
 
 
 def run_serve_model(args: argparse.Namespace) -> int:
+    from kvasir.net.seed import serve_model
     from kvasir.shard.cache import default_cache_dir, model_sha256
     from kvasir.shard.gguf_file import describe
-    from kvasir.shard.seed import serve_model
 
     host, port = parse_hostport(args.listen, "--listen")
     describe(args.file)  # refuse a file that is not a GGUF

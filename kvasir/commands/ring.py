@@ -15,7 +15,7 @@ from kvasir.control.client import ControlClient
 from kvasir.control.paths import find_socket
 from kvasir.core.sampling import SamplingParams
 from kvasir.errors import InputError, RingError
-from kvasir.ring.launcher import LocalRing, Supervisor, default_threads, start_ring
+from kvasir.local.launcher import LocalRing, Supervisor, default_threads, start_ring
 from kvasir.shard.cache import default_cache_dir, even_splits, model_sha256, stage_files
 
 

@@ -1,4 +1,4 @@
-"""The market's HTTP JSON API (docs/protocol.md § Market API) on the shared HTTP plumbing (kvasir.httpserve).
+"""The market's HTTP JSON API (docs/protocol.md § Market API) on the shared HTTP plumbing (kvasir.net.http).
 
 Routes parse bodies into records (bad input → 400, nothing stored), then run one store transaction in a worker
 thread through a limiter of one (sqlite3 blocks; the one connection is never shared across threads at once).
@@ -18,7 +18,6 @@ from urllib.parse import parse_qsl
 import trio
 
 from kvasir.errors import InputError, MarketError
-from kvasir.httpserve import ApiLimits, HttpConnection, HttpError, HttpRequest, serve_http
 from kvasir.market.records import (
     ClaimRequest,
     CreditReport,
@@ -29,6 +28,7 @@ from kvasir.market.records import (
     sha256_field,
 )
 from kvasir.market.store import MarketStore
+from kvasir.net.http import ApiLimits, HttpConnection, HttpError, HttpRequest, serve_http
 
 log = logging.getLogger("kvasir.market")
 T = TypeVar("T")

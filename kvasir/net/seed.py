@@ -1,6 +1,6 @@
 """``kvasir serve-model``: serve one GGUF over HTTP with Range support, so any node can seed a model.
 
-Runs on the shared HTTP plumbing (kvasir.httpserve). GET and HEAD on ``/`` or ``/<file name>``; a single
+Runs on the shared HTTP plumbing (kvasir.net.http). GET and HEAD on ``/`` or ``/<file name>``; a single
 ``Range: bytes=a-b`` (or ``a-``, ``-n``) gets 206 with ``Content-Range``; an unsatisfiable one 416; anything else
 the whole file. The strong ETag is the file's sha256 (the model's identity). The file is streamed in blocks from
 a trio file object, never read whole.
@@ -15,7 +15,7 @@ import h11
 import trio
 
 from kvasir.errors import ModelFileError
-from kvasir.httpserve import ApiLimits, HttpConnection, HttpError, HttpRequest, serve_http
+from kvasir.net.http import ApiLimits, HttpConnection, HttpError, HttpRequest, serve_http
 
 BLOCK_BYTES = 256 * 1024
 _RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
