@@ -89,7 +89,7 @@ async def _serve_client(node: Node, stream: trio.SocketStream) -> None:
             op = msg.get("op")
             try:
                 if op == "status":
-                    await lines.write({"type": "status", "status": node.status()})
+                    await lines.write({"type": "status", "status": node.status().to_wire()})
                 elif op == "watch":
                     await _watch(node, lines, float(msg.get("interval", 1.0)))
                     return
@@ -113,7 +113,7 @@ async def _serve_client(node: Node, stream: trio.SocketStream) -> None:
 async def _watch(node: Node, lines: _Lines, interval: float) -> None:
     interval = min(max(interval, 0.1), 10.0)
     async with node.hub.subscribe() as events:
-        await lines.write({"type": "status", "status": node.status()})
+        await lines.write({"type": "status", "status": node.status().to_wire()})
         next_status = trio.current_time() + interval
         while True:
             event = None
@@ -122,7 +122,7 @@ async def _watch(node: Node, lines: _Lines, interval: float) -> None:
             if event is not None:
                 await lines.write(event)  # outside the deadline: a line cut short would tear the stream
                 continue
-            await lines.write({"type": "status", "status": node.status()})
+            await lines.write({"type": "status", "status": node.status().to_wire()})
             next_status = trio.current_time() + interval
 
 
