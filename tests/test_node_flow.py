@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, aclosing, asynccontextmanager
 from typing import Any
 
+import attrs
 import pytest
 import trio
 import trio.testing
@@ -434,3 +435,64 @@ def test_backoff_spreads_peers_that_failed_together() -> None:
     """Two peers that lost the relay at the same moment do not redial in lockstep."""
     a, b = Backoff(rng=random.Random(1)), Backoff(rng=random.Random(2))
     assert [a.next() for _ in range(5)] != [b.next() for _ in range(5)]
+
+
+async def test_a_moved_successor_is_redialed_at_its_new_address(autojump_clock: trio.testing.MockClock) -> None:
+    """The market moves rank 1 to another holder: rank 0 drops the old link and links to the new address, and the
+    newcomer takes rank 0's predecessor slot once the old holder is gone."""
+    net = MemoryNetwork()
+    manifest, stages = fake_ring([(0, 2), (2, 4)], net)
+    moved = attrs.evolve(manifest, ranks=(manifest.ranks[0], attrs.evolve(manifest.ranks[1], port=net.port())))
+    replacement = FakeStage(2, 4, 4, model_sha256=manifest.model_sha256)
+
+    def successor_id(node: Node) -> str | None:
+        hello = node.links.successor_hello if node.links.successor is not None else None
+        return None if hello is None else hello.node_id
+
+    leave = trio.Event()
+
+    async def old_holder(task_status: trio.TaskStatus[Node]) -> None:
+        async with open_node(NodeConfig(manifest, 1, node_id="old1"), stages[1], transport=net) as old:
+            task_status.started(old)
+            await leave.wait()
+
+    async with (
+        open_node(NodeConfig(manifest, 0, node_id="node0"), stages[0], transport=net) as node0,
+        trio.open_nursery() as nursery,
+    ):
+        old: Node = await nursery.start(old_holder)
+        await wait_for(lambda: node0.ready and old.ready, "the first ring")
+        async with open_node(NodeConfig(moved, 1, node_id="new1"), replacement, transport=net) as new:
+            node0.update_manifest(moved)  # the old holder's link still works: rank 0 must drop it itself
+            await wait_for(lambda: successor_id(node0) == "new1", "rank 0 to link to the new holder")
+            assert successor_id(old) == "node0"  # the old holder still has rank 0's predecessor slot...
+            leave.set()  # ...until it leaves
+            await wait_for(lambda: node0.ready and new.ready, "the newcomer to take rank 0's predecessor slot")
+            tokens, _ = await generate(node0, PROMPT, 3)
+            assert tokens == expected_tokens(PROMPT, 3)
+
+
+async def test_tcp_links_set_keepalive() -> None:
+    import socket
+
+    from kvasir.ring.linkmgr import TcpTransport
+
+    transport = TcpTransport()
+    accepted: list[trio.SocketStream] = []
+    got = trio.Event()
+
+    async def handler(stream: trio.abc.Stream, peer: str) -> None:
+        assert isinstance(stream, trio.SocketStream)
+        accepted.append(stream)
+        got.set()
+        await trio.sleep_forever()
+
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(transport.listen, "127.0.0.1", 0, handler)
+        dialed = await transport.connect("127.0.0.1", port)
+        await got.wait()
+        for s in (dialed, accepted[0]):
+            assert isinstance(s, trio.SocketStream)
+            assert s.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        await dialed.aclose()
+        nursery.cancel_scope.cancel()

@@ -13,6 +13,7 @@ separate task, so its predecessor keeps hearing from it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import random
@@ -62,15 +63,16 @@ TCP_KEEPIDLE_S, TCP_KEEPINTVL_S, TCP_KEEPCNT = 10, 5, 3
 
 
 def set_tcp_keepalive(stream: trio.SocketStream) -> None:
-    stream.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for name, value in (
-        ("TCP_KEEPIDLE", TCP_KEEPIDLE_S),
-        ("TCP_KEEPINTVL", TCP_KEEPINTVL_S),
-        ("TCP_KEEPCNT", TCP_KEEPCNT),
-    ):
-        opt = getattr(socket, name, None)  # Linux and Android have all three; macOS lacks TCP_KEEPIDLE
-        if opt is not None:
-            stream.setsockopt(socket.IPPROTO_TCP, opt, value)
+    with contextlib.suppress(OSError):  # a peer that already reset the connection: its first read says so
+        stream.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in (
+            ("TCP_KEEPIDLE", TCP_KEEPIDLE_S),
+            ("TCP_KEEPINTVL", TCP_KEEPINTVL_S),
+            ("TCP_KEEPCNT", TCP_KEEPCNT),
+        ):
+            opt = getattr(socket, name, None)  # Linux and Android have all three; macOS lacks TCP_KEEPIDLE
+            if opt is not None:
+                stream.setsockopt(socket.IPPROTO_TCP, opt, value)
 
 
 def _peer_name(stream: trio.SocketStream) -> str:
