@@ -496,3 +496,24 @@ async def test_tcp_links_set_keepalive() -> None:
             assert s.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
         await dialed.aclose()
         nursery.cancel_scope.cancel()
+
+
+def test_the_recorded_tui_session_follows_the_status_schema() -> None:
+    """The TUI's replay fixture is a recorded stream of ``status`` messages: it must stay readable by the schema
+    the node writes with, and a malformed status is skipped (counted), never half-applied."""
+    import json
+    from pathlib import Path
+
+    from tui.model import NodeModel
+
+    lines = (Path(__file__).parent / "data" / "tui_session.jsonl").read_text().splitlines()
+    statuses = [m["msg"]["status"] for m in map(json.loads, lines) if m["msg"].get("type") == "status"]
+    assert statuses
+    for raw in statuses:
+        parsed = NodeStatus.from_wire(raw)
+        again = NodeStatus.from_wire(parsed.to_wire())
+        assert again == parsed
+    model = NodeModel()
+    model.apply({"type": "status", "status": statuses[0]})
+    model.apply({"type": "status", "status": {**statuses[0], "window": "all of them"}})
+    assert model.bad_status == 1 and model.node == NodeStatus.from_wire(statuses[0])
