@@ -12,12 +12,15 @@ stderr and exit code 2, and the protocols map them to documented error replies::
     ├── StageError                 llama.cpp refused or failed a stage operation
     │   └── ShapeError             hidden state of the wrong width or length
     ├── ProtocolError              a peer sent a malformed, oversized or wrong-version frame
-    ├── RingError                  ring-level failure (neighbour mismatch, request failed, cancelled)
-    │   └── RequestCancelled
+    ├── RingError                  ring-level failure (neighbour mismatch, request failed, link down)
+    │   └── RequestRefused         a node cannot take a request; ``code`` is the ERROR code it answers with
+    │       └── InvalidRequest     ...because of the request itself (BAD_REQUEST, CONTEXT_FULL): also an InputError
     └── MarketError                the market refused a request (unknown window, lost claim race, lease gone)
 """
 
 from __future__ import annotations
+
+from kvasir.core.codes import ErrorCode
 
 
 class KvasirError(Exception):
@@ -60,8 +63,16 @@ class RingError(KvasirError):
     """A ring-level failure: neighbour mismatch, a request that failed."""
 
 
-class RequestCancelled(RingError):
-    """The request was cancelled by its client."""
+class RequestRefused(RingError):
+    """A node cannot take a request; ``code`` is the ERROR code it answers the ring with (e.g. OVERLOADED)."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class InvalidRequest(RequestRefused, InputError):
+    """The request itself is unfit (BAD_REQUEST, CONTEXT_FULL): the client's input, not the ring's state."""
 
 
 class MarketError(KvasirError):

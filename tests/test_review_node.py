@@ -6,7 +6,7 @@ import json
 import logging
 import operator
 from collections.abc import AsyncIterator, Callable
-from contextlib import aclosing, asynccontextmanager
+from contextlib import AsyncExitStack, aclosing, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,7 @@ from kvasir.control.server import serve_control
 from kvasir.local.launcher import free_ports
 from kvasir.ring.links import StreamLink, handshake
 from kvasir.ring.manifest import Manifest, RankEntry
-from kvasir.ring.node import Node, NodeConfig
+from kvasir.ring.node import Node, NodeConfig, open_node
 from kvasir.ring.requests import EndEvent
 from kvasir.shard.cache import model_sha256, stage_files
 from kvasir.stage.engine import Stage, StageConfig
@@ -49,17 +49,23 @@ async def _load(model: Path, cache_dir: Path, n_seq_max: int) -> tuple[list[Stag
 async def two_node_ring(model: Path, cache_dir: Path, n_seq_max: int = 2) -> AsyncIterator[list[Node]]:
     stages, manifest = await _load(model, cache_dir, n_seq_max)
     try:
-        nodes = [Node(NodeConfig(manifest, r, link_wait=5.0), stages[r]) for r in range(2)]
-        async with trio.open_nursery() as nursery:
-            for n in nodes:
-                await nursery.start(n.serve)
-            while not all(n.ready for n in nodes):  # noqa: ASYNC110 (polling a plain attribute)
-                await trio.sleep(0.02)
+        async with AsyncExitStack() as stack:
+            nodes = [
+                await stack.enter_async_context(open_node(NodeConfig(manifest, r, link_wait=5.0), stages[r]))
+                for r in range(2)
+            ]
+            await wait_for(lambda: all(n.ready for n in nodes))
             yield nodes
-            nursery.cancel_scope.cancel()
     finally:
         for s in stages:
             s.close()
+
+
+async def wait_for(cond: Callable[[], bool], limit: float = 30.0) -> None:
+    """Wait on node state (there is no event for it) instead of sleeping a guessed time."""
+    with trio.fail_after(limit):
+        while not cond():  # noqa: ASYNC110
+            await trio.sleep(0.01)
 
 
 async def _drain(node: Node, prompt: list[int], max_tokens: int) -> EndEvent:
@@ -90,7 +96,7 @@ async def test_a_request_waiting_for_admission_gets_the_sequence_the_last_one_fr
                     nursery.start_soon(one)
                     nursery.start_soon(one)
             assert all(isinstance(r, EndEvent) and r.reason in ("max_tokens", "eog") for r in results), results
-            assert all(n.status()["requests"]["free_sequences"] == 1 for n in nodes)
+            assert all(n.status().requests.free_sequences == 1 for n in nodes)
 
 
 async def test_cancel_at_the_last_rank_during_its_sample_keeps_the_predecessor_link(
@@ -104,23 +110,27 @@ async def test_cancel_at_the_last_rank_during_its_sample_keeps_the_predecessor_l
     with trio.fail_after(60):
         async with two_node_ring(model, cache_dir) as nodes:
             last = nodes[1]
-            pred = last._pred
+            stage = last.stage
+            assert isinstance(stage, Stage)
+            pred = last.links.predecessor
             busy = object()
-            await last.stage.limiter.acquire_on_behalf_of(busy)  # the stage is busy: the next compute waits
+            await stage.limiter.acquire_on_behalf_of(busy)  # the stage is busy: the next compute waits
             async with last.request(PROMPT, GREEDY, 20) as handle:
-                while last.stage.limiter.statistics().tasks_waiting < 1:  # noqa: ASYNC110
-                    await trio.sleep(0.01)  # the prompt's FINAL boundary arrived: compute + sample is queued
+                # The prompt's FINAL boundary arrived: compute + sample is queued behind the busy stage.
+                await wait_for(lambda: stage.limiter.statistics().tasks_waiting >= 1)
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(last.cancel, handle.request_id)
-                    await trio.sleep(0.1)  # the cancel finished the request and waits for the compute
-                    last.stage.limiter.release_on_behalf_of(busy)
+                    # The cancel finished the request (its client's end is out) and waits for the compute.
+                    await wait_for(lambda: last.requests.get(handle.request_id) is None)
+                    stage.limiter.release_on_behalf_of(busy)
                 events = [ev async for ev in last.events(handle)]
             assert isinstance(events[-1], EndEvent) and events[-1].reason == "cancelled"
-            await trio.sleep(0.3)
-            assert not any("predecessor link lost" in r.message for r in caplog.records)
-            assert last._pred is pred
+            # The sample for the finished request came back and was dropped; the next request uses the same link.
+            await wait_for(lambda: stage.limiter.statistics().borrowed_tokens == 0)
             assert (await _drain(nodes[0], PROMPT, 4)).reason in ("max_tokens", "eog")
-            assert all(n.status()["requests"]["free_sequences"] == 2 for n in nodes)
+            assert not any("predecessor link lost" in r.message for r in caplog.records)
+            assert last.links.predecessor is pred
+            await wait_for(lambda: all(n.status().requests.free_sequences == 2 for n in nodes))
 
 
 async def test_a_cancel_cut_short_by_its_caller_still_frees_the_sequence(
@@ -132,8 +142,11 @@ async def test_a_cancel_cut_short_by_its_caller_still_frees_the_sequence(
         async with two_node_ring(model, cache_dir) as nodes:
             entry = nodes[0]
 
+            stage = entry.stage
+            assert isinstance(stage, Stage)
+
             async def busy_stage(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-                async with entry.stage.limiter:  # as a long compute of another request would
+                async with stage.limiter:  # as a long compute of another request would
                     task_status.started()
                     await trio.sleep(1.0)
 
@@ -141,9 +154,8 @@ async def test_a_cancel_cut_short_by_its_caller_still_frees_the_sequence(
                 await nursery.start(busy_stage)
                 with trio.move_on_after(0.2):  # the caller gives up on the cancel before the stage is free
                     await entry.cancel(handle.request_id)
-            await trio.sleep(0.5)
-            assert [n.status()["requests"]["free_sequences"] for n in nodes] == [2, 2]
-            assert [n.status()["requests"]["in_flight"] for n in nodes] == [0, 0]
+            await wait_for(lambda: [n.status().requests.free_sequences for n in nodes] == [2, 2])
+            assert [n.status().requests.in_flight for n in nodes] == [0, 0]
             assert (await _drain(entry, PROMPT, 4)).reason in ("max_tokens", "eog")
 
 
@@ -158,29 +170,29 @@ async def node_between_fakes(
     stage = await trio.to_thread.run_sync(
         lambda: Stage.load(StageConfig(paths[1], n_ctx=128, n_seq_max=2, n_threads=1))
     )
+    listeners: list[trio.SocketListener] = []
     try:
         listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
         succ_port = listeners[0].socket.getsockname()[1]
         manifest = Manifest(sha, 6, (RankEntry(0, 0, 3, "127.0.0.1", succ_port), RankEntry(1, 3, 6, "127.0.0.1", 0)))
-        node = Node(NodeConfig(manifest, 1, **config), stage)
         peer = Hello(
             node_id="peer", model_id=sha, rank=0, ring_size=2, window_start=0, window_end=3, n_layers=6, n_embd=64
         )
-        async with trio.open_nursery() as nursery:
-            port = await nursery.start(node.serve)
+        async with open_node(NodeConfig(manifest, 1, **config), stage) as node:
             # The node dials its successor (us, rank 0)...
             down = StreamLink(await listeners[0].accept(), "node")
             await handshake(down, peer, Side.PREDECESSOR, send_first=False)
             # ...and we link as its predecessor.
-            up = StreamLink(await trio.open_tcp_stream("127.0.0.1", port), "node")
-            await handshake(up, peer, Side.SUCCESSOR, send_first=True)
-            yield node, up, down
-            await up.aclose()
-            await down.aclose()
-            nursery.cancel_scope.cancel()
+            up = StreamLink(await trio.open_tcp_stream("127.0.0.1", node.port), "node")
+            try:
+                await handshake(up, peer, Side.SUCCESSOR, send_first=True)
+                yield node, up, down
+            finally:
+                await up.aclose()
+                await down.aclose()
+    finally:
         for lst in listeners:
             await lst.aclose()
-    finally:
         stage.close()
 
 
@@ -199,8 +211,8 @@ async def test_a_token_outside_the_vocabulary_fails_the_request_not_the_node(
                 if isinstance(frame, Error):
                     break
             assert frame.request_id == rid and frame.code == ErrorCode.BAD_REQUEST
-            assert node.status()["requests"]["in_flight"] == 0
-            assert node.status()["requests"]["free_sequences"] == 2
+            assert node.status().requests.in_flight == 0
+            assert node.status().requests.free_sequences == 2
 
 
 @pytest.mark.parametrize(
@@ -272,8 +284,7 @@ async def test_a_request_abandoned_by_its_entry_is_freed_on_every_node(
     with trio.fail_after(60):
         async with node_between_fakes(model, cache_dir, link_wait=0.3, stall_timeout=0.5) as (node, up, _down):
             await up.send(StartRequest(0x77, (1, 2, 3), 8, 0, "peer", GREEDY))
-            await trio.sleep(0.2)
-            assert node.status()["requests"]["in_flight"] == 1  # registered, waiting for its boundaries
-            while node.status()["requests"]["in_flight"]:  # noqa: ASYNC110 (polling node state)
-                await trio.sleep(0.05)
-            assert node.status()["requests"]["free_sequences"] == 2
+            await wait_for(lambda: node.requests.get(0x77) is not None)  # registered, waiting for its boundaries
+            # ...until the reaper frees it (its sequence is back once the stage has dropped the cache).
+            await wait_for(lambda: node.status().requests.free_sequences == 2)
+            assert node.status().requests.in_flight == 0

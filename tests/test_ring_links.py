@@ -11,14 +11,14 @@ import trio
 
 from kvasir.ring.links import StreamLink
 from kvasir.ring.manifest import Manifest, RankEntry
-from kvasir.ring.node import Node, NodeConfig
+from kvasir.ring.node import NodeConfig, open_node
 from kvasir.shard.cache import model_sha256, stage_files
 from kvasir.stage.engine import Stage, StageConfig
 from kvasir.wire import MAGIC, PROTOCOL_VERSION, Error, ErrorCode, FrameType, Hello, Keepalive
 from kvasir.wire.frames import HEADER
 
 
-async def _node(model: Path, cache_dir: Path) -> tuple[Node, Stage, Manifest]:
+async def _node(model: Path, cache_dir: Path) -> tuple[NodeConfig, Stage, Manifest]:
     windows = [(0, 3), (3, 6)]
     paths = stage_files(model, windows, cache_dir)
     sha = model_sha256(model, cache_dir)
@@ -26,7 +26,13 @@ async def _node(model: Path, cache_dir: Path) -> tuple[Node, Stage, Manifest]:
     stage = await trio.to_thread.run_sync(
         lambda: Stage.load(StageConfig(paths[1], n_ctx=128, n_seq_max=2, n_threads=1))
     )
-    return Node(NodeConfig(manifest, 1), stage), stage, manifest
+    return NodeConfig(manifest, 1), stage, manifest
+
+
+async def wait_for(cond: Callable[[], bool], limit: float = 30.0) -> None:
+    with trio.fail_after(limit):
+        while not cond():  # noqa: ASYNC110 (node state has no event to wait on)
+            await trio.sleep(0.01)
 
 
 def _hello(manifest: Manifest, model_id: str | None = None, node_id: str = "rogue") -> Hello:
@@ -46,14 +52,13 @@ async def test_bad_peers_are_refused_and_the_node_keeps_serving(
     tiny_model: Callable[..., Path], cache_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="kvasir.node")
-    node, stage, manifest = await _node(tiny_model("llama", "f32"), cache_dir)
+    config, stage, manifest = await _node(tiny_model("llama", "f32"), cache_dir)
     try:
         with trio.fail_after(60):
-            async with trio.open_nursery() as nursery:
-                port = await nursery.start(node.serve)
-                await trio.sleep(0.3)
+            async with open_node(config, stage) as node:
+                port = node.port
                 # The successor (rank 0) is not up: the node says it is waiting and keeps retrying.
-                assert "waiting for rank 0" in node.status()["links"]["successor"]["state"]
+                await wait_for(lambda: "waiting for rank 0" in node.status().successor.state)
 
                 async def raw(data: bytes) -> bytes:
                     s = await trio.open_tcp_stream("127.0.0.1", port)
@@ -76,7 +81,7 @@ async def test_bad_peers_are_refused_and_the_node_keeps_serving(
                 reply = await link.receive()
                 assert isinstance(reply, Error) and reply.code == ErrorCode.MODEL_MISMATCH
                 await link.aclose()
-                assert node.status()["links"]["predecessor"]["state"] == "waiting"
+                assert node.status().predecessor.state == "waiting"
 
                 # A proper predecessor links, then sends a malformed frame: that link is closed with a reason.
                 s = await trio.open_tcp_stream("127.0.0.1", port)
@@ -93,21 +98,19 @@ async def test_bad_peers_are_refused_and_the_node_keeps_serving(
                         except (trio.EndOfChannel, trio.BrokenResourceError, Exception):
                             break
                 await link.aclose()
-                await trio.sleep(0.1)
-                assert any("closing predecessor link" in r.message for r in caplog.records)
+                await wait_for(lambda: any("closing predecessor link" in r.message for r in caplog.records))
+                await wait_for(lambda: node.status().predecessor.state == "waiting")
                 # ...and the node still accepts a good predecessor afterwards.
                 s = await trio.open_tcp_stream("127.0.0.1", port)
                 link = StreamLink(s, "test")
                 await link.send(_hello(manifest, node_id="good"))
                 assert isinstance(await link.receive(), Hello)
-                await trio.sleep(0.1)
-                assert node.status()["links"]["predecessor"]["state"].startswith("connected")
+                await wait_for(lambda: node.status().predecessor.state.startswith("connected"))
                 assert any("refused" in r.message and "bad magic" in r.message for r in caplog.records)
                 assert any("protocol version" in r.message for r in caplog.records)
                 assert any("too large" in r.message or "exceeds" in r.message for r in caplog.records), [
                     r.message for r in caplog.records
                 ]
                 await link.aclose()
-                nursery.cancel_scope.cancel()
     finally:
         stage.close()

@@ -12,6 +12,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvasir.ring.status import LinkStatus, NodeStatus
+
 #: How many samples the sparklines keep.
 HISTORY = 60
 #: Requests kept in the token stream view.
@@ -32,26 +34,20 @@ class Segment:
     reward: float | None = None
 
 
-def coverage_from_status(status: Mapping[str, Any]) -> list[Segment]:
+def coverage_from_status(status: Mapping[str, Any] | NodeStatus) -> list[Segment]:
     """The ring's windows as segments covering ``0..layers``; layers no rank holds become ``holder=None``.
 
-    With a market (``status["market"]``, a self-enrolled node) the map is the market's: each window's holder (None
+    With a market (``status.market``, a self-enrolled node) the map is the market's: each window's holder (None
     while nobody serves it) and the reward it pays; without one, the rank manifest's windows.
     """
-    n_layers = int(status.get("model", {}).get("layers", 0))
-    market = status.get("market")
-    if market:
+    node = status if isinstance(status, NodeStatus) else NodeStatus.from_wire(status)
+    if node.market:
         segments = fill_gaps(
-            (
-                (int(w["layers"][0]), int(w["layers"][1]), f"rank {w['rank']}" if w.get("holder") else None)
-                for w in market
-            ),
-            n_layers,
+            ((w.layers[0], w.layers[1], f"rank {w.rank}" if w.holder else None) for w in node.market), node.n_layers
         )
-        rewards = {int(w["layers"][0]): w.get("reward") for w in market}
+        rewards = {w.layers[0]: w.reward for w in node.market}
         return [Segment(g.start, g.end, g.holder, rewards.get(g.start)) for g in segments]
-    windows = sorted((int(r["layers"][0]), int(r["layers"][1]), f"rank {r['rank']}") for r in status.get("ranks", ()))
-    return fill_gaps(windows, n_layers)
+    return fill_gaps(((r.layers[0], r.layers[1], f"rank {r.rank}") for r in node.ranks), node.n_layers)
 
 
 def fill_gaps(windows: Iterable[tuple[int, int, str | None]], n_layers: int) -> list[Segment]:
@@ -129,17 +125,19 @@ class RequestView:
         return f"{self.request:016x}"[-6:]
 
 
-def _counters(link: Mapping[str, Any]) -> tuple[int, int]:
-    frames = int(link.get("frames_in", 0)) + int(link.get("frames_out", 0))
-    data = int(link.get("bytes_in", 0)) + int(link.get("bytes_out", 0))
-    return frames, data
+def _counters(link: LinkStatus) -> tuple[int, int]:
+    return link.frames_in + link.frames_out, link.bytes_in + link.bytes_out
 
 
 @dataclass
 class NodeModel:
     """The node's state as the TUI shows it; fed with the ``watch`` stream's messages in order."""
 
+    #: The last status as sent (the widgets read it) and as parsed with the node's own schema.
     status: dict[str, Any] | None = None
+    node: NodeStatus | None = None
+    #: Status messages that did not parse (skipped).
+    bad_status: int = 0
     links: dict[str, LinkView] = field(
         default_factory=lambda: {"predecessor": LinkView("predecessor"), "successor": LinkView("successor")}
     )
@@ -165,20 +163,24 @@ class NodeModel:
             self.apply(m)
 
     def apply_status(self, status: dict[str, Any]) -> None:
-        if self.status is not None and status.get("node_id") != self.status.get("node_id"):
+        try:
+            node = NodeStatus.from_wire(status)
+        except (KeyError, TypeError, ValueError):
+            self.bad_status += 1
+            return
+        if self.node is not None and node.node_id != self.node.node_id:
             self._sample = None  # another node (or a restart): counters start over
-        self.status = status
-        uptime = float(status.get("uptime_s", 0.0))
-        links = status.get("links", {})
+        self.status, self.node = status, node
+        uptime = node.uptime_s
+        links = {"predecessor": node.predecessor, "successor": node.successor}
         for name, view in self.links.items():
-            link = links.get(name, {})
-            view.state = str(link.get("state", "unknown"))
-            view.kind = link.get("kind")
-            view.peer = link.get("peer")
-            rtt = link.get("rtt_ms")
-            view.rtt_ms = None if rtt is None else float(rtt)
-        counters = {name: _counters(links.get(name, {})) for name in self.links}
-        tokens = int(status.get("requests", {}).get("tokens", 0))
+            link = links[name]
+            view.state = link.state
+            view.kind = link.kind
+            view.peer = link.peer
+            view.rtt_ms = link.rtt_ms
+        counters = {name: _counters(links[name]) for name in self.links}
+        tokens = node.requests.tokens
         if self._sample is None or uptime < self._sample[0]:
             self._sample = (uptime, counters, tokens)
             return
@@ -226,17 +228,14 @@ class NodeModel:
 
     @property
     def rank(self) -> int | None:
-        return None if self.status is None else int(self.status["rank"])
+        return None if self.node is None else self.node.rank
 
     @property
     def window(self) -> tuple[int, int] | None:
-        if self.status is None:
-            return None
-        a, b = self.status["window"]
-        return int(a), int(b)
+        return None if self.node is None else self.node.window
 
     def coverage(self) -> list[Segment]:
-        return [] if self.status is None else coverage_from_status(self.status)
+        return [] if self.node is None else coverage_from_status(self.node)
 
     def ranks(self) -> Sequence[Mapping[str, Any]]:
         return [] if self.status is None else list(self.status.get("ranks", ()))

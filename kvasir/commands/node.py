@@ -17,12 +17,12 @@ import trio
 
 from kvasir.control.paths import node_socket_path
 from kvasir.control.server import serve_control
+from kvasir.core.schedule import PREFILL_CHUNK
 from kvasir.errors import InputError
 from kvasir.ring.manifest import Manifest, load_manifest
-from kvasir.ring.node import Node, NodeConfig
+from kvasir.ring.node import Node, NodeConfig, open_node
 from kvasir.shard.cache import default_cache_dir, stage_files
 from kvasir.stage.engine import Stage, StageConfig
-from kvasir.stage.pipeline import PREFILL_CHUNK
 from kvasir.wire import BoundaryDType
 
 log = logging.getLogger("kvasir.node")
@@ -129,10 +129,8 @@ async def serve_node(manifest: Manifest, rank: int, config: StageConfig, args: a
             relay=args.relay,
             boundary_dtype=BoundaryDType[args.boundary_dtype.upper()],
         )
-        node = Node(node_config, stage)
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            async with trio.open_nursery() as nursery:
-                await nursery.start(node.serve)
+            async with open_node(node_config, stage) as node, trio.open_nursery() as nursery:
                 control = args.control or node_socket_path(rank, manifest.rank(rank).port)
                 await nursery.start(serve_control, node, control)
                 if args.api_port is not None:
@@ -149,7 +147,7 @@ async def serve_node(manifest: Manifest, rank: int, config: StageConfig, args: a
                 )
                 async for signum in signals:
                     log.warning("rank %d: %s, shutting down", rank, signal.Signals(signum).name)
-                    await node.shutdown()
+                    await node.shutdown()  # error replies to in-flight requests while their clients still listen
                     nursery.cancel_scope.cancel()
                     break
     finally:

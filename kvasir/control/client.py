@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kvasir.errors import RingError
+from kvasir.ring.status import NodeStatus
 
 
 class ControlClient:
@@ -40,6 +41,13 @@ class ControlClient:
     def status(self) -> dict[str, Any]:
         self.send({"op": "status"})
         return self.read()["status"]  # type: ignore[no-any-return]
+
+    def node_status(self) -> NodeStatus:
+        """The node's status as the typed record (the same schema the node wrote)."""
+        try:
+            return NodeStatus.from_wire(self.status())
+        except (KeyError, TypeError, ValueError) as exc:
+            raise RingError(f"the node at {self.path} sent a malformed status: {exc!r}") from None
 
     def generate(self, **request: Any) -> Iterator[dict[str, Any]]:
         self.send({"op": "generate", **request})

@@ -89,7 +89,7 @@ async def _serve_client(node: Node, stream: trio.SocketStream) -> None:
             try:
                 op = parse_op(msg)
                 if isinstance(op, StatusOp):
-                    await lines.write({"type": "status", "status": node.status()})
+                    await lines.write({"type": "status", "status": node.status().to_wire()})
                 elif isinstance(op, WatchOp):
                     await _watch(node, lines, op.clamped_interval)
                     return
@@ -108,7 +108,7 @@ async def _serve_client(node: Node, stream: trio.SocketStream) -> None:
 
 async def _watch(node: Node, lines: _Lines, interval: float) -> None:
     async with node.hub.subscribe() as events:
-        await lines.write({"type": "status", "status": node.status()})
+        await lines.write({"type": "status", "status": node.status().to_wire()})
         next_status = trio.current_time() + interval
         while True:
             event = None
@@ -117,7 +117,7 @@ async def _watch(node: Node, lines: _Lines, interval: float) -> None:
             if event is not None:
                 await lines.write(event)  # outside the deadline: a line cut short would tear the stream
                 continue
-            await lines.write({"type": "status", "status": node.status()})
+            await lines.write({"type": "status", "status": node.status().to_wire()})
             next_status = trio.current_time() + interval
 
 

@@ -36,7 +36,8 @@ from kvasir.market.choice import choose_window
 from kvasir.market.client import MarketClient
 from kvasir.market.records import ClaimRequest, CoverageEntry, CreditReport, DemandReport, Lease, LeaseRef
 from kvasir.ring.manifest import Manifest, RankEntry
-from kvasir.ring.node import Node, NodeConfig
+from kvasir.ring.node import Node, NodeConfig, open_node
+from kvasir.ring.status import MarketWindow
 from kvasir.shard.fetch import FetchResult, fetch_window, verify_stage
 from kvasir.stage.engine import Stage, StageConfig
 from kvasir.util.addr import format_hostport, parse_hostport
@@ -125,6 +126,8 @@ class Enrollment:
         self.draw = random.Random(config.seed)
         self.on_node = on_node
         self.node: Node | None = None
+        #: The market's coverage map of this node's ring (windows, holders, rewards), shown in the node's status.
+        self.market_view: tuple[MarketWindow, ...] | None = None
         self.lease: Lease | None = None
         self.window: CoverageEntry | None = None
         self.endpoint: str | None = None
@@ -201,35 +204,36 @@ class Enrollment:
                 node_config = NodeConfig(
                     manifest, window.rank, node_id=cfg.node_id, relay=cfg.relay, **cfg.node_options
                 )
-                node = Node(node_config, stage)
-                port = await nursery.start(node.serve)
-                self.node = node
-                self._reported_tokens = 0
-                host = cfg.advertise_host or cfg.listen_host
-                self.endpoint = f"relay:{cfg.relay}" if cfg.relay else format_hostport(host, port)
-                node.update_manifest(attrs.evolve(manifest, ranks=_with_port(manifest.ranks, window.rank, port)))
-                await self._renew("serving")
-                self.state = "serving"
-                self.joined_after = time.monotonic() - self.started
-                log.warning(
-                    "node %s serving window %d:%d (rank %d) at %s, %.1f s after start",
-                    cfg.node_id,
-                    window.start,
-                    window.end,
-                    window.rank,
-                    self.endpoint,
-                    self.joined_after,
-                )
-                nursery.start_soon(self._follow_coverage, node, port)
-                nursery.start_soon(self._watch_demand, node)
-                nursery.start_soon(self._report_loop)
-                if self.on_node is not None:
-                    await self.on_node(node, nursery)
-                await trio.sleep_forever()
+                async with (
+                    open_node(node_config, stage, market_view=lambda: self.market_view) as node,
+                    trio.open_nursery() as serving,
+                ):
+                    port = node.port
+                    self.node = node
+                    self._reported_tokens = 0
+                    host = cfg.advertise_host or cfg.listen_host
+                    self.endpoint = f"relay:{cfg.relay}" if cfg.relay else format_hostport(host, port)
+                    node.update_manifest(attrs.evolve(manifest, ranks=_with_port(manifest.ranks, window.rank, port)))
+                    await self._renew("serving")
+                    self.state = "serving"
+                    self.joined_after = time.monotonic() - self.started
+                    log.warning(
+                        "node %s serving window %d:%d (rank %d) at %s, %.1f s after start",
+                        cfg.node_id,
+                        window.start,
+                        window.end,
+                        window.rank,
+                        self.endpoint,
+                        self.joined_after,
+                    )
+                    serving.start_soon(self._follow_coverage, node, port)
+                    serving.start_soon(self._watch_demand, node)
+                    serving.start_soon(self._report_loop)
+                    if self.on_node is not None:
+                        await self.on_node(node, serving)
+                    await trio.sleep_forever()
             finally:
-                if lost and self.node is not None:
-                    with trio.CancelScope(shield=True):
-                        await self.node.shutdown()
+                self.market_view = None
                 stage.close()
         if lost:
             raise LeaseLost(lost[0])
@@ -318,16 +322,10 @@ class Enrollment:
             except (MarketError, KvasirError) as exc:
                 log.info("node %s: coverage poll failed: %s", cfg.node_id, exc)
                 continue
-            node.market_view = [
-                {
-                    "rank": c.rank,
-                    "layers": [c.start, c.end],
-                    "holder": c.holder if c.serving else None,
-                    "reward": c.reward,
-                    "state": c.state,
-                }
+            self.market_view = tuple(
+                MarketWindow(c.rank, (c.start, c.end), c.holder if c.serving else None, c.reward, c.state)
                 for c in coverage
-            ]
+            )
             if len(coverage) != node.manifest.size:
                 continue  # the manifest changed under us: the lease keeper finds out whether we still hold a window
             node.update_manifest(
@@ -365,7 +363,7 @@ class Enrollment:
         node, lease = self.node, self.lease
         if node is None or lease is None:
             return
-        tokens = node.contribution_tokens - self._reported_tokens
+        tokens = node.requests.tokens - self._reported_tokens
         demand = dict(self._demand)
         try:
             if demand["requests"] or demand["tokens"]:

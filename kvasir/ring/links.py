@@ -7,6 +7,7 @@ with KEEPALIVE echoes, which the TUI and ``kvasir status`` show.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from typing import Protocol
@@ -140,19 +141,29 @@ async def handshake(link: Link, local: Hello, side: Side, *, send_first: bool) -
             remote = await link.receive()
         except trio.EndOfChannel:
             raise RingError(f"{side.value} closed the link during the handshake") from None
+        except ProtocolError as exc:  # not a frame, a bad version, too large: say why before closing
+            await _refuse(link, ErrorCode.PROTOCOL, str(exc), local.rank)
+            raise
         if isinstance(remote, Error):
             raise RingError(f"{side.value} refused this node: {remote.message}")
         if not isinstance(remote, Hello):
-            raise ProtocolError(f"expected HELLO from the {side.value}, got {type(remote).__name__}")
+            reason = f"expected HELLO from the {side.value}, got {type(remote).__name__}"
+            await _refuse(link, ErrorCode.PROTOCOL, reason, local.rank)
+            raise ProtocolError(reason)
         problem = neighbour_problem(local, remote, side)
         if problem is not None:
             code, reason = problem
-            with trio.move_on_after(1):
-                await link.send(Error.truncating(code, reason, local.rank))
+            await _refuse(link, code, reason, local.rank)
             raise RingError(reason)
         if not send_first:
             await link.send(local)
     return remote
+
+
+async def _refuse(link: Link, code: ErrorCode, reason: str, rank: int) -> None:
+    """Best effort: the peer may be gone or not read at all."""
+    with trio.move_on_after(1), contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, RingError):
+        await link.send(Error.truncating(code, reason, rank))
 
 
 def link_error(reason: str, rank: int) -> Error:

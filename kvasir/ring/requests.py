@@ -1,17 +1,30 @@
-"""Per-request state a node keeps, and what the entry node streams to its client."""
+"""Per-request state a node keeps, its request table, and what the entry node streams to its client."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from typing import Protocol
 
 import attrs
 import trio
 
-from kvasir.stage.pipeline import find_stop
-from kvasir.stage.sampling import Sampler
-from kvasir.stage.vocab import TextStream
-from kvasir.wire import EndReason, StartRequest
+from kvasir.core.stops import find_stop
+from kvasir.errors import InputError, InvalidRequest, RequestRefused
+from kvasir.ring.compute import RingStage, TokenSampler
+from kvasir.ring.events import EventHub
+from kvasir.ring.status import RequestCounters
+from kvasir.wire import EndReason, ErrorCode, StartRequest
+
+log = logging.getLogger("kvasir.node")
+
+
+class TextDecoder(Protocol):
+    """Token pieces to text deltas (kvasir.stage.vocab.TextStream)."""
+
+    def push(self, token: int) -> str: ...
+
+    def flush(self) -> str: ...
 
 
 @attrs.frozen
@@ -55,7 +68,7 @@ class SeqPool:
 class EntryStream:
     """What the client of the entry node receives: text deltas that never show part of a stop string."""
 
-    def __init__(self, text_stream: TextStream, stop: Sequence[str], max_tokens: int) -> None:
+    def __init__(self, text_stream: TextDecoder, stop: Sequence[str], max_tokens: int) -> None:
         self._text = text_stream
         self._stop = [s for s in stop if s]
         self._hold = max((len(s) for s in self._stop), default=1) - 1
@@ -102,16 +115,16 @@ class RequestState:
     #: Tokens seen passing this node (index of the next expected one).
     seen: int = 0
     generated: int = 0
-    sampler: Sampler | None = None
+    sampler: TokenSampler | None = None
     #: Last rank only: detokenized output, for stop strings.
-    text_stream: TextStream | None = None
+    text_stream: TextDecoder | None = None
     text: str = ""
     entry: EntryStream | None = None
     done: bool = False
     #: Held while the stage computes for this request, so its sequence is never freed mid-compute.
     lock: trio.Lock = attrs.field(factory=trio.Lock)
-    #: When a frame of this request last passed this node (time.monotonic()); the stale-request reaper reads it.
-    touched: float = attrs.field(factory=time.monotonic)
+    #: When a frame of this request last passed this node (trio's clock); the stale-request reaper reads it.
+    touched: float = attrs.field(factory=trio.current_time)
 
     @property
     def request_id(self) -> int:
@@ -129,3 +142,169 @@ REASONS = {
     EndReason.CANCELLED: "cancelled",
     EndReason.ERROR: "error",
 }
+
+
+class RequestTable:
+    """The requests in flight at one node: registration (with admission and the sequence pool), token accounting,
+    finishing (which frees the sequence) and the reaper of requests that stopped making progress.
+
+    Refusals are typed: :class:`InvalidRequest` (BAD_REQUEST, CONTEXT_FULL) or :class:`RequestRefused`
+    (OVERLOADED), each carrying the ERROR code the node answers the ring with.
+    """
+
+    def __init__(self, stage: RingStage, hub: EventHub, rank: int) -> None:
+        self.stage = stage
+        self.hub = hub
+        self.rank = rank
+        n = stage.config.n_seq_max
+        self._states: dict[int, RequestState] = {}
+        self._seqs = SeqPool(n)
+        #: Client requests entering at this node wait here for a sequence instead of being refused.
+        self.admission = trio.Semaphore(n)
+        self.requests = 0
+        self.tokens = 0
+        self.boundaries = 0
+        self.errors = 0
+
+    def get(self, request_id: int) -> RequestState | None:
+        return self._states.get(request_id)
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def __iter__(self) -> Iterator[RequestState]:
+        return iter(list(self._states.values()))
+
+    @property
+    def free_sequences(self) -> int:
+        return self._seqs.free
+
+    def counters(self) -> RequestCounters:
+        return RequestCounters(
+            len(self._states), self._seqs.free, self.requests, self.tokens, self.boundaries, self.errors
+        )
+
+    def register(
+        self,
+        start: StartRequest,
+        entry: EntryStream | None,
+        *,
+        check_vocab: bool,
+        sampler: Callable[[], TokenSampler] | None,
+    ) -> RequestState:
+        """Take a sequence for ``start``; ``sampler`` (last rank) builds its sampler chain."""
+        if start.request_id in self._states:
+            raise InvalidRequest(ErrorCode.BAD_REQUEST, f"request {start.request_id:x} is already in flight")
+        n_ctx = self.stage.config.n_ctx
+        if len(start.prompt) + start.max_tokens > n_ctx:
+            raise InvalidRequest(
+                ErrorCode.CONTEXT_FULL,
+                f"prompt ({len(start.prompt)}) + max_tokens ({start.max_tokens}) exceed the context of {n_ctx}",
+            )
+        if check_vocab:
+            try:
+                self.stage.vocab.check_tokens(start.prompt)
+            except InputError as exc:
+                raise InvalidRequest(ErrorCode.BAD_REQUEST, str(exc)) from None
+        seq = self._seqs.take()
+        if seq is None:
+            raise RequestRefused(
+                ErrorCode.OVERLOADED,
+                f"rank {self.rank} has no free sequence (all {self.stage.config.n_seq_max} in use)",
+            )
+        state = RequestState(start=start, seq=seq, entry=entry)
+        if sampler is not None:
+            try:
+                state.sampler = sampler()
+                for t in start.prompt:
+                    state.sampler.accept(t)
+            except BaseException:
+                if state.sampler is not None:
+                    state.sampler.close()
+                self._seqs.give(seq)
+                raise
+        self._states[start.request_id] = state
+        self.requests += 1
+        self.hub.publish(
+            {
+                "type": "request",
+                "state": "start",
+                "request": start.request_id,
+                "prompt_tokens": len(start.prompt),
+                "entry_rank": start.entry_rank,
+            }
+        )
+        return state
+
+    def see(self, state: RequestState, index: int, token: int) -> None:
+        """A token of ``state`` passes this node; each index is handled once."""
+        if index != state.seen:
+            return
+        state.seen += 1
+        self.tokens += 1
+        if state.entry is not None:
+            state.entry.push(index, token)
+        self.hub.publish(
+            {
+                "type": "token",
+                "request": state.request_id,
+                "index": index,
+                "token": token,
+                "text": self.stage.vocab.piece(token).decode("utf-8", "replace"),
+            }
+        )
+
+    async def finish(
+        self, state: RequestState, reason: str, error: str | None = None, code: ErrorCode | None = None
+    ) -> None:
+        """End ``state`` here: free its sequence (after any compute of it), then tell its client."""
+        if state.done:
+            return
+        state.done = True
+        self._states.pop(state.request_id, None)
+        try:
+            # Wait out a compute of this request before its sequence is reused. Shielded: a caller that gives up
+            # (a client's cancel with a deadline, a shutdown) must not leak the sequence; the wait is one compute.
+            with trio.CancelScope(shield=True):
+                async with state.lock:
+                    await self.stage.run(self.stage.free_sequence, state.seq)
+                    self._seqs.give(state.seq)
+                    if state.sampler is not None:
+                        state.sampler.close()
+                        state.sampler = None
+        finally:
+            # Only now tell the client: once it leaves, its admission slot lets the next request in, which must
+            # find this sequence free.
+            if state.entry is not None:
+                state.entry.finish(reason, state.prompt_len, state.seen, error, code.name.lower() if code else None)
+        self.hub.publish(
+            {
+                "type": "request",
+                "state": "end",
+                "request": state.request_id,
+                "reason": reason,
+                "generated": state.seen,
+                "error": error,
+            }
+        )
+
+    async def reap(self, limit: float) -> None:
+        """Free requests nothing has happened to for ``limit`` seconds; runs until cancelled.
+
+        The entry node gives up on a stalled request and sends CANCEL; a node that never hears it (its entry died, a
+        link stayed down) would otherwise keep the request's sequence forever.
+        """
+        while True:
+            await trio.sleep(max(0.05, limit / 4))
+            now = trio.current_time()
+            for state in self:
+                if not state.done and now - state.touched > limit:
+                    log.warning(
+                        "rank %d: request %x made no progress for %.0f s; freeing it",
+                        self.rank,
+                        state.request_id,
+                        limit,
+                    )
+                    await self.finish(
+                        state, "error", f"no progress for {limit:.0f} s at rank {self.rank}", ErrorCode.STAGE_FAILED
+                    )

@@ -13,14 +13,11 @@ from typing import Any
 import attrs
 
 from kvasir.core.sampling import SamplingParams
+from kvasir.core.schedule import PREFILL_CHUNK
+from kvasir.core.stops import find_stop
 from kvasir.errors import InputError
 from kvasir.stage.engine import FloatArray, Stage
 from kvasir.stage.vocab import TextStream
-
-#: Prompt tokens per prefill step, in-process and on the ring alike. llama.cpp's result depends on how a prompt is
-#: batched (a 200-token prompt prefilled in one batch and in 64-token chunks differ in the last bits of the logits),
-#: so every path uses the same schedule and the ring stays bit-exact with `kvasir generate`.
-PREFILL_CHUNK = 64
 
 
 @attrs.frozen
@@ -41,12 +38,6 @@ class GenerationResult:
             "prefill_ms": round(self.prefill_ms, 3),
             "decode_ms_per_token": round(self.decode_ms_per_token, 3),
         }
-
-
-def find_stop(text: str, stops: Sequence[str]) -> int | None:
-    """Index where the earliest stop string starts in ``text``, or None (pure)."""
-    hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
-    return min(hits) if hits else None
 
 
 class LocalPipeline:

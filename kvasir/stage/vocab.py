@@ -11,7 +11,7 @@ import ctypes
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from gguf import GGUFValueType
 
@@ -152,10 +152,14 @@ class Vocab:
         self._model = None
 
 
+class PieceSource(Protocol):
+    def piece(self, token: int) -> bytes: ...
+
+
 class TextStream:
     """Turns a token stream into text deltas without splitting multi-byte UTF-8 characters."""
 
-    def __init__(self, vocab: Vocab) -> None:
+    def __init__(self, vocab: PieceSource) -> None:
         self._vocab = vocab
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
 

@@ -14,6 +14,7 @@ from typing import ClassVar, Self, TypeAlias, TypeVar
 import attrs
 import numpy as np
 
+from kvasir.core.codes import ErrorCode as ErrorCode  # re-exported: the wire speaks these codes
 from kvasir.core.sampling import SamplingError, SamplingParams
 from kvasir.errors import ProtocolError
 from kvasir.wire._codec import I32_MAX, U32_MAX, BodyReader, pack_text
@@ -67,19 +68,6 @@ class EndReason(enum.IntEnum):
     STOP = 3  # a stop string matched
     CANCELLED = 4
     ERROR = 5
-
-
-class ErrorCode(enum.IntEnum):
-    PROTOCOL = 1  # the receiver got a malformed frame; the link closes
-    UNSUPPORTED_VERSION = 2
-    MODEL_MISMATCH = 3
-    WINDOW_MISMATCH = 4  # rank, layer window or ring size does not join the receiver's
-    BAD_REQUEST = 5  # a START the receiver cannot serve as asked (e.g. prompt tokens outside the vocabulary)
-    CONTEXT_FULL = 6
-    OVERLOADED = 7
-    STAGE_FAILED = 8
-    INTERNAL = 9
-    SHUTTING_DOWN = 10
 
 
 _E = TypeVar("_E", bound=enum.IntEnum)

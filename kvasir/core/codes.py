@@ -1,0 +1,18 @@
+"""The ring's error codes (docs/protocol.md § ERROR): carried by ERROR frames and by the typed errors behind them."""
+
+from __future__ import annotations
+
+import enum
+
+
+class ErrorCode(enum.IntEnum):
+    PROTOCOL = 1  # the receiver got a malformed frame; the link closes
+    UNSUPPORTED_VERSION = 2
+    MODEL_MISMATCH = 3
+    WINDOW_MISMATCH = 4  # rank, layer window or ring size does not join the receiver's
+    BAD_REQUEST = 5  # a START the receiver cannot serve as asked (e.g. prompt tokens outside the vocabulary)
+    CONTEXT_FULL = 6
+    OVERLOADED = 7
+    STAGE_FAILED = 8
+    INTERNAL = 9
+    SHUTTING_DOWN = 10

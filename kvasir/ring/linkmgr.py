@@ -1,0 +1,369 @@
+"""A node's two links: accept the predecessor, dial the successor (TCP or a relay edge), keep both alive.
+
+Liveness: both ends send KEEPALIVE on a link that has been quiet for ``keepalive_interval`` (the downstream end also
+echoes the upstream's, which measures the hop's round trip), and every receive runs under an idle timeout. A peer
+that goes silent (a phone that lost its network, a NAT mapping dropped, a half-open TCP connection) is noticed within
+``idle_timeout`` and its link closed, which frees the predecessor slot for a replacement. TCP sockets also set
+SO_KEEPALIVE so the kernel notices a dead peer under a link whose receive is not waiting (a busy node).
+
+The receive timeout is safe against busy neighbours: a node computing does not read its predecessor link (that is
+the ring's backpressure), so the timeout only runs while it waits in ``receive``; its own keepalives go out from a
+separate task, so its predecessor keeps hearing from it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import random
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Protocol
+
+import trio
+
+from kvasir.errors import ProtocolError, RingError
+from kvasir.ring.edges import RingEdges
+from kvasir.ring.links import Link, StreamLink, handshake, link_error
+from kvasir.ring.manifest import Manifest, RankEntry
+from kvasir.ring.status import LinkStatus
+from kvasir.util.backoff import Backoff
+from kvasir.wire import Error, Frame, Hello, Keepalive, Side
+
+log = logging.getLogger("kvasir.node")
+
+#: Errors that end one link (the node goes on and waits for, or redials, the next).
+LINK_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, trio.EndOfChannel, ProtocolError, RingError)
+
+StreamHandler = Callable[[trio.abc.Stream, str], Awaitable[None]]
+
+
+class SuccessorUnreachable(RingError):
+    """The successor has no address yet or does not answer: the node keeps dialing (not a warning)."""
+
+
+class Transport(Protocol):
+    """How direct links are made; TCP in a real ring, memory streams in fast tests (kvasir.testing.fakestage)."""
+
+    async def listen(
+        self, host: str, port: int, handler: StreamHandler, *, task_status: trio.TaskStatus[int] = ...
+    ) -> None:
+        """Accept connections on ``host:port`` and run ``handler(stream, peer)`` for each; ``started(port)``."""
+        ...
+
+    async def connect(self, host: str, port: int) -> trio.abc.Stream:
+        """A stream to ``host:port``; OSError when nobody answers."""
+        ...
+
+
+#: TCP keepalive: first probe after this many idle seconds, then every interval, dead after count probes.
+TCP_KEEPIDLE_S, TCP_KEEPINTVL_S, TCP_KEEPCNT = 10, 5, 3
+
+
+def set_tcp_keepalive(stream: trio.SocketStream) -> None:
+    with contextlib.suppress(OSError):  # a peer that already reset the connection: its first read says so
+        stream.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in (
+            ("TCP_KEEPIDLE", TCP_KEEPIDLE_S),
+            ("TCP_KEEPINTVL", TCP_KEEPINTVL_S),
+            ("TCP_KEEPCNT", TCP_KEEPCNT),
+        ):
+            opt = getattr(socket, name, None)  # Linux and Android have all three; macOS lacks TCP_KEEPIDLE
+            if opt is not None:
+                stream.setsockopt(socket.IPPROTO_TCP, opt, value)
+
+
+def _peer_name(stream: trio.SocketStream) -> str:
+    try:
+        return "{}:{}".format(*stream.socket.getpeername()[:2])
+    except OSError:
+        return "?"
+
+
+class TcpTransport:
+    async def listen(
+        self,
+        host: str,
+        port: int,
+        handler: StreamHandler,
+        *,
+        task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        async def accepted(stream: trio.SocketStream) -> None:
+            set_tcp_keepalive(stream)
+            await handler(stream, _peer_name(stream))
+
+        async with trio.open_nursery() as nursery:
+            listeners = await nursery.start(functools.partial(trio.serve_tcp, accepted, port, host=host))
+            task_status.started(listeners[0].socket.getsockname()[1])
+
+    async def connect(self, host: str, port: int) -> trio.abc.Stream:
+        stream = await trio.open_tcp_stream(host, port)
+        set_tcp_keepalive(stream)
+        return stream
+
+
+class LinkManager:
+    """Both links of one node. ``run`` keeps them; ``send`` hands a frame to the successor; frames from the
+    predecessor go to ``on_frame`` one at a time, in arrival order."""
+
+    def __init__(
+        self,
+        *,
+        hello: Hello,
+        edges: RingEdges,
+        manifest: Callable[[], Manifest],
+        on_frame: Callable[[Frame], Awaitable[None]],
+        on_link_error: Callable[[], None] = lambda: None,
+        keepalive_interval: float = 1.0,
+        idle_timeout: float | None = None,
+        link_wait: float = 30.0,
+        transport: Transport | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.hello = hello
+        self.rank = hello.rank
+        self.edges = edges
+        self._manifest = manifest
+        self._on_frame = on_frame
+        self._on_link_error = on_link_error
+        self.keepalive_interval = keepalive_interval
+        self.idle_timeout = idle_timeout if idle_timeout is not None else 3 * keepalive_interval
+        self.link_wait = link_wait
+        self.transport: Transport = transport or TcpTransport()
+        self._rng = rng or random.Random()
+        self.port = 0
+        self.predecessor: Link | None = None
+        self.predecessor_hello: Hello | None = None
+        self.successor: Link | None = None
+        self.successor_hello: Hello | None = None
+        self.predecessor_state = "waiting"
+        self.successor_state = "starting"
+        self._succ_ready = trio.Event()
+        self._succ_scope: trio.CancelScope | None = None
+        #: When the successor's unanswered ping went out (trio clock); its echo measures the hop's round trip.
+        self._ping_sent: float | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.successor is not None and self.predecessor is not None
+
+    async def run(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+        """Keep both links; ``started(port)`` once listening (0 when the predecessor is relayed)."""
+        me = self._manifest().rank(self.rank)
+        async with trio.open_nursery() as nursery:
+            if self.edges.predecessor_relayed:
+                nursery.start_soon(self._keep_relay_predecessor)
+            else:
+                self.port = await nursery.start(self.transport.listen, me.host, me.port, self._accept_predecessor)
+            nursery.start_soon(self._keep_successor)
+            task_status.started(self.port)
+
+    def redial_successor(self) -> None:
+        """Drop the successor link (its address changed); the dial loop reaches the new holder."""
+        if self._succ_scope is not None:
+            self._succ_scope.cancel()
+
+    async def send(self, frame: Frame) -> None:
+        """Send to the successor, waiting up to ``link_wait`` for its link; RingError if there is none."""
+        with trio.move_on_after(self.link_wait):
+            while self.successor is None:
+                await self._succ_ready.wait()
+        link = self.successor
+        if link is None:
+            raise RingError(f"no link to the successor for {self.link_wait:.0f} s ({self.successor_state})")
+        try:
+            await link.send(frame)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            raise RingError("the successor link was lost") from None
+
+    def status(self) -> tuple[LinkStatus, LinkStatus]:
+        """(predecessor, successor) as the status record shows them."""
+        return (
+            LinkStatus.of(self.predecessor_state, self.predecessor.stats if self.predecessor else None),
+            LinkStatus.of(self.successor_state, self.successor.stats if self.successor else None),
+        )
+
+    # ------------------------------------------------------------------------------------------ predecessor
+
+    async def _accept_predecessor(self, stream: trio.abc.Stream, peer: str) -> None:
+        await self._run_predecessor(StreamLink(stream, peer), peer)
+
+    async def _keep_relay_predecessor(self) -> None:
+        """Predecessor edge through the relay: dial out as the downstream end, redial with backoff."""
+        backoff = Backoff(rng=self._rng)
+        edge = self.edges.edge_in
+        while True:
+            self.predecessor_state = f"dialing relay edge {edge}"
+            try:
+                async with self.edges.open_relay(edge, upstream=False) as link:
+                    backoff.reset()
+                    self.predecessor_state = f"waiting on relay edge {edge}"
+                    await self._run_predecessor(link, f"relay:{edge}")
+            except RingError as exc:  # relay unreachable, refused or closed
+                self.predecessor_state = f"relay edge {edge}: {exc}"
+            await trio.sleep(backoff.next())
+
+    async def _run_predecessor(self, link: Link, peer: str) -> None:
+        try:
+            remote = await handshake(link, self.hello, Side.PREDECESSOR, send_first=False)
+        except (RingError, ProtocolError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            log.warning("rank %d refused a predecessor from %s: %s", self.rank, peer, exc)
+            await link.aclose()
+            return
+        old = self.predecessor
+        if old is not None:
+            if self.predecessor_hello is None or remote.node_id != self.predecessor_hello.node_id:
+                # The slot frees itself when the linked one goes silent for idle_timeout (a dead peer).
+                log.warning("rank %d refused a second predecessor from %s while one is linked", self.rank, peer)
+                with trio.move_on_after(1):
+                    await link.send(link_error("this node already has a linked predecessor", self.rank))
+                await link.aclose()
+                return
+            await old.aclose()  # the same predecessor reconnecting: its old link is stale
+        self.predecessor, self.predecessor_hello = link, remote
+        self.predecessor_state = f"connected to rank {remote.rank} ({peer})"
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._keepalive, link, False)
+                try:
+                    await self._read_predecessor(link)
+                finally:
+                    nursery.cancel_scope.cancel()
+        finally:
+            if self.predecessor is link:
+                self.predecessor = None
+                self.predecessor_state = "waiting"
+            await link.aclose()
+
+    async def _read_predecessor(self, link: Link) -> None:
+        try:
+            while True:
+                frame = await self._receive(link, "predecessor")
+                if frame is None:
+                    return
+                if isinstance(frame, Keepalive):
+                    await link.send(Keepalive())  # the echo: the predecessor measures the hop's round trip
+                    continue
+                await self._on_frame(frame)
+        except trio.EndOfChannel:
+            log.info("rank %d: predecessor closed the link", self.rank)
+        except ProtocolError as exc:
+            log.warning("rank %d: closing predecessor link: %s", self.rank, exc)
+            self._on_link_error()
+            with trio.move_on_after(1):
+                await link.send(link_error(str(exc), self.rank))
+        except (trio.BrokenResourceError, trio.ClosedResourceError, RingError) as exc:
+            log.info("rank %d: predecessor link lost: %s", self.rank, exc)
+
+    async def _receive(self, link: Link, side: str) -> Frame | None:
+        """The next frame, or None when the peer was silent for ``idle_timeout`` (the link is then dropped)."""
+        with trio.move_on_after(self.idle_timeout):
+            return await link.receive()
+        log.warning("rank %d: %s silent for %.1f s; dropping its link", self.rank, side, self.idle_timeout)
+        return None
+
+    # ------------------------------------------------------------------------------------------ successor
+
+    @asynccontextmanager
+    async def _open_successor(self, target: RankEntry) -> AsyncIterator[Link]:
+        if self.edges.successor_relayed:
+            async with self.edges.open_relay(self.edges.edge_out, upstream=True) as link:
+                yield link
+            return
+        if target.port == 0:
+            raise SuccessorUnreachable(f"waiting for rank {target.rank} (no address yet)")
+        try:
+            stream = await self.transport.connect(target.host, target.port)
+        except OSError as exc:
+            raise SuccessorUnreachable(
+                f"waiting for rank {target.rank} at {target.address} ({exc.strerror or exc})"
+            ) from None
+        link = StreamLink(stream, target.address)
+        try:
+            yield link
+        finally:
+            await link.aclose()
+
+    async def _keep_successor(self) -> None:
+        backoff = Backoff(rng=self._rng)
+        while True:
+            target = self._manifest().successor(self.rank)  # re-read: the manifest may have been updated
+            via = f"relay edge {self.edges.edge_out}" if self.edges.successor_relayed else target.address
+            self.successor_state = f"dialing rank {target.rank} via {via}"
+            at_least = 0.0
+            with trio.CancelScope() as scope:
+                self._succ_scope = scope
+                try:
+                    async with self._open_successor(target) as link:
+                        try:
+                            hello = await handshake(link, self.hello, Side.SUCCESSOR, send_first=True)
+                        except (ProtocolError, trio.TooSlowError, trio.BrokenResourceError) as exc:
+                            raise RingError(f"handshake with rank {target.rank} failed: {exc}") from None
+                        backoff.reset()
+                        await self._run_successor(link, hello, f"connected to rank {target.rank} via {via}")
+                        self.successor_state = f"lost rank {target.rank}; redialing"
+                except SuccessorUnreachable as exc:
+                    self.successor_state = str(exc)
+                except RingError as exc:
+                    self.successor_state = f"rank {target.rank}: {exc}"
+                    log.warning("rank %d: successor link: %s", self.rank, exc)
+                    at_least = 1.0  # refused: no point in hammering it
+            self._succ_scope = None
+            if scope.cancelled_caught:
+                self.successor_state = f"rank {target.rank} moved; redialing"
+            await trio.sleep(backoff.next(at_least=at_least))
+
+    async def _run_successor(self, link: Link, hello: Hello, state: str) -> None:
+        self.successor, self.successor_hello = link, hello
+        self._succ_ready.set()
+        self.successor_state = state
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._keepalive, link, True)
+                await self._read_successor(link)
+                nursery.cancel_scope.cancel()
+        finally:
+            self.successor = None
+            self._succ_ready = trio.Event()
+
+    async def _read_successor(self, link: Link) -> None:
+        """The successor only sends keepalives (echoes, or its own when quiet) and link-level errors backwards."""
+        try:
+            while True:
+                frame = await self._receive(link, "successor")
+                if frame is None:
+                    return
+                if isinstance(frame, Keepalive):
+                    if self._ping_sent is not None:
+                        link.stats.rtt = trio.current_time() - self._ping_sent
+                        self._ping_sent = None
+                elif isinstance(frame, Error):
+                    log.warning("rank %d: successor reports: %s", self.rank, frame.message)
+                    return
+        except LINK_ERRORS:
+            return
+
+    # ------------------------------------------------------------------------------------------ keepalive
+
+    async def _keepalive(self, link: Link, upstream: bool) -> None:
+        """Every interval: the upstream end pings (timed, for the RTT); the downstream end sends one only when it
+        sent nothing else during the interval (its echoes stop while it computes and does not read)."""
+        last_out = -1
+        try:
+            while True:
+                if upstream:
+                    if self._ping_sent is None:
+                        self._ping_sent = trio.current_time()
+                    await link.send(Keepalive())
+                elif link.stats.frames_out == last_out:
+                    await link.send(Keepalive())
+                last_out = link.stats.frames_out
+                await trio.sleep(self.keepalive_interval)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, RingError):
+            return
+        finally:
+            if upstream:
+                self._ping_sent = None
