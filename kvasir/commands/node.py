@@ -24,6 +24,7 @@ from kvasir.ring.node import Node, NodeConfig, open_node
 from kvasir.shard.cache import default_cache_dir, stage_files
 from kvasir.stage.engine import Stage, StageConfig
 from kvasir.wire import BoundaryDType
+from relay.ringlink import connect_ring_edge
 
 log = logging.getLogger("kvasir.node")
 
@@ -127,6 +128,7 @@ async def serve_node(manifest: Manifest, rank: int, config: StageConfig, args: a
             rank,
             prefill_chunk=args.prefill_chunk,
             relay=args.relay,
+            relay_connect=connect_ring_edge,
             boundary_dtype=BoundaryDType[args.boundary_dtype.upper()],
         )
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:

@@ -41,6 +41,7 @@ from kvasir.ring.status import MarketWindow
 from kvasir.shard.fetch import FetchResult, fetch_window, verify_stage
 from kvasir.stage.engine import Stage, StageConfig
 from kvasir.util.addr import format_hostport, parse_hostport
+from relay.ringlink import connect_ring_edge
 
 log = logging.getLogger("kvasir.enroll")
 
@@ -202,7 +203,12 @@ class Enrollment:
                     secret=cfg.ring_secret,
                 )
                 node_config = NodeConfig(
-                    manifest, window.rank, node_id=cfg.node_id, relay=cfg.relay, **cfg.node_options
+                    manifest,
+                    window.rank,
+                    node_id=cfg.node_id,
+                    relay=cfg.relay,
+                    relay_connect=connect_ring_edge,
+                    **cfg.node_options,
                 )
                 async with (
                     open_node(node_config, stage, market_view=lambda: self.market_view) as node,

@@ -1,26 +1,29 @@
 """How a node reaches its two neighbours: direct TCP, or a relay edge that both ends dial out to.
 
 Edge ``{ring}-e{k}`` joins rank k-1 (upstream end, role 0x01) to rank k (downstream end, role 0x02); ``ring`` is a
-short hash of the manifest's secret, so two rings of the same model never share an edge. Each end signs its own edge
-token with the manifest's secret (docs/protocol.md § Relay edges).
+short hash of the manifest's secret, so two rings of the same model never share an edge. The relay itself is reached
+through a :class:`RelayConnect` the node's owner passes in (docs/protocol.md § Relay edges).
 """
 
 from __future__ import annotations
 
 import hashlib
-import ssl
-import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
+from typing import Protocol
 
 import attrs
 
-from kvasir.errors import InputError
-from kvasir.ring.links import Link, MessageLink
+from kvasir.errors import InputError, RingError
+from kvasir.ring.links import Link
 from kvasir.ring.manifest import Manifest
 
-#: Lifetime of the edge tokens a node signs for itself.
-TOKEN_LIFETIME_S = 24 * 3600
+
+class RelayConnect(Protocol):
+    """Opens one relay edge as a link; the relay package provides it (``relay.ringlink.connect_ring_edge``)."""
+
+    def __call__(
+        self, url: str, secret: bytes, edge_id: str, *, upstream: bool
+    ) -> AbstractAsyncContextManager[Link]: ...
 
 
 @attrs.frozen
@@ -31,9 +34,12 @@ class RingEdges:
     edge_out: str
     predecessor_relayed: bool
     successor_relayed: bool
+    connect: RelayConnect | None = None
 
     @classmethod
-    def for_node(cls, manifest: Manifest, rank: int, relay_override: str | None) -> RingEdges:
+    def for_node(
+        cls, manifest: Manifest, rank: int, relay_override: str | None, connect: RelayConnect | None = None
+    ) -> RingEdges:
         url = relay_override or manifest.relay
         ring_id = hashlib.sha256((manifest.secret or manifest.model_sha256).encode()).hexdigest()[:12]
         me, succ = manifest.rank(rank), manifest.successor(rank)
@@ -45,16 +51,9 @@ class RingEdges:
             secret = bytes.fromhex(manifest.secret) if manifest.secret else b""
         except ValueError:
             raise InputError("the manifest's secret must be hex") from None
-        return cls(url, secret, f"{ring_id}-e{rank}", f"{ring_id}-e{succ.rank}", pred_relayed, succ_relayed)
+        return cls(url, secret, f"{ring_id}-e{rank}", f"{ring_id}-e{succ.rank}", pred_relayed, succ_relayed, connect)
 
-    @asynccontextmanager
-    async def open_relay(self, edge_id: str, *, upstream: bool) -> AsyncIterator[Link]:
-        from relay import Role, make_edge_token, open_relay_link
-
-        assert self.relay_url is not None
-        role = Role.UPSTREAM if upstream else Role.DOWNSTREAM
-        token = make_edge_token(self.secret, edge_id, role, int(time.time()) + TOKEN_LIFETIME_S)
-        ctx = ssl.create_default_context() if self.relay_url.startswith("wss://") else None
-        async with open_relay_link(self.relay_url, edge_id, role, token, ssl_context=ctx) as rl:
-            link = MessageLink(rl.send_message, rl.receive_message, rl.aclose, f"relay:{edge_id}")
-            yield link
+    def open_relay(self, edge_id: str, *, upstream: bool) -> AbstractAsyncContextManager[Link]:
+        if self.connect is None or self.relay_url is None:
+            raise RingError("this node has relayed links but was given no relay connector (NodeConfig.relay_connect)")
+        return self.connect(self.relay_url, self.secret, edge_id, upstream=upstream)

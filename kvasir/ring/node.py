@@ -29,7 +29,7 @@ from kvasir.core.schedule import PREFILL_CHUNK
 from kvasir.core.stops import find_stop
 from kvasir.errors import InputError, InvalidRequest, KvasirError, ProtocolError, RequestRefused, RingError
 from kvasir.ring.compute import RingStage
-from kvasir.ring.edges import RingEdges
+from kvasir.ring.edges import RelayConnect, RingEdges
 from kvasir.ring.events import EventHub
 from kvasir.ring.linkmgr import LinkManager, Transport
 from kvasir.ring.manifest import Manifest
@@ -75,6 +75,8 @@ class NodeConfig:
     idle_timeout: float | None = None
     #: Send both links through this relay (``ws://`` or ``wss://``), whatever the manifest says.
     relay: str | None = None
+    #: Opens relay edges (``relay.ringlink.connect_ring_edge``); needed only when a link is relayed.
+    relay_connect: RelayConnect | None = None
     #: Boundary encoding this node sends when its successor accepts it (f32 is bit-exact; f16/bf16 halve the bytes).
     boundary_dtype: BoundaryDType = BoundaryDType.F32
 
@@ -162,7 +164,7 @@ class Node:
                 n_embd=info.n_embd,
                 dtypes=frozenset(BoundaryDType),
             ),
-            edges=RingEdges.for_node(m, config.rank, config.relay),
+            edges=RingEdges.for_node(m, config.rank, config.relay, config.relay_connect),
             manifest=lambda: self.manifest,
             on_frame=self._on_frame,
             on_link_error=self._count_error,

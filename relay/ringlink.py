@@ -1,0 +1,28 @@
+"""A ring link through the relay: what a node passes to :class:`kvasir.ring.node.NodeConfig` as ``relay_connect``.
+
+The ring layer does not import the relay (it sits below it); a node's owner hands it this function instead.
+"""
+
+from __future__ import annotations
+
+import ssl
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from kvasir.ring.links import MessageLink
+from relay.client import open_relay_link
+from relay.token import Role, make_edge_token
+
+#: Lifetime of the edge tokens a node signs for itself.
+TOKEN_LIFETIME_S = 24 * 3600
+
+
+@asynccontextmanager
+async def connect_ring_edge(url: str, secret: bytes, edge_id: str, *, upstream: bool) -> AsyncIterator[MessageLink]:
+    """Join ``edge_id`` of the relay at ``url`` as its upstream (boundary-sending) or downstream end."""
+    role = Role.UPSTREAM if upstream else Role.DOWNSTREAM
+    token = make_edge_token(secret, edge_id, role, int(time.time()) + TOKEN_LIFETIME_S)
+    ctx = ssl.create_default_context() if url.startswith("wss://") else None
+    async with open_relay_link(url, edge_id, role, token, ssl_context=ctx) as rl:
+        yield MessageLink(rl.send_message, rl.receive_message, rl.aclose, f"relay:{edge_id}")
