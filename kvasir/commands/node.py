@@ -15,8 +15,10 @@ from typing import Any
 
 import trio
 
+from kvasir.commands.id import add_identity_argument, default_identity_path
 from kvasir.control.paths import node_socket_path
 from kvasir.control.server import serve_control
+from kvasir.core.identity import load_or_create_identity
 from kvasir.core.schedule import PREFILL_CHUNK
 from kvasir.errors import InputError
 from kvasir.ring.manifest import Manifest, load_manifest
@@ -43,6 +45,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--ctx", type=int, default=2048, help="context length per request")
     p.add_argument("--seqs", type=int, default=8, help="requests in flight at once")
     p.add_argument("--gpu-layers", type=int, default=0)
+    add_identity_argument(p)
     p.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, help="prompt tokens per prefill boundary")
     p.add_argument(
         "--relay",
@@ -129,6 +132,12 @@ async def serve_node(manifest: Manifest, rank: int, config: StageConfig, args: a
             prefill_chunk=args.prefill_chunk,
             relay=args.relay,
             relay_connect=connect_ring_edge,
+            # A keyed ring needs the node's identity; a keyless one uses it only if one was named.
+            identity=(
+                load_or_create_identity(args.identity or default_identity_path())
+                if manifest.secured or args.identity is not None
+                else None
+            ),
             boundary_dtype=BoundaryDType[args.boundary_dtype.upper()],
         )
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:

@@ -19,9 +19,11 @@ import attrs
 
 from kvasir.control.client import ControlClient
 from kvasir.control.paths import node_socket_path
+from kvasir.core.identity import create_identity
 from kvasir.errors import RingError
 from kvasir.ring.manifest import Manifest, RankEntry
 from kvasir.shard.cache import model_sha256, stage_files
+from kvasir.util.files import atomic_output
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
@@ -160,12 +162,14 @@ def start_ring(
     relay: bool = False,
     default_control: bool = False,
     tied: bool = False,
+    secure: bool = True,
 ) -> LocalRing:
     """Cut the stage files, write the manifest, start one node process per window.
 
     Control sockets go into ``run_dir``; with ``default_control`` (``kvasir ring up``) each node's default path in the
     runtime directory instead, where a bare ``kvasir status``/``kvasir tui`` finds rank 0. ``tied``: the processes
-    die with this one (:func:`spawn`).
+    die with this one (:func:`spawn`). ``secure``: each node gets its own key (``rank{k}.pem`` in ``run_dir``, mode
+    0600) and the manifest names them, so the links authenticate and encrypt (protocol v2).
     """
     paths = stage_files(model, windows, cache_dir)
     sha = model_sha256(model, cache_dir)
@@ -178,6 +182,8 @@ def start_ring(
         model_name=model.stem,
         secret=secrets.token_hex(16),
     )
+    if secure:
+        manifest = manifest.with_keys([create_identity(run_dir / f"rank{k}.pem").public for k in range(len(windows))])
     manifest_path = run_dir / "ring.toml"
     manifest.write(manifest_path)
     ring = LocalRing(manifest, run_dir, [], [], api_port, tied=tied)
@@ -210,7 +216,11 @@ def _launch(
     if relay:
         (relay_port,) = free_ports(1, host)
         relay_cmd = [sys.executable, "-m", "kvasir", "relay", "--listen", f"{host}:{relay_port}"]
-        ring.relay = spawn([*relay_cmd, "--secret-hex", manifest.secret or ""], env, run_dir / "relay.log", tied=tied)
+        secret_file = run_dir / "relay.secret"  # a file (0600), never argv: /proc/*/cmdline is world-readable
+        with atomic_output(secret_file) as tmp:
+            tmp.write_text(manifest.secret or "")
+            tmp.chmod(0o600)
+        ring.relay = spawn([*relay_cmd, "--secret-file", str(secret_file)], env, run_dir / "relay.log", tied=tied)
         ring.relay_url = f"ws://{host}:{relay_port}"
         wait_listening(host, relay_port, ring.relay, timeout=30)
         extra_args = [*extra_args, "--relay", ring.relay_url]
@@ -235,6 +245,8 @@ def _launch(
         ]
         if threads:
             cmd += ["--threads", str(threads)]
+        if rank.key is not None:
+            cmd += ["--identity", str(run_dir / f"rank{k}.pem")]
         if ring.api_port is not None and k == 0:
             cmd += ["--api-port", str(ring.api_port)]
         ring.commands.append((cmd, env))

@@ -14,16 +14,26 @@ from typing import Protocol
 import attrs
 
 from kvasir.errors import InputError, RingError
-from kvasir.ring.links import Link
 from kvasir.ring.manifest import Manifest
 
 
+class RelayChannel(Protocol):
+    """One relay edge: whole messages each way. ``receive_message`` raises ``trio.EndOfChannel`` once the edge is
+    closed, ``send_message`` ``trio.BrokenResourceError``; nothing else about the relay leaks into the ring."""
+
+    async def send_message(self, message: bytes) -> None: ...
+
+    async def receive_message(self) -> bytes: ...
+
+    async def aclose(self) -> None: ...
+
+
 class RelayConnect(Protocol):
-    """Opens one relay edge as a link; the relay package provides it (``relay.ringlink.connect_ring_edge``)."""
+    """Opens one relay edge; the relay package provides it (``relay.ringlink.connect_ring_edge``)."""
 
     def __call__(
         self, url: str, secret: bytes, edge_id: str, *, upstream: bool
-    ) -> AbstractAsyncContextManager[Link]: ...
+    ) -> AbstractAsyncContextManager[RelayChannel]: ...
 
 
 @attrs.frozen
@@ -53,7 +63,7 @@ class RingEdges:
             raise InputError("the manifest's secret must be hex") from None
         return cls(url, secret, f"{ring_id}-e{rank}", f"{ring_id}-e{succ.rank}", pred_relayed, succ_relayed, connect)
 
-    def open_relay(self, edge_id: str, *, upstream: bool) -> AbstractAsyncContextManager[Link]:
+    def open_relay(self, edge_id: str, *, upstream: bool) -> AbstractAsyncContextManager[RelayChannel]:
         if self.connect is None or self.relay_url is None:
             raise RingError("this node has relayed links but was given no relay connector (NodeConfig.relay_connect)")
         return self.connect(self.relay_url, self.secret, edge_id, upstream=upstream)

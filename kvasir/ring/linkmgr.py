@@ -6,6 +6,11 @@ that goes silent (a phone that lost its network, a NAT mapping dropped, a half-o
 ``idle_timeout`` and its link closed, which frees the predecessor slot for a replacement. TCP sockets also set
 SO_KEEPALIVE so the kernel notices a dead peer under a link whose receive is not waiting (a busy node).
 
+Security (protocol v2, when the manifest names every rank's key and the node has its identity): before anything
+else each link runs the key-bound handshake of :mod:`kvasir.ring.secure` and then carries its frames inside TLS 1.3,
+over TCP or end to end through a relay edge. Before authentication a peer can make the node read only a
+handshake-sized message, and the node caps handshakes in progress, in all and per address.
+
 The receive timeout is safe against busy neighbours: a node computing does not read its predecessor link (that is
 the ring's backpressure), so the timeout only runs while it waits in ``receive``; its own keepalives go out from a
 separate task, so its predecessor keeps hearing from it.
@@ -24,13 +29,17 @@ from typing import Protocol
 
 import trio
 
+from kvasir.core.identity import PublicKey
 from kvasir.errors import ProtocolError, RingError
-from kvasir.ring.edges import RingEdges
-from kvasir.ring.links import Link, StreamLink, handshake, link_error
+from kvasir.ring.edges import RelayChannel, RingEdges
+from kvasir.ring.links import Link, MessageLink, StreamLink, handshake, link_error
 from kvasir.ring.manifest import Manifest, RankEntry
+from kvasir.ring.msgstream import MessageStream
+from kvasir.ring.secure import Credentials, KeyPolicy, LinkAuthError, accept_secure, dial_secure
 from kvasir.ring.status import LinkStatus
+from kvasir.util.addrgroup import address_group
 from kvasir.util.backoff import Backoff
-from kvasir.wire import Error, Frame, Hello, Keepalive, Side
+from kvasir.wire import MAX_FRAME_BYTES, MIN_FRAME_LIMIT, Error, Frame, Hello, Keepalive, Side
 
 log = logging.getLogger("kvasir.node")
 
@@ -38,6 +47,16 @@ log = logging.getLogger("kvasir.node")
 LINK_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, trio.EndOfChannel, ProtocolError, RingError)
 
 StreamHandler = Callable[[trio.abc.Stream, str], Awaitable[None]]
+
+#: The whole v2 handshake (challenge, AUTH, TLS) must finish within this.
+SECURE_HANDSHAKE_TIMEOUT = 10.0
+#: Handshakes in progress (not yet authenticated): in all, and from one address (IPv6: one /64).
+MAX_PENDING_HANDSHAKES = 16
+MAX_PENDING_PER_ADDRESS = 4
+#: Largest frame an unauthenticated v1 peer may send (a HELLO is a few hundred bytes; the header is checked first).
+PREAUTH_FRAME_BYTES = MIN_FRAME_LIMIT
+#: A peer that refused our key is not redialed sooner than this.
+REFUSED_BACKOFF_S = 5.0
 
 
 class SuccessorUnreachable(RingError):
@@ -122,6 +141,7 @@ class LinkManager:
         link_wait: float = 30.0,
         transport: Transport | None = None,
         rng: random.Random | None = None,
+        credentials: Credentials | None = None,
     ) -> None:
         self.hello = hello
         self.rank = hello.rank
@@ -134,6 +154,11 @@ class LinkManager:
         self.link_wait = link_wait
         self.transport: Transport = transport or TcpTransport()
         self._rng = rng or random.Random()
+        #: This node's key and certificate: set, every link runs protocol v2 (authenticated, encrypted).
+        self.credentials = credentials
+        self._pending: dict[str, int] = {}  # unauthenticated handshakes per address group
+        self.predecessor_key: PublicKey | None = None
+        self.max_frame_bytes = MAX_FRAME_BYTES
         self.port = 0
         self.predecessor: Link | None = None
         self.predecessor_hello: Hello | None = None
@@ -189,7 +214,60 @@ class LinkManager:
     # ------------------------------------------------------------------------------------------ predecessor
 
     async def _accept_predecessor(self, stream: trio.abc.Stream, peer: str) -> None:
-        await self._run_predecessor(StreamLink(stream, peer), peer)
+        group = address_group(peer.rsplit(":", 1)[0].strip("[]"))
+        if (
+            sum(self._pending.values()) >= MAX_PENDING_HANDSHAKES
+            or self._pending.get(group, 0) >= MAX_PENDING_PER_ADDRESS
+        ):
+            log.warning("rank %d: too many handshakes in progress; closing a connection from %s", self.rank, peer)
+            await trio.aclose_forcefully(stream)
+            return
+        self._pending[group] = self._pending.get(group, 0) + 1
+        try:
+            secured = await self._secure_accepted(stream, peer)
+        finally:
+            self._pending[group] -= 1
+            if not self._pending[group]:
+                del self._pending[group]
+        if secured is not None:
+            link, key = secured
+            await self._run_predecessor(link, peer, key)
+
+    def _predecessor_policy(self) -> KeyPolicy:
+        m = self._manifest()
+        key = m.ranks[(self.rank - 1) % m.size].key
+        return KeyPolicy(frozenset() if key is None else frozenset({key}))
+
+    async def _secure_accepted(self, stream: trio.abc.Stream, peer: str) -> tuple[Link, PublicKey | None] | None:
+        """The predecessor's link, after the v2 handshake when this node has credentials; None if it failed."""
+        if self.credentials is None:
+            # v1: the HELLO is the first frame; until the handshake no frame may be larger than a HELLO.
+            return StreamLink(stream, peer, max_frame_bytes=PREAUTH_FRAME_BYTES), None
+        try:
+            with trio.fail_after(SECURE_HANDSHAKE_TIMEOUT):
+                tls, key, _ = await accept_secure(stream, self.credentials, self._predecessor_policy())
+        except (LinkAuthError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            log.warning("rank %d refused a predecessor from %s: %s", self.rank, peer, exc or "handshake timed out")
+            await trio.aclose_forcefully(stream)
+            return None
+        return StreamLink(tls, peer), key
+
+    async def _relay_link(self, channel: RelayChannel, edge: str, *, upstream: bool) -> tuple[Link, PublicKey | None]:
+        """A link over a relay edge: plain messages (v1), or TLS end to end inside them (v2)."""
+        peer = f"relay:{edge}"
+        if self.credentials is None:
+            return MessageLink(channel.send_message, channel.receive_message, channel.aclose, peer), None
+        stream = MessageStream(
+            channel.send_message, channel.receive_message, channel.aclose, closed_errors=(trio.EndOfChannel,)
+        )
+        with trio.fail_after(SECURE_HANDSHAKE_TIMEOUT):
+            if upstream:
+                expected = self._manifest().successor(self.rank).key
+                assert expected is not None  # credentials are only given for a keyed manifest
+                tls = await dial_secure(stream, self.credentials, expected)
+                return StreamLink(tls, peer, kind="relay"), expected
+            tls, key, _ = await accept_secure(stream, self.credentials, self._predecessor_policy())
+            return StreamLink(tls, peer, kind="relay"), key
 
     async def _keep_relay_predecessor(self) -> None:
         """Predecessor edge through the relay: dial out as the downstream end, redial with backoff."""
@@ -198,24 +276,33 @@ class LinkManager:
         while True:
             self.predecessor_state = f"dialing relay edge {edge}"
             try:
-                async with self.edges.open_relay(edge, upstream=False) as link:
+                async with self.edges.open_relay(edge, upstream=False) as channel:
                     backoff.reset()
                     self.predecessor_state = f"waiting on relay edge {edge}"
-                    await self._run_predecessor(link, f"relay:{edge}")
-            except RingError as exc:  # relay unreachable, refused or closed
-                self.predecessor_state = f"relay edge {edge}: {exc}"
+                    link, key = await self._relay_link(channel, edge, upstream=False)
+                    await self._run_predecessor(link, f"relay:{edge}", key)
+            except (RingError, trio.TooSlowError, trio.BrokenResourceError) as exc:  # relay gone, refused, closed
+                self.predecessor_state = f"relay edge {edge}: {exc or 'handshake timed out'}"
             await trio.sleep(backoff.next())
 
-    async def _run_predecessor(self, link: Link, peer: str) -> None:
+    async def _run_predecessor(self, link: Link, peer: str, key: PublicKey | None = None) -> None:
         try:
             remote = await handshake(link, self.hello, Side.PREDECESSOR, send_first=False)
         except (RingError, ProtocolError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             log.warning("rank %d refused a predecessor from %s: %s", self.rank, peer, exc)
             await link.aclose()
             return
+        if isinstance(link, StreamLink):
+            link.max_frame_bytes = self.max_frame_bytes  # authenticated by its HELLO (v1) or its key (v2)
         old = self.predecessor
         if old is not None:
-            if self.predecessor_hello is None or remote.node_id != self.predecessor_hello.node_id:
+            # A live link yields only to the same peer reconnecting: the same key (v2), or the same id (v1).
+            same = (
+                key == self.predecessor_key
+                if key is not None
+                else (self.predecessor_hello is not None and remote.node_id == self.predecessor_hello.node_id)
+            )
+            if not same:
                 # The slot frees itself when the linked one goes silent for idle_timeout (a dead peer).
                 log.warning("rank %d refused a second predecessor from %s while one is linked", self.rank, peer)
                 with trio.move_on_after(1):
@@ -223,7 +310,7 @@ class LinkManager:
                 await link.aclose()
                 return
             await old.aclose()  # the same predecessor reconnecting: its old link is stale
-        self.predecessor, self.predecessor_hello = link, remote
+        self.predecessor, self.predecessor_hello, self.predecessor_key = link, remote, key
         self.predecessor_state = f"connected to rank {remote.rank} ({peer})"
         try:
             async with trio.open_nursery() as nursery:
@@ -270,7 +357,8 @@ class LinkManager:
     @asynccontextmanager
     async def _open_successor(self, target: RankEntry) -> AsyncIterator[Link]:
         if self.edges.successor_relayed:
-            async with self.edges.open_relay(self.edges.edge_out, upstream=True) as link:
+            async with self.edges.open_relay(self.edges.edge_out, upstream=True) as channel:
+                link, _ = await self._relay_link(channel, self.edges.edge_out, upstream=True)
                 yield link
             return
         if target.port == 0:
@@ -281,6 +369,14 @@ class LinkManager:
             raise SuccessorUnreachable(
                 f"waiting for rank {target.rank} at {target.address} ({exc.strerror or exc})"
             ) from None
+        if self.credentials is not None:
+            assert target.key is not None  # credentials are only given for a keyed manifest
+            try:
+                with trio.fail_after(SECURE_HANDSHAKE_TIMEOUT):
+                    stream = await dial_secure(stream, self.credentials, target.key)
+            except BaseException:
+                await trio.aclose_forcefully(stream)
+                raise
         link = StreamLink(stream, target.address)
         try:
             yield link
@@ -307,6 +403,13 @@ class LinkManager:
                         self.successor_state = f"lost rank {target.rank}; redialing"
                 except SuccessorUnreachable as exc:
                     self.successor_state = str(exc)
+                except LinkAuthError as exc:
+                    self.successor_state = f"rank {target.rank}: {exc}"
+                    log.warning("rank %d: successor link not authenticated: %s", self.rank, exc)
+                    at_least = REFUSED_BACKOFF_S  # it will refuse us again: no redial loop flooding logs
+                except (trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                    self.successor_state = f"rank {target.rank}: handshake failed ({exc or 'timed out'})"
+                    at_least = 1.0
                 except RingError as exc:
                     self.successor_state = f"rank {target.rank}: {exc}"
                     log.warning("rank %d: successor link: %s", self.rank, exc)

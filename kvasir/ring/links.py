@@ -73,11 +73,21 @@ class Link(Protocol):
 class StreamLink:
     """A link over a byte stream (TCP): frames back to back, one sender at a time."""
 
-    def __init__(self, stream: trio.abc.Stream, peer: str, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
+    def __init__(
+        self, stream: trio.abc.Stream, peer: str, max_frame_bytes: int = MAX_FRAME_BYTES, *, kind: str = "direct"
+    ) -> None:
         self._stream = stream
         self._reader = FrameReader(stream, max_frame_bytes=max_frame_bytes)
         self._send_lock = trio.Lock()
-        self.stats = LinkStats(kind="direct", peer=peer)
+        self.stats = LinkStats(kind=kind, peer=peer)
+
+    @property
+    def max_frame_bytes(self) -> int:
+        return self._reader.max_frame_bytes
+
+    @max_frame_bytes.setter
+    def max_frame_bytes(self, value: int) -> None:
+        self._reader.max_frame_bytes = value
 
     async def send(self, frame: Frame) -> None:
         data = frame.to_wire()

@@ -12,7 +12,11 @@ secret = "hex…"           # optional, signs relay edge tokens
 layers = [0, 6]
 listen = "127.0.0.1:7100" # where this rank accepts its predecessor (its successor dials the next rank's)
 stage = "stage-0.gguf"    # optional: this rank's stage file (else cut from --model)
+key = "ed25519:…"         # this rank's node key (`kvasir id`): links then authenticate and encrypt (protocol v2)
 ```
+
+A ring whose ranks all name a key runs protocol v2 links only (docs/protocol.md § Link security); a manifest
+without keys runs unauthenticated v1 links in clear, for a private network only (docs/security.md).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any
 import attrs
 import tomli_w
 
+from kvasir.core.identity import PublicKey
 from kvasir.core.schema import FieldError, register_record, structure, unstructure
 from kvasir.errors import InputError, WindowError
 from kvasir.util.addr import format_hostport, parse_hostport
@@ -43,6 +48,8 @@ class RankEntry:
     stage: str | None = None
     #: "direct" (TCP) or "relay": how this rank's predecessor reaches it.
     link: str = "direct"
+    #: The node key that holds this rank; None in a keyless (v1, unauthenticated) ring.
+    key: PublicKey | None = None
 
     @property
     def address(self) -> str:
@@ -65,6 +72,17 @@ class Manifest:
     def successor(self, rank: int) -> RankEntry:
         return self.ranks[(rank + 1) % self.size]
 
+    @property
+    def secured(self) -> bool:
+        """Every rank names its key: links authenticate by those keys and are encrypted."""
+        return all(r.key is not None for r in self.ranks)
+
+    def with_keys(self, keys: Sequence[PublicKey]) -> Manifest:
+        """This manifest with rank k held by ``keys[k]``."""
+        if len(keys) != self.size:
+            raise InputError(f"{len(keys)} keys for {self.size} ranks")
+        return attrs.evolve(self, ranks=tuple(attrs.evolve(r, key=k) for r, k in zip(self.ranks, keys, strict=True)))
+
     def rank(self, k: int) -> RankEntry:
         if not 0 <= k < self.size:
             raise InputError(f"rank {k} is not in the manifest (ranks 0..{self.size - 1})")
@@ -72,7 +90,10 @@ class Manifest:
 
     def to_toml(self) -> str:
         model = _ModelTable(self.model_sha256, self.n_layers, self.model_name, self.secret, self.relay)
-        ranks = tuple(_RankTable(r.start, r.end, r.address, r.stage, r.link) for r in self.ranks)
+        ranks = tuple(
+            _RankTable(r.start, r.end, r.address, r.stage, r.link, None if r.key is None else r.key.to_text())
+            for r in self.ranks
+        )
         return tomli_w.dumps(unstructure(_ManifestFile(model, ranks)))
 
     def write(self, path: Path) -> None:
@@ -114,6 +135,7 @@ class _RankTable:
     listen: str
     stage: str | None = None
     link: str = attrs.field(default="direct", validator=_link)
+    key: str | None = None
 
 
 @attrs.frozen
@@ -123,7 +145,7 @@ class _ManifestFile:
 
 
 register_record(_ModelTable, omit_if_none=("secret", "relay"))
-register_record(_RankTable, window=True, omit_if_none=("stage",))
+register_record(_RankTable, window=True, omit_if_none=("stage", "key"))
 register_record(_ManifestFile)
 
 
@@ -147,7 +169,16 @@ def parse_manifest(data: dict[str, Any], where: str = "manifest") -> Manifest:
     ranks = []
     for i, r in enumerate(shape.rank):
         host, port = parse_hostport(r.listen, what=f"{where}: rank[{i}].listen")
-        ranks.append(RankEntry(i, r.start, r.end, host, port, r.stage, r.link))
+        try:
+            key = None if r.key is None else PublicKey.from_text(r.key)
+        except InputError as exc:
+            raise InputError(f"{where}: rank[{i}].key: {exc}") from None
+        ranks.append(RankEntry(i, r.start, r.end, host, port, r.stage, r.link, key))
+    keyed = sum(r.key is not None for r in ranks)
+    if 0 < keyed < len(ranks):
+        raise InputError(f"{where}: {keyed} of {len(ranks)} ranks name a key; name one for every rank, or none")
+    if keyed and len({r.key for r in ranks}) < len(ranks):
+        raise InputError(f"{where}: two ranks name the same key")
     check_windows([(r.start, r.end) for r in ranks], shape.model.layers)
     m = shape.model
     return Manifest(m.sha256, m.layers, tuple(ranks), m.name, m.secret, m.relay)

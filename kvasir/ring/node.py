@@ -25,6 +25,7 @@ from typing import Any
 import attrs
 import trio
 
+from kvasir.core.identity import Identity
 from kvasir.core.schedule import PREFILL_CHUNK
 from kvasir.core.stops import find_stop
 from kvasir.errors import InputError, InvalidRequest, KvasirError, ProtocolError, RequestRefused, RingError
@@ -34,6 +35,7 @@ from kvasir.ring.events import EventHub
 from kvasir.ring.linkmgr import LinkManager, Transport
 from kvasir.ring.manifest import Manifest
 from kvasir.ring.requests import REASONS, ClientEvent, EndEvent, EntryStream, RequestState, RequestTable
+from kvasir.ring.secure import Credentials
 from kvasir.ring.status import MarketWindow, NodeStatus, RankStatus
 from kvasir.stage.vocab import TextStream
 from kvasir.wire import (
@@ -63,6 +65,9 @@ class NodeConfig:
     manifest: Manifest
     rank: int
     node_id: str = attrs.field(factory=lambda: secrets.token_hex(6))
+    #: This node's key pair. Required when the manifest names the ranks' keys: links then run protocol v2
+    #: (authenticated by those keys, encrypted); the node id is then the key's fingerprint.
+    identity: Identity | None = None
     #: Prompt tokens per prefill boundary: smaller chunks let stages overlap sooner. Keep it equal to the reference's
     #: (``kvasir generate``) for bit-identical results: llama.cpp's numbers depend on the batching.
     prefill_chunk: int = PREFILL_CHUNK
@@ -102,8 +107,11 @@ async def open_node(
     Leaving the block fails every request still in flight with an error reply (SHUTTING_DOWN), then stops.
     ``transport`` replaces TCP for direct links (fast tests); ``rng`` draws the redial jitter.
     """
+    credentials = _credentials(config, config.manifest)  # before the nursery: a bad key is one plain InputError
     async with trio.open_nursery() as nursery:
-        node = Node(config, stage, nursery, market_view=market_view, transport=transport, rng=rng)
+        node = Node(
+            config, stage, nursery, market_view=market_view, transport=transport, rng=rng, credentials=credentials
+        )
         await nursery.start(node.links.run)
         nursery.start_soon(node.requests.reap, config.stall_timeout + config.link_wait)
         log.info("rank %d up (port %d), layers %d:%d", node.rank, node.port, stage.info.start, stage.info.end)
@@ -127,6 +135,7 @@ class Node:
         market_view: MarketView | None = None,
         transport: Transport | None = None,
         rng: random.Random | None = None,
+        credentials: Credentials | None = None,
     ) -> None:
         m = config.manifest
         if m.size < 2:
@@ -141,6 +150,8 @@ class Node:
             raise InputError(
                 f"stage file is cut from model {info.model_sha256[:12]}…, the ring serves {m.model_sha256[:12]}…"
             )
+        if credentials is not None:
+            config = attrs.evolve(config, node_id=credentials.identity.node_id)
         self.config = config
         self.manifest = m
         self.rank = config.rank
@@ -173,6 +184,7 @@ class Node:
             link_wait=config.link_wait,
             transport=transport,
             rng=rng,
+            credentials=credentials,
         )
 
     @property
@@ -537,3 +549,20 @@ def _rss_bytes() -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _credentials(config: NodeConfig, m: Manifest) -> Credentials | None:
+    """The node's TLS credentials for a keyed (v2) ring, None for a keyless one; InputError if they do not fit."""
+    if not m.secured:
+        if config.identity is not None:
+            log.warning("the manifest names no node keys: links are unauthenticated and in clear (protocol v1)")
+        return None
+    if config.identity is None:
+        raise InputError("this ring's manifest names its nodes' keys: start the node with its identity (--identity)")
+    expected = m.rank(config.rank).key
+    if expected != config.identity.public:
+        raise InputError(
+            f"this node's key {config.identity.public.fingerprint} is not rank {config.rank}'s key in the manifest"
+            f" ({expected.fingerprint if expected else 'none'})"
+        )
+    return Credentials.of(config.identity)

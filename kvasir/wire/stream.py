@@ -102,6 +102,15 @@ class FrameReader(trio.abc.ReceiveChannel[Frame]):
         #: Bytes read from the stream so far (for link statistics).
         self.bytes_received = 0
 
+    @property
+    def max_frame_bytes(self) -> int:
+        return self._decoder.max_frame_bytes
+
+    @max_frame_bytes.setter
+    def max_frame_bytes(self, value: int) -> None:
+        """Raise the limit once a peer is trusted (a handshake-sized limit before that)."""
+        self._decoder.max_frame_bytes = value
+
     async def receive(self) -> Frame:
         if self._busy:
             raise trio.BusyResourceError("another task is already receiving frames from this reader")
