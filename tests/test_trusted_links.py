@@ -25,8 +25,7 @@ from kvasir.ring.node import Node, NodeConfig, open_node
 from kvasir.ring.requests import EndEvent, TokenEvent
 from kvasir.ring.secure import MAGIC, Credentials, LinkAuthError, Refusal, dial_secure
 from kvasir.testing.fakestage import FakeStage, MemoryNetwork, expected_tokens, fake_ring
-from kvasir.wire import SamplingParams
-from kvasir.wire.frames import Boundary, BoundaryDType, Hello
+from kvasir.wire import Boundary, BoundaryDType, Hello, SamplingParams
 from tests.ringutil import ring_generate, running_ring, whole_model_tokens
 
 GREEDY = SamplingParams(temperature=0.0)
