@@ -381,6 +381,26 @@ def test_cli_json(cli: Any, capsys: pytest.CaptureFixture[str]) -> None:
     assert layers[0][0] == 0 and layers[-1][1] == 49
     assert all(a[1] == b[0] for a, b in itertools.pairwise(layers))
     assert all({"rank", "device", "layers", "bytes"} <= set(w) for w in doc["windows"])
+    assert all(w["key"] is None for w in doc["windows"])  # the slot for each device's `kvasir id` key
+
+
+def test_device_keys_reach_the_plan(cli: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvasir.core.identity import Identity
+
+    keys = [Identity.generate().public.to_text() for _ in range(2)]
+    devices = tmp_path / "d.toml"
+    devices.write_text(
+        "".join(
+            f'[[device]]\nname = "d{i}"\nkind = "gpu"\nmemory_gb = 80\nmem_bandwidth_gbs = 900\n'
+            f'link_latency_ms = 1\nlink_bandwidth_mbps = 1000\nkey = "{k}"\n'
+            for i, k in enumerate(keys)
+        )
+    )
+    assert cli(["plan", "--model", "qwen3.5-122b-a10b", "--devices", str(devices), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert {w["key"] for w in doc["windows"]} <= set(keys) and doc["windows"][0]["key"] in keys
+    devices.write_text(devices.read_text().replace(keys[0], "ed25519:nope"))
+    assert cli(["plan", "--model", "qwen3.5-122b-a10b", "--devices", str(devices), "--json"]) == 2
 
 
 def test_cli_table(cli: Any, capsys: pytest.CaptureFixture[str]) -> None:

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 import attrs
 
+from kvasir.core.identity import PublicKey
 from kvasir.core.schema import FieldError, register_record, structure
 from kvasir.errors import InputError
 
@@ -37,6 +38,15 @@ def _kind(instance: Device, _: attrs.Attribute[str], value: str) -> None:
         raise FieldError("kind", f"must be one of {', '.join(DEVICE_KINDS)}")
 
 
+def _key(_: object, __: attrs.Attribute[str | None], value: str | None) -> None:
+    if value is None:
+        return
+    try:
+        PublicKey.from_text(value)
+    except InputError as exc:
+        raise FieldError("key", str(exc)) from None
+
+
 @attrs.frozen
 class Device:
     """One machine that can run a window: its memory budget, memory bandwidth and network link."""
@@ -47,6 +57,8 @@ class Device:
     mem_bandwidth_gbs: float = attrs.field(validator=_positive)  # effective, as decode sees it
     link_latency_ms: float = attrs.field(validator=_positive)  # one way, this device to the network
     link_bandwidth_mbps: float = attrs.field(validator=_positive)
+    #: The device's node key (`kvasir id`), copied into the manifest's rank; None leaves the slot to fill.
+    key: str | None = attrs.field(default=None, validator=_key)
 
     @property
     def memory_bytes(self) -> int:

@@ -167,6 +167,7 @@ class RankManifest:
                     "compute_ms": round(w.compute_ms, 4),
                     "hop_ms": round(w.hop_ms, 4),
                     "next": w.next_device,
+                    "key": w.device.key,  # null: the slot for the device's `kvasir id` key
                 }
                 for w in self.windows
             ],
