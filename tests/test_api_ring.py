@@ -49,3 +49,19 @@ def test_openai_client_against_a_live_ring(tiny_model: Callable[..., Path], cach
             client.completions.create(model="x", prompt=PROMPT, max_tokens=10_000)
     # The API's greedy text is the whole model's greedy text.
     assert text == whole_model(model, PROMPT, 10).text
+
+
+def test_api_keys_on_a_live_ring(tiny_model: Callable[..., Path], cache_dir: Path, tmp_path: Path) -> None:
+    model = tiny_model("llama", "f32")
+    (port,) = free_ports(1)
+    keys = tmp_path / "api-keys"
+    keys.write_text("# users\nkey-for-alice-0123456789\n")
+    keys.chmod(0o600)
+    with running_ring(model, [(0, 3), (3, 6)], cache_dir, api_port=port, api_key_file=keys):
+        base = f"http://127.0.0.1:{port}/v1"
+        stranger = openai.OpenAI(base_url=base, api_key="guess-0123456789abcdef", timeout=60, max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            stranger.completions.create(model="x", prompt=PROMPT, max_tokens=4, temperature=0)
+        alice = openai.OpenAI(base_url=base, api_key="key-for-alice-0123456789", timeout=60, max_retries=0)
+        done = alice.completions.create(model="x", prompt=PROMPT, max_tokens=4, temperature=0)
+    assert done.choices[0].text == whole_model(model, PROMPT, 4).text

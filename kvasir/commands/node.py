@@ -15,6 +15,7 @@ from typing import Any
 
 import trio
 
+from kvasir.api.server import ApiAccess
 from kvasir.commands.id import add_identity_argument, default_identity_path
 from kvasir.control.paths import node_socket_path
 from kvasir.control.server import serve_control
@@ -40,6 +41,13 @@ def add_parser(sub: Any) -> None:
     src.add_argument("--stage", type=Path, help="this rank's stage GGUF")
     p.add_argument("--api-port", type=int, default=None, help="serve the OpenAI-compatible API on this port")
     p.add_argument("--api-host", default="127.0.0.1", help="API bind address (default loopback)")
+    p.add_argument(
+        "--api-key-file",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="require one of these bearer keys (one per line, file mode 0600) on the API",
+    )
     p.add_argument("--control", type=Path, default=None, help="control socket path (default: runtime dir)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--ctx", type=int, default=2048, help="context length per request")
@@ -71,6 +79,11 @@ def add_parser(sub: Any) -> None:
     m.add_argument("--stage-dir", type=Path, default=None, help="where fetched stages go (default the cache)")
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(run=run)
+
+
+def api_access(args: argparse.Namespace) -> ApiAccess:
+    """Who may use the API: the keys of ``--api-key-file``, or anyone (a loopback API by default)."""
+    return ApiAccess() if args.api_key_file is None else ApiAccess.from_key_file(args.api_key_file)
 
 
 def parse_size(text: str) -> int:
@@ -147,7 +160,9 @@ async def serve_node(manifest: Manifest, rank: int, config: StageConfig, args: a
                 if args.api_port is not None:
                     from kvasir.api import serve_api
 
-                    await nursery.start(serve_api, node, args.api_host, args.api_port)
+                    await nursery.start(
+                        functools.partial(serve_api, access=api_access(args)), node, args.api_host, args.api_port
+                    )
                 log.warning(
                     "rank %d ready to link: layers %d:%d on %s, control %s",
                     rank,
@@ -210,7 +225,9 @@ async def serve_enrolled(config: Any, args: argparse.Namespace) -> None:
         if args.api_port is not None:
             from kvasir.api import serve_api
 
-            await nursery.start(serve_api, node, args.api_host, args.api_port)
+            await nursery.start(
+                functools.partial(serve_api, access=api_access(args)), node, args.api_host, args.api_port
+            )
         print(f"kvasir node: enrolled {json.dumps(enrollment.status())}", flush=True)
 
     enrollment = Enrollment(config, on_node=on_node)

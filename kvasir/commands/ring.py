@@ -8,6 +8,7 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from kvasir.commands.common import add_model_arg, add_text_args, model_windows, print_json, sampling_from_args
@@ -34,6 +35,9 @@ def add_parser(sub: Any) -> None:
         json_help="print one JSON object (like `kvasir generate --json`)",
     )
     up.add_argument("--api-port", type=int, default=None, help="serve the OpenAI-compatible API on rank 0")
+    up.add_argument(
+        "--api-key-file", type=Path, default=None, metavar="FILE", help="bearer keys the API requires (mode 0600)"
+    )
     up.add_argument("--relay", action="store_true", help="start a local relay and send every link through it")
     up.add_argument("--seqs", type=int, default=8, help="concurrent requests per node")
     up.set_defaults(run=run_up)
@@ -62,6 +66,7 @@ def run_up(args: argparse.Namespace) -> int:
             windows,
             cache,
             api_port=args.api_port,
+            api_key_file=args.api_key_file,
             threads=threads,
             ctx=args.ctx,
             seqs=args.seqs,

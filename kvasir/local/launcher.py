@@ -154,6 +154,7 @@ def start_ring(
     *,
     run_dir: Path | None = None,
     api_port: int | None = None,
+    api_key_file: Path | None = None,
     threads: int | None = None,
     ctx: int = 2048,
     seqs: int = 8,
@@ -194,7 +195,7 @@ def start_ring(
     # (measured in bench/ring_loopback.py: 4 nodes x 2 threads on 2 cores, compute 45 -> 33 ms/token).
     env.setdefault("GOMP_SPINCOUNT", "30000")
     try:  # whatever fails half-way, no process it started outlives it
-        _launch(ring, env, host, threads, ctx, seqs, extra_args, relay, default_control)
+        _launch(ring, env, host, threads, ctx, seqs, extra_args, relay, default_control, api_key_file)
     except BaseException:
         ring.stop()
         raise
@@ -211,6 +212,7 @@ def _launch(
     extra_args: Sequence[str],
     relay: bool,
     default_control: bool,
+    api_key_file: Path | None = None,
 ) -> None:
     manifest, run_dir, manifest_path, tied = ring.manifest, ring.run_dir, ring.run_dir / "ring.toml", ring.tied
     if relay:
@@ -249,6 +251,8 @@ def _launch(
             cmd += ["--identity", str(run_dir / f"rank{k}.pem")]
         if ring.api_port is not None and k == 0:
             cmd += ["--api-port", str(ring.api_port)]
+            if api_key_file is not None:
+                cmd += ["--api-key-file", str(api_key_file)]
         ring.commands.append((cmd, env))
         ring.sockets.append(sock)
         ring.processes.append(spawn(cmd, env, run_dir / f"rank{k}.log", tied=tied))
