@@ -25,7 +25,7 @@ from kvasir.ring.node import Node, NodeConfig, open_node
 from kvasir.ring.requests import EndEvent, TokenEvent
 from kvasir.ring.secure import MAGIC, Credentials, LinkAuthError, Refusal, dial_secure
 from kvasir.testing.fakestage import FakeStage, MemoryNetwork, expected_tokens, fake_ring
-from kvasir.wire import Boundary, BoundaryDType, Hello, SamplingParams
+from kvasir.wire import Boundary, BoundaryDType, FrameDecoder, Hello, SamplingParams, StartRequest
 from tests.ringutil import ring_generate, running_ring, whole_model_tokens
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -222,3 +222,62 @@ def test_real_ring_refuses_strangers_and_keeps_its_answer(tiny_model: Callable[.
         assert first.startswith(MAGIC + b"\x01") and len(first) == 36
         result = ring_generate(ring.sockets[0], "The capital of France is", 10)
         assert result["tokens"] == expected
+
+
+# ------------------------------------------------------------------------------------------ less in clear
+
+
+def test_start_needs_tokens_rule() -> None:
+    from kvasir.ring.requests import start_needs_tokens
+
+    # Entry at rank 0 of 4: nobody after rank 0 needs the ids, unless penalties need them at the last rank.
+    assert [start_needs_tokens(r, 0, 4, penalties=False) for r in (1, 2, 3)] == [False, False, False]
+    assert [start_needs_tokens(r, 0, 4, penalties=True) for r in (1, 2, 3)] == [True, True, True]
+    # Entry at rank 2: ranks 3 and 0 are on the way to rank 0; rank 1 comes after it.
+    assert [start_needs_tokens(r, 2, 4, penalties=False) for r in (3, 0, 1)] == [True, True, False]
+
+
+class PerLinkNetwork(MemoryNetwork):
+    """Records what each dialer sends, per destination port (keyless ring: frames in clear, to decode)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent: dict[int, bytearray] = {}
+
+    async def connect(self, host: str, port: int) -> trio.abc.Stream:
+        return _Tap(await super().connect(host, port), self.sent.setdefault(port, bytearray()))
+
+
+def _starts(data: bytes) -> list[StartRequest]:
+    decoder = FrameDecoder()
+    return [f for f in decoder.feed(bytes(data)) if isinstance(f, StartRequest)]
+
+
+@pytest.mark.parametrize("penalties", [False, True])
+async def test_middle_ranks_get_the_prompt_length_not_its_tokens(penalties: bool) -> None:
+    net = PerLinkNetwork()
+    windows = [(0, 1), (1, 2), (2, 3), (3, 4)]
+    manifest, stages = fake_ring(windows, net)
+    params = SamplingParams(temperature=0.7, seed=3, repeat_penalty=1.3 if penalties else 1.0)
+    with trio.fail_after(30):
+        async with AsyncExitStack() as stack:
+            nodes = [
+                await stack.enter_async_context(open_node(NodeConfig(manifest, r), stages[r], transport=net))
+                for r in range(4)
+            ]
+            await wait_for(lambda: all(n.ready for n in nodes), "the ring to link")
+            for entry in (0, 2):
+                async with nodes[entry].request(PROMPT, params, 4) as handle:
+                    async for ev in handle.events:
+                        if isinstance(ev, EndEvent):
+                            assert ev.reason == "max_tokens"
+                            break
+    got = {k: _starts(net.sent[manifest.rank(k).port]) for k in range(4)}
+    # Entry 0: ranks 1 to 3 get the length only, unless penalties read the prompt at the last rank (rank 3), which the
+    # ids then reach through ranks 1 and 2. Entry 2: ranks 3 and 0 get them (rank 0 embeds), rank 1 the length only.
+    by_entry = {k: {s.entry_rank: s for s in got[k]} for k in range(4)}
+    for k in (1, 2, 3):
+        assert (by_entry[k][0].prompt == tuple(PROMPT)) is penalties
+        assert by_entry[k][0].prompt_length == len(PROMPT)
+    assert by_entry[3][2].prompt == tuple(PROMPT) and by_entry[0][2].prompt == tuple(PROMPT)
+    assert by_entry[1][2].prompt == () and by_entry[1][2].prompt_length == len(PROMPT)

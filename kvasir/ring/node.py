@@ -34,7 +34,16 @@ from kvasir.ring.edges import RelayConnect, RingEdges
 from kvasir.ring.events import EventHub
 from kvasir.ring.linkmgr import LinkManager, Transport
 from kvasir.ring.manifest import Manifest
-from kvasir.ring.requests import REASONS, ClientEvent, EndEvent, EntryStream, RequestState, RequestTable
+from kvasir.ring.requests import (
+    REASONS,
+    ClientEvent,
+    EndEvent,
+    EntryStream,
+    RequestState,
+    RequestTable,
+    start_needs_tokens,
+    uses_penalties,
+)
 from kvasir.ring.secure import Credentials
 from kvasir.ring.status import MarketWindow, NodeStatus, RankStatus
 from kvasir.stage.vocab import TextStream
@@ -233,6 +242,14 @@ class Node:
         except ProtocolError:  # a value beyond f16's range (gemma's BOS row reaches 8e4): send this one exact
             return Boundary.from_array(request_id, pos, hidden, final=final, latest_token=latest_token)
 
+    def _outgoing_start(self, start: StartRequest) -> StartRequest:
+        """START as our successor gets it: the prompt's token ids only while a node ahead needs them."""
+        successor = (self.rank + 1) % self.manifest.size
+        penalties = uses_penalties(start.sampling)
+        if start_needs_tokens(successor, start.entry_rank, self.manifest.size, penalties=penalties):
+            return start
+        return start.withheld()
+
     def _forwards(self, origin_rank: int) -> bool:
         """Whether a ring-circling frame from ``origin_rank`` goes on to our successor."""
         return (self.rank + 1) % self.manifest.size != origin_rank
@@ -274,6 +291,10 @@ class Node:
     async def _on_start(self, start: StartRequest) -> None:
         if start.entry_node_id == self.config.node_id:
             return  # our own START came back around the ring
+        if self.first and not start.prompt:  # rank 0 embeds the prompt: a sender withheld what it must not
+            reason = "rank 0 got a START without the prompt's token ids"
+            await self._send(Error.truncating(ErrorCode.BAD_REQUEST, reason, self.rank, start.request_id))
+            return
         try:
             state = self._register(start, entry=None)
         except RequestRefused as exc:
@@ -283,7 +304,7 @@ class Node:
             await self._send(Error.truncating(ErrorCode.STAGE_FAILED, str(exc), self.rank, start.request_id))
             return
         if self._forwards(start.entry_rank):
-            await self._send(start)
+            await self._send(self._outgoing_start(start))
         if self.first:
             self._spawn_prefill(state)
 
@@ -465,7 +486,7 @@ class Node:
             state = self._register(start, entry)
             handle = RequestHandle(start.request_id, len(prompt), entry.receive)
             try:
-                await self._send(start)
+                await self._send(self._outgoing_start(start))
                 if self.first:
                     self._spawn_prefill(state)
                 yield handle

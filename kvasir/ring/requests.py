@@ -9,6 +9,7 @@ from typing import Protocol
 import attrs
 import trio
 
+from kvasir.core.sampling import SamplingParams
 from kvasir.core.stops import find_stop
 from kvasir.errors import InputError, InvalidRequest, RequestRefused
 from kvasir.ring.compute import RingStage, TokenSampler
@@ -132,7 +133,29 @@ class RequestState:
 
     @property
     def prompt_len(self) -> int:
-        return len(self.start.prompt)
+        return self.start.prompt_length
+
+
+def start_needs_tokens(receiver: int, entry: int, size: int, *, penalties: bool) -> bool:
+    """Whether the START sent to ``receiver`` must carry the prompt's token ids (pure).
+
+    Only rank 0 needs them (it embeds the prompt), and the last rank when repeat penalties look at the prompt; a START
+    goes from its entry round to the rank before it, so it carries them while one of those is still ahead.
+    """
+    needed = {0, size - 1} if penalties else {0}
+    k = receiver % size
+    for _ in range(size):
+        if k == entry:
+            return False
+        if k in needed:
+            return True
+        k = (k + 1) % size
+    return False
+
+
+def uses_penalties(params: SamplingParams) -> bool:
+    """Whether the sampler's repeat penalties read the prompt (greedy ignores every other setting)."""
+    return params.temperature != 0.0 and params.repeat_penalty != 1.0 and params.repeat_last_n != 0
 
 
 REASONS = {
@@ -196,12 +219,12 @@ class RequestTable:
         if start.request_id in self._states:
             raise InvalidRequest(ErrorCode.BAD_REQUEST, f"request {start.request_id:x} is already in flight")
         n_ctx = self.stage.config.n_ctx
-        if len(start.prompt) + start.max_tokens > n_ctx:
+        if start.prompt_length + start.max_tokens > n_ctx:
             raise InvalidRequest(
                 ErrorCode.CONTEXT_FULL,
-                f"prompt ({len(start.prompt)}) + max_tokens ({start.max_tokens}) exceed the context of {n_ctx}",
+                f"prompt ({start.prompt_length}) + max_tokens ({start.max_tokens}) exceed the context of {n_ctx}",
             )
-        if check_vocab:
+        if check_vocab and start.prompt:  # a withheld START was checked by the nodes that hold the tokens
             try:
                 self.stage.vocab.check_tokens(start.prompt)
             except InputError as exc:
@@ -230,7 +253,7 @@ class RequestTable:
                 "type": "request",
                 "state": "start",
                 "request": start.request_id,
-                "prompt_tokens": len(start.prompt),
+                "prompt_tokens": start.prompt_length,
                 "entry_rank": start.entry_rank,
             }
         )

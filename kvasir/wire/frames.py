@@ -46,6 +46,8 @@ NO_REQUEST = 0
 
 #: Header flag: on a BOUNDARY, the last rank samples after this chunk (final prefill chunk, or a decode step).
 FLAG_FINAL = 0x0001
+#: START only: the prompt's token ids are withheld (the receiver and the rest of its way round need only the length).
+FLAG_WITHHELD = 0x0002
 
 HEADER = struct.Struct("<2sBBHHQiI")
 HEADER_SIZE = HEADER.size  # 24
@@ -155,7 +157,7 @@ _BODY_SIZES: dict[FrameType, tuple[int, int | None]] = {
     FrameType.KEEPALIVE: (0, 0),
 }
 _LINK_FRAMES = frozenset({FrameType.HELLO, FrameType.KEEPALIVE})
-_ALLOWED_FLAGS: dict[FrameType, int] = {FrameType.BOUNDARY: FLAG_FINAL}
+_ALLOWED_FLAGS: dict[FrameType, int] = {FrameType.BOUNDARY: FLAG_FINAL, FrameType.START: FLAG_WITHHELD}
 _TYPE_CODES = frozenset(t.value for t in FrameType)
 
 
@@ -321,15 +323,30 @@ class StartRequest:
     entry_node_id: str
     sampling: SamplingParams = attrs.field(factory=SamplingParams)
     stop: tuple[str, ...] = attrs.field(default=(), converter=_tuple_of_str)
+    #: When the token ids are withheld (FLAG_WITHHELD): the prompt's length, and ``prompt`` is empty.
+    withheld_length: int = 0
 
     @property
     def latest_token(self) -> int:
         return NO_TOKEN  # nothing has been sampled yet
 
+    @property
+    def prompt_length(self) -> int:
+        return self.withheld_length or len(self.prompt)
+
+    def withheld(self) -> StartRequest:
+        """This START without the prompt's token ids (for nodes that need only its length)."""
+        return self if self.withheld_length else attrs.evolve(self, prompt=(), withheld_length=len(self.prompt))
+
     def __attrs_post_init__(self) -> None:
         k = "START"
         _check_request(k, self.request_id, NO_TOKEN)
-        _check_int(k, "prompt length", len(self.prompt), 1, MAX_PROMPT_TOKENS)
+        if self.withheld_length:
+            _check_int(k, "prompt length", self.withheld_length, 1, MAX_PROMPT_TOKENS)
+            if self.prompt:
+                raise ProtocolError(f"{k} frame: a withheld prompt carries no token ids")
+        else:
+            _check_int(k, "prompt length", len(self.prompt), 1, MAX_PROMPT_TOKENS)
         for i, tok in enumerate(self.prompt):
             if type(tok) is not int or not 0 <= tok <= I32_MAX:
                 raise ProtocolError(f"{k} frame: prompt[{i}] = {tok!r} is not a token id in [0, {I32_MAX}]")
@@ -344,16 +361,18 @@ class StartRequest:
 
     def to_wire(self) -> bytes:
         parts = [
-            _START_FIXED.pack(self.entry_rank, self.max_tokens, len(self.prompt), len(self.stop), b""),
+            _START_FIXED.pack(self.entry_rank, self.max_tokens, self.prompt_length, len(self.stop), b""),
             _pack_sampling(self.sampling),
             pack_text(self.entry_node_id),
             np.asarray(self.prompt, dtype="<i4").tobytes(),
             *(pack_text(s) for s in self.stop),
         ]
-        return _pack(self.TYPE, b"".join(parts), request_id=self.request_id)
+        flags = FLAG_WITHHELD if self.withheld_length else 0
+        return _pack(self.TYPE, b"".join(parts), request_id=self.request_id, flags=flags)
 
     @classmethod
     def _from_body(cls, header: FrameHeader, r: BodyReader) -> Self:
+        withheld = bool(header.flags & FLAG_WITHHELD)
         if header.latest_token != NO_TOKEN:
             raise r.fail("latest token must be -1 (nothing sampled yet)")
         entry_rank, max_tokens, n_prompt, n_stop, pad = r.unpack(_START_FIXED, "fixed fields")
@@ -365,15 +384,15 @@ class StartRequest:
             raise r.fail(f"stop count {n_stop} exceeds {MAX_STOP_STRINGS}")
         sampling = _unpack_sampling(r)
         entry_node_id = r.text("entry node id", MAX_ID_BYTES)
-        tokens = np.frombuffer(r.take(4 * n_prompt, "prompt"), dtype="<i4")
-        if n_prompt and int(tokens.min()) < 0:
+        tokens = np.frombuffer(r.take(0 if withheld else 4 * n_prompt, "prompt"), dtype="<i4")
+        if len(tokens) and int(tokens.min()) < 0:
             bad = int(np.argmax(tokens < 0))
             raise r.fail(f"prompt[{bad}] = {int(tokens[bad])} is negative")
         stop = tuple(r.text(f"stop[{i}]", MAX_STOP_BYTES) for i in range(n_stop))
         r.finish()
         return cls(
             header.request_id, tuple(tokens.tolist()), max_tokens, entry_rank, entry_node_id,
-            sampling, stop,
+            sampling, stop, n_prompt if withheld else 0,
         )  # fmt: skip
 
     @classmethod
