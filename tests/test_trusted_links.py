@@ -248,7 +248,7 @@ class PerLinkNetwork(MemoryNetwork):
         return _Tap(await super().connect(host, port), self.sent.setdefault(port, bytearray()))
 
 
-def _starts(data: bytes) -> list[StartRequest]:
+def _starts(data: bytes | bytearray) -> list[StartRequest]:
     decoder = FrameDecoder()
     return [f for f in decoder.feed(bytes(data)) if isinstance(f, StartRequest)]
 
