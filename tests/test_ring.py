@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import signal
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -192,3 +193,30 @@ def test_a_request_another_node_refuses_ends_with_its_error_code(
         end = ring_generate(ring.sockets[0], PROMPTS[0], 100)
         assert end["reason"] == "error" and end["code"] == "context_full" and "context of 64" in end["error"]
         assert ring_generate(ring.sockets[0], PROMPTS[0], 10)["reason"] in ("max_tokens", "eog")  # still serving
+
+
+def test_a_killed_node_fails_in_flight_requests_fast_and_frees_every_node(
+    tiny_model: Callable[..., Path], cache_dir: Path
+) -> None:
+    """SIGKILL of the middle rank mid-answer: the client gets an error within seconds (not the 120 s stall timer),
+    the other nodes stay up with every sequence free, and once the rank is back the ring answers as before."""
+    model = tiny_model("llama", "f32")
+    with running_ring(model, [(0, 2), (2, 4), (4, 6)], cache_dir) as ring, ControlClient(ring.sockets[0], 60) as c:
+        stream = c.generate(prompt=PROMPTS[0], max_tokens=400)
+        assert next(stream)["type"] == "accepted"
+        assert next(stream)["type"] == "token"
+        killed_at = time.monotonic()
+        ring.processes[1].kill()
+        ring.processes[1].wait(timeout=10)
+        end = next(m for m in stream if m["type"] == "end")
+        waited = time.monotonic() - killed_at
+        assert end["reason"] == "error" and end["code"] == "link_lost", end
+        assert waited < 15, f"the error took {waited:.1f} s"
+        for k in (0, 2):
+            assert ring.processes[k].poll() is None
+            with ControlClient(ring.sockets[k], 10) as s:
+                assert s.status()["requests"]["free_sequences"] == 8
+        ring.restart(1)
+        ring.wait_ready(timeout=60)
+        expected = whole_model_tokens(model, PROMPTS[0], 8)
+        assert ring_generate(ring.sockets[0], PROMPTS[0], 8)["tokens"] == expected

@@ -16,3 +16,4 @@ class ErrorCode(enum.IntEnum):
     STAGE_FAILED = 8
     INTERNAL = 9
     SHUTTING_DOWN = 10
+    LINK_LOST = 11  # the sender lost its link to a neighbour with the request in flight: it cannot go on

@@ -136,6 +136,7 @@ class LinkManager:
         manifest: Callable[[], Manifest],
         on_frame: Callable[[Frame], Awaitable[None]],
         on_link_error: Callable[[], None] = lambda: None,
+        on_link_lost: Callable[[Side], Awaitable[None]] | None = None,
         keepalive_interval: float = 1.0,
         idle_timeout: float | None = None,
         link_wait: float = 30.0,
@@ -149,6 +150,7 @@ class LinkManager:
         self._manifest = manifest
         self._on_frame = on_frame
         self._on_link_error = on_link_error
+        self._on_link_lost = on_link_lost
         self.keepalive_interval = keepalive_interval
         self.idle_timeout = idle_timeout if idle_timeout is not None else 3 * keepalive_interval
         self.link_wait = link_wait
@@ -323,6 +325,9 @@ class LinkManager:
             if self.predecessor is link:
                 self.predecessor = None
                 self.predecessor_state = "waiting"
+                if self._on_link_lost is not None:
+                    with trio.CancelScope(shield=True):  # the node's requests must hear of it even as we stop
+                        await self._on_link_lost(Side.PREDECESSOR)
             await link.aclose()
 
     async def _read_predecessor(self, link: Link) -> None:
@@ -431,6 +436,9 @@ class LinkManager:
         finally:
             self.successor = None
             self._succ_ready = trio.Event()
+            if self._on_link_lost is not None:
+                with trio.CancelScope(shield=True):
+                    await self._on_link_lost(Side.SUCCESSOR)
 
     async def _read_successor(self, link: Link) -> None:
         """The successor only sends keepalives (echoes, or its own when quiet) and link-level errors backwards."""

@@ -58,12 +58,17 @@ from kvasir.wire import (
     Frame,
     Hello,
     SamplingParams,
+    Side,
     StartRequest,
     Token,
     choose_dtype,
 )
 
 log = logging.getLogger("kvasir.node")
+
+#: After losing its successor, how long a node waits for the error that comes round the ring before failing a request
+#: on its own (the node after the break sends it at once; this covers a ring broken in two places).
+LINK_LOST_GRACE_S = 5.0
 
 #: What a node shows of the market it enrolled through (None: started from a manifest).
 MarketView = Callable[[], Sequence[MarketWindow] | None]
@@ -188,6 +193,7 @@ class Node:
             manifest=lambda: self.manifest,
             on_frame=self._on_frame,
             on_link_error=self._count_error,
+            on_link_lost=self._link_lost,
             keepalive_interval=config.keepalive_interval,
             idle_timeout=config.idle_timeout,
             link_wait=config.link_wait,
@@ -225,6 +231,28 @@ class Node:
                 continue
             with trio.move_on_after(1):
                 await self._originate_error(state, ErrorCode.SHUTTING_DOWN, f"node rank {self.rank} is shutting down")
+
+    async def _link_lost(self, side: Side) -> None:
+        """A live link ended: the frames in transit on it are gone, so no request in flight here can go on. Fail them
+        now (not after the stall timer): errors travel on from the node after the break round to the node before it,
+        so every live node frees them and the entry node answers its client."""
+        message = f"rank {self.rank} lost its {side.value} link"
+        for state in list(self.requests):
+            if state.done:
+                continue
+            if side is Side.PREDECESSOR:
+                with trio.move_on_after(2):
+                    await self._originate_error(state, ErrorCode.LINK_LOST, message)
+            else:
+                # Nothing can be sent forward. The node after the break reports it round the ring to us, and a
+                # leaving successor's own SHUTTING_DOWN comes round too (it says why): wait for those first.
+                self._nursery.start_soon(self._fail_unless_ended, state, message)
+
+    async def _fail_unless_ended(self, state: RequestState, message: str) -> None:
+        await trio.sleep(LINK_LOST_GRACE_S)
+        if not state.done:
+            self.requests.errors += 1
+            await self.requests.finish(state, "error", message, ErrorCode.LINK_LOST)
 
     def _count_error(self) -> None:
         self.requests.errors += 1
