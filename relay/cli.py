@@ -44,7 +44,10 @@ def add_parser(subparsers: Any) -> None:
     # Secrets never on a command line (/proc/*/cmdline is world-readable): the v1 secret comes from a file only.
     parser.add_argument("--secret-file", metavar="PATH", help="file holding a keyless (v1) ring's secret in hex")
     parser.add_argument("--max-message-bytes", type=int, default=None, metavar="N", help="largest message")
-    parser.add_argument("--max-conns-per-ip", type=int, default=32, metavar="N", help="default %(default)s")
+    parser.add_argument(
+        "--max-conns-per-ip", type=int, default=32, metavar="N", help="per IPv4 address or IPv6 /64 (%(default)s)"
+    )
+    parser.add_argument("--max-connections", type=int, default=1024, metavar="N", help="all addresses (%(default)s)")
     parser.add_argument(
         "--market",
         nargs="?",
@@ -117,6 +120,7 @@ def build_config(args: argparse.Namespace) -> Any:
         wait_timeout=args.wait_timeout,
         max_message_bytes=max_message,
         max_conns_per_ip=args.max_conns_per_ip,
+        max_connections=args.max_connections,
     )
 
 
