@@ -17,8 +17,8 @@ from kvasir.errors import InputError
 from kvasir.ring.edges import RingEdges, relay_edge_id
 from kvasir.ring.manifest import Manifest, RankEntry, parse_manifest
 from relay import Relay, RelayConfig, RelayConnectError, Role, open_relay_link
-from relay.grant import EdgeGrant, make_token, read_grant, sign_grant
-from relay.ringlink import grant_relay_edges, relay_connector
+from relay.grant import MAX_TOKEN_LIFETIME, EdgeGrant, make_token, read_grant, sign_grant
+from relay.ringlink import grant_connector, grant_relay_edges, relay_connector
 
 SHA = "ab" * 32
 SECRET = "cd" * 16
@@ -66,6 +66,22 @@ async def test_a_keyed_ring_joins_with_its_operators_grants(start_relay: StartRe
     url = await start_relay(trusted_keys=frozenset({operator.public}))  # no secret at all
     for rank in range(3):
         await _pair(url, manifest, list(ids), rank)
+
+
+async def test_each_connect_signs_a_fresh_token(start_relay: StartRelay) -> None:
+    """Tokens live ten minutes, so a node that redials an hour later must sign anew rather than reuse one."""
+    operator = Identity.generate()
+    manifest, ids = keyed(operator)
+    now = [float(int(time.time()))]
+    url = await start_relay(trusted_keys=frozenset({operator.public}), clock=lambda: now[0])
+    edge = relay_edge_id(manifest, 1)
+    up = grant_connector(ids[0], manifest.ranks[0].grants, clock=lambda: now[0])
+    down = grant_connector(ids[1], manifest.ranks[1].grants, clock=lambda: now[0])
+    for _ in range(2):
+        async with up(url, edge, upstream=True) as a, down(url, edge, upstream=False) as b:
+            await a.send_message(b"x")
+            assert await b.receive_message() == b"x"
+        now[0] += 3 * MAX_TOKEN_LIFETIME
 
 
 async def test_a_keyless_ring_still_joins_with_its_secret(start_relay: StartRelay) -> None:
