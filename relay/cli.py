@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvasir.core.identity import PublicKey
 from kvasir.errors import InputError
 from kvasir.util.addr import parse_hostport
 from relay.errors import RelayConfigError
@@ -30,11 +31,23 @@ def add_parser(subparsers: Any) -> None:
         metavar="S",
         help="how long an end waits alone (%(default)s)",
     )
-    secret = parser.add_mutually_exclusive_group()
-    secret.add_argument("--secret-file", metavar="PATH", help="file holding the ring secret in hex")
-    secret.add_argument("--secret-hex", metavar="HEX", help="the ring secret in hex")
+    parser.add_argument(
+        "--trust-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="admit edges granted by this operator key (ed25519:...; v2 tokens); repeatable",
+    )
+    parser.add_argument(
+        "--trusted-keys-file", metavar="PATH", help="operator keys to trust, one per line (# comments allowed)"
+    )
+    # Secrets never on a command line (/proc/*/cmdline is world-readable): the v1 secret comes from a file only.
+    parser.add_argument("--secret-file", metavar="PATH", help="file holding a keyless (v1) ring's secret in hex")
     parser.add_argument("--max-message-bytes", type=int, default=None, metavar="N", help="largest message")
-    parser.add_argument("--max-conns-per-ip", type=int, default=32, metavar="N", help="default %(default)s")
+    parser.add_argument(
+        "--max-conns-per-ip", type=int, default=32, metavar="N", help="per IPv4 address or IPv6 /64 (%(default)s)"
+    )
+    parser.add_argument("--max-connections", type=int, default=1024, metavar="N", help="all addresses (%(default)s)")
     parser.add_argument(
         "--market",
         nargs="?",
@@ -55,21 +68,37 @@ def parse_listen(text: str, flag: str = "--listen") -> tuple[str, int]:
         raise RelayConfigError(str(exc)) from None
 
 
-def _parse_secret(args: argparse.Namespace) -> bytes:
-    if args.secret_file is not None:
-        try:
-            text = Path(args.secret_file).read_text(encoding="ascii")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise RelayConfigError(f"cannot read --secret-file {args.secret_file}: {exc}") from exc
-        source = "--secret-file"
-    elif args.secret_hex is not None:
-        text, source = args.secret_hex, "--secret-hex"
-    else:
-        raise RelayConfigError("the ring secret is required: --secret-file or --secret-hex")
+def _parse_secret(args: argparse.Namespace) -> bytes | None:
+    if args.secret_file is None:
+        return None
+    try:
+        text = Path(args.secret_file).read_text(encoding="ascii")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RelayConfigError(f"cannot read --secret-file {args.secret_file}: {exc}") from exc
     try:
         return bytes.fromhex(text.strip())
     except ValueError:
-        raise RelayConfigError(f"{source} must be hexadecimal") from None
+        raise RelayConfigError("--secret-file must hold hexadecimal") from None
+
+
+def _parse_trusted_keys(args: argparse.Namespace) -> frozenset[PublicKey]:
+    texts = [(f"--trust-key {k[:20]}", k) for k in args.trust_key]
+    if args.trusted_keys_file is not None:
+        try:
+            lines = Path(args.trusted_keys_file).read_text(encoding="ascii").splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise RelayConfigError(f"cannot read --trusted-keys-file {args.trusted_keys_file}: {exc}") from exc
+        for n, line in enumerate(lines, 1):
+            text = line.partition("#")[0].strip()
+            if text:
+                texts.append((f"{args.trusted_keys_file}:{n}", text))
+    keys = set()
+    for where, text in texts:
+        try:
+            keys.add(PublicKey.from_text(text.strip()))
+        except InputError as exc:
+            raise RelayConfigError(f"{where}: {exc}") from None
+    return frozenset(keys)
 
 
 def build_config(args: argparse.Namespace) -> Any:
@@ -78,8 +107,12 @@ def build_config(args: argparse.Namespace) -> Any:
 
     host, port = parse_listen(args.listen)
     max_message = DEFAULT_MAX_MESSAGE_BYTES if args.max_message_bytes is None else args.max_message_bytes
+    secret, trusted = _parse_secret(args), _parse_trusted_keys(args)
+    if secret is None and not trusted:
+        raise RelayConfigError("name the operator keys to trust (--trust-key, --trusted-keys-file) or --secret-file")
     return RelayConfig(
-        secret=_parse_secret(args),
+        secret=secret,
+        trusted_keys=trusted,
         host=host,
         port=port,
         tls_cert=args.tls_cert,
@@ -87,6 +120,7 @@ def build_config(args: argparse.Namespace) -> Any:
         wait_timeout=args.wait_timeout,
         max_message_bytes=max_message,
         max_conns_per_ip=args.max_conns_per_ip,
+        max_connections=args.max_connections,
     )
 
 

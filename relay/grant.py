@@ -98,6 +98,20 @@ def sign_grant(operator: Identity, grant: EdgeGrant) -> str:
     return f"{_b64(data)}.{_b64(operator.sign(data))}"
 
 
+def read_grant(signed_grant: str) -> EdgeGrant:
+    """The grant inside ``<grant>.<signature>``, checked against its own issuer's signature (whether that issuer is
+    trusted is the relay's question). A node reads its grants from the manifest with it, to pick the one for an
+    edge and role and to catch a damaged or misplaced grant at start rather than at the relay."""
+    grant_text, dot, sig_text = signed_grant.partition(".")
+    if not dot or len(signed_grant) > MAX_TOKEN_CHARS:
+        raise EdgeTokenError("malformed edge grant")
+    data = _unb64(grant_text, "grant")
+    grant = EdgeGrant.from_bytes(data)
+    if not grant.issuer.verify(_unb64(sig_text, "grant signature"), data):
+        raise EdgeTokenError("edge grant signature does not verify")
+    return grant
+
+
 def make_token(holder: Identity, signed_grant: str, expires_at: int) -> str:
     """The token a node presents to the relay: its grant and its own signature over a short expiry."""
     grant_text, _, _ = signed_grant.partition(".")

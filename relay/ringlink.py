@@ -1,22 +1,31 @@
-"""A ring link through the relay: what a node passes to :class:`kvasir.ring.node.NodeConfig` as ``relay_connect``.
+"""Ring links through the relay: the :class:`kvasir.ring.edges.RelayConnect` a node's owner builds and passes to
+:class:`kvasir.ring.node.NodeConfig` as ``relay_connect``, and the operator's side (signing a ring's edge grants).
 
-The ring layer does not import the relay (it sits below it); a node's owner hands it this function instead.
+The ring layer does not import the relay (it sits below it), and never sees a token or secret: the owner builds the
+connector with the node's credentials. A keyed ring (every rank names its key) joins with v2 tokens: the operator's
+grant from the manifest plus the node's own signature over a 10-minute expiry, made afresh at every (re)connect. A
+keyless ring joins with v1 HMAC tokens keyed by the manifest's secret (private networks and the market path only).
 """
 
 from __future__ import annotations
 
 import ssl
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 import trio
 
+from kvasir.core.identity import Identity
+from kvasir.errors import InputError
+from kvasir.ring.edges import RelayConnect, relay_edge_id
+from kvasir.ring.manifest import Manifest
 from relay.client import RelayLink, open_relay_link
-from relay.errors import RelayLinkClosed
+from relay.errors import EdgeTokenError, RelayLinkClosed
+from relay.grant import MAX_TOKEN_LIFETIME, EdgeGrant, make_token, read_grant, sign_grant
 from relay.token import Role, make_edge_token
 
-#: Lifetime of the edge tokens a node signs for itself.
+#: Lifetime of the v1 edge tokens a node of a keyless ring signs for itself.
 TOKEN_LIFETIME_S = 24 * 3600
 
 
@@ -43,10 +52,86 @@ class EdgeChannel:
 
 
 @asynccontextmanager
-async def connect_ring_edge(url: str, secret: bytes, edge_id: str, *, upstream: bool) -> AsyncIterator[EdgeChannel]:
-    """Join ``edge_id`` of the relay at ``url`` as its upstream (boundary-sending) or downstream end."""
-    role = Role.UPSTREAM if upstream else Role.DOWNSTREAM
-    token = make_edge_token(secret, edge_id, role, int(time.time()) + TOKEN_LIFETIME_S)
+async def _open_edge(url: str, edge: str, role: Role, token: str, *, bearer: bool) -> AsyncIterator[EdgeChannel]:
     ctx = ssl.create_default_context() if url.startswith("wss://") else None
-    async with open_relay_link(url, edge_id, role, token, ssl_context=ctx) as rl:  # RelayConnectError: a RingError
+    async with open_relay_link(url, edge, role, token, bearer=bearer, ssl_context=ctx) as rl:  # errors: RingError
         yield EdgeChannel(rl)
+
+
+def _role(upstream: bool) -> Role:
+    return Role.UPSTREAM if upstream else Role.DOWNSTREAM
+
+
+def secret_connector(secret: bytes) -> RelayConnect:
+    """v1 (keyless rings): each connection carries an HMAC token keyed by the ring secret, in the URL query."""
+
+    def connect(url: str, edge_id: str, *, upstream: bool) -> AbstractAsyncContextManager[EdgeChannel]:
+        role = _role(upstream)
+        token = make_edge_token(secret, edge_id, role, int(time.time()) + TOKEN_LIFETIME_S)
+        return _open_edge(url, edge_id, role, token, bearer=False)
+
+    return connect
+
+
+def grant_connector(identity: Identity, grants: Iterable[str], clock: Callable[[], float] = time.time) -> RelayConnect:
+    """v2 (keyed rings): join with the operator's grant for the edge and role, under a fresh token signed by
+    ``identity`` that lives :data:`~relay.grant.MAX_TOKEN_LIFETIME` seconds, sent in the Authorization header."""
+    by_edge: dict[tuple[str, Role], str] = {}
+    for signed in grants:
+        grant = read_grant(signed)
+        if grant.holder != identity.public:
+            raise InputError(f"an edge grant for {grant.edge} names key {grant.holder.fingerprint}, not this node's")
+        by_edge[grant.edge, grant.role] = signed
+
+    def connect(url: str, edge_id: str, *, upstream: bool) -> AbstractAsyncContextManager[EdgeChannel]:
+        role = _role(upstream)
+        signed = by_edge.get((edge_id, role))
+        if signed is None:
+            raise InputError(f"no edge grant for {edge_id} as {role.name.lower()} in the manifest")
+        token = make_token(identity, signed, int(clock()) + MAX_TOKEN_LIFETIME)
+        return _open_edge(url, edge_id, role, token, bearer=True)
+
+    return connect
+
+
+def relay_connector(manifest: Manifest, rank: int, identity: Identity | None) -> RelayConnect | None:
+    """What admits rank ``rank`` to its relay edges: v2 grants in a keyed ring, else the v1 secret; None when the
+    manifest has neither (then a relayed link fails with a clear error in ``RingEdges.for_node``)."""
+    entry = manifest.rank(rank)
+    if manifest.secured:
+        if not entry.grants:
+            return None
+        if identity is None or identity.public != entry.key:
+            raise InputError(f"rank {rank}'s relay grants are for key {entry.key}: run with that --identity")
+        try:
+            return grant_connector(identity, entry.grants)
+        except EdgeTokenError as exc:
+            raise InputError(f"rank {rank}: bad edge grant in the manifest: {exc}") from None
+    if not manifest.secret:
+        return None
+    try:
+        return secret_connector(bytes.fromhex(manifest.secret))
+    except ValueError:
+        raise InputError("the manifest's secret must be hex") from None
+
+
+def grant_relay_edges(manifest: Manifest, operator: Identity, not_after: int) -> Manifest:
+    """``manifest`` (keyed) with ``operator`` as its operator and each rank holding grants for its two relay edges:
+    downstream on the edge into it, upstream on the edge out of it, valid until Unix time ``not_after`` (pure)."""
+    if not manifest.secured:
+        raise InputError("edge grants need a keyed ring: every rank names its key")
+    ring = manifest.ring_id
+    grants = []
+    for entry in manifest.ranks:
+        assert entry.key is not None  # secured
+        succ = manifest.successor(entry.rank).rank
+        grants.append(
+            [
+                sign_grant(
+                    operator,
+                    EdgeGrant(ring, relay_edge_id(manifest, edge_rank), role, entry.key, not_after, operator.public),
+                )
+                for edge_rank, role in ((entry.rank, Role.DOWNSTREAM), (succ, Role.UPSTREAM))
+            ]
+        )
+    return manifest.with_grants(operator.public, grants)

@@ -268,7 +268,7 @@ def test_relay_runs_the_market(tmp_path: Path) -> None:
     from tests.marketutil import Proc
 
     relay = Proc(
-        "relay", "--secret-hex", "00" * 16, "--listen", "127.0.0.1:0", "--market", "127.0.0.1:0",
+        "relay", "--trust-key", "ed25519:" + "A" * 43, "--listen", "127.0.0.1:0", "--market", "127.0.0.1:0",
         "--db", str(tmp_path / "m.sqlite"),
     )  # fmt: skip
     try:

@@ -160,13 +160,14 @@ def test_enrollment_through_a_relay_with_the_market_inside_it(tiny_model: Callab
     model = tiny_model("llama", "q8_0")
     want = whole_model_tokens(model, PROMPT, 12)
     secret = "cd" * 16
+    (tmp_path / "relay.secret").write_text(secret)
     with procs() as ps:
         relay = Proc(
             "relay",
             "--listen",
             "127.0.0.1:0",
-            "--secret-hex",
-            secret,
+            "--secret-file",
+            str(tmp_path / "relay.secret"),
             "--market",
             "127.0.0.1:0",
             "--db",

@@ -20,6 +20,7 @@ import trio
 import trio_websocket
 from trio_websocket import ConnectionClosed
 
+from kvasir.core.identity import Identity, PublicKey
 from kvasir.errors import InputError, ProtocolError, RingError
 from relay import (
     CloseCode,
@@ -38,6 +39,7 @@ from relay import (
 )
 from relay import cli as relay_cli
 
+KEY_TEXT = Identity.generate().public.to_text()
 SECRET = bytes(range(32))
 FAR = 4_000_000_000  # an expiry in 2096
 UP, DOWN = Role.UPSTREAM, Role.DOWNSTREAM
@@ -589,21 +591,35 @@ def test_cli_builds_config(tmp_path: Path) -> None:
     assert (config.host, config.port, config.secret) == ("::1", 9000, SECRET)
     assert (config.wait_timeout, config.max_message_bytes, config.max_conns_per_ip) == (5.0, 2048, 3)
     assert args.run is relay_cli.run
-    default = relay_cli.build_config(_parse(["--secret-hex", SECRET.hex()]))
-    assert (default.host, default.port) == ("127.0.0.1", 8443)
+    default = relay_cli.build_config(_parse(["--trust-key", KEY_TEXT]))
+    assert (default.host, default.port, default.secret) == ("127.0.0.1", 8443, None)
+
+
+def test_cli_trusts_keys_from_flags_and_a_file(tmp_path: Path) -> None:
+    other = Identity.generate().public
+    keys_file = tmp_path / "trusted"
+    keys_file.write_text(f"# operators\n{other.to_text()}  # the market\n\n")
+    config = relay_cli.build_config(_parse(["--trust-key", KEY_TEXT, "--trusted-keys-file", str(keys_file)]))
+    assert config.trusted_keys == {PublicKey.from_text(KEY_TEXT), other} and config.secret is None
+
+
+def test_cli_takes_no_secret_on_the_command_line() -> None:
+    with pytest.raises(SystemExit):
+        _parse(["--secret-hex", SECRET.hex()])
 
 
 @pytest.mark.parametrize(
     "argv",
     [
-        [],  # no secret
-        ["--secret-hex", "zz"],
-        ["--secret-hex", "00ff"],  # too short
-        ["--secret-hex", SECRET.hex(), "--listen", "nohost"],
-        ["--secret-hex", SECRET.hex(), "--listen", "h:99999"],
-        ["--secret-hex", SECRET.hex(), "--wait-timeout", "0"],
-        ["--secret-hex", SECRET.hex(), "--max-conns-per-ip", "0"],
-        ["--secret-hex", SECRET.hex(), "--tls-cert", "c.pem"],
+        [],  # neither a key to trust nor a secret
+        ["--trust-key", "zz"],
+        ["--trust-key", "ed25519:AAAA"],  # too short
+        ["--trusted-keys-file", "/nonexistent/keys"],
+        ["--trust-key", KEY_TEXT, "--listen", "nohost"],
+        ["--trust-key", KEY_TEXT, "--listen", "h:99999"],
+        ["--trust-key", KEY_TEXT, "--wait-timeout", "0"],
+        ["--trust-key", KEY_TEXT, "--max-conns-per-ip", "0"],
+        ["--trust-key", KEY_TEXT, "--tls-cert", "c.pem"],
         ["--secret-file", "/nonexistent/secret"],
     ],
 )
@@ -615,6 +631,6 @@ def test_cli_bad_arguments_are_input_errors(argv: list[str]) -> None:
 
 def test_cli_unusable_tls_files_are_input_errors(tmp_path: Path) -> None:
     tls = ["--tls-cert", str(tmp_path / "missing.pem"), "--tls-key", str(tmp_path / "missing.key")]
-    args = _parse(["--secret-hex", SECRET.hex(), "--listen", "127.0.0.1:0", *tls])
+    args = _parse(["--trust-key", KEY_TEXT, "--listen", "127.0.0.1:0", *tls])
     with pytest.raises(RelayConfigError, match="cannot listen"):
         relay_cli.run(args)

@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 
 from kvasir.control.client import ControlClient
+from kvasir.core.identity import create_identity
 from kvasir.local.launcher import LocalRing
-from kvasir.ring.manifest import Manifest, RankEntry
+from kvasir.ring.manifest import Manifest, RankEntry, load_manifest
 from kvasir.shard.cache import model_sha256, stage_files
+from relay.ringlink import grant_relay_edges
 from tests.netns import PHONE_IP, PUB_IP, carrier_nat, listening_tcp, netns_unavailable
 from tests.ringutil import ring_generate, running_ring, whole_model_tokens
 
@@ -21,6 +23,7 @@ PROMPT = "The relay bridges one ring edge"
 
 
 def test_every_link_through_the_relay(tiny_model: Callable[..., Path], cache_dir: Path) -> None:
+    """`ring up --relay`: v2 edge tokens under the run's operator key; no secret anywhere, on no command line."""
     model = tiny_model("llama", "q8_0")
     want = whole_model_tokens(model, PROMPT, 12)
     with running_ring(model, [(0, 2), (2, 4), (4, 6)], cache_dir, relay=True) as ring:
@@ -30,6 +33,16 @@ def test_every_link_through_the_relay(tiny_model: Callable[..., Path], cache_dir
             with ControlClient(ring.sockets[rank]) as c:
                 links = c.status()["links"]
             assert links["successor"]["kind"] == "relay" and links["predecessor"]["kind"] == "relay"
+        written = load_manifest(ring.run_dir / "ring.toml")
+        assert written.secret is None and written.operator is not None
+        assert all(len(r.grants) == 2 for r in written.ranks)
+        assert ring.relay is not None
+        argvs = {p.pid: Path(f"/proc/{p.pid}/cmdline").read_bytes().split(b"\0") for p in [*ring.processes, ring.relay]}
+        relay_argv = argvs[ring.relay.pid]
+        assert relay_argv[relay_argv.index(b"--trust-key") + 1] == written.operator.to_text().encode()
+        for argv in argvs.values():
+            assert not any(b"secret" in arg for arg in argv), argv
+        assert not list(ring.run_dir.glob("*secret*"))
 
 
 @pytest.mark.skipif(netns_unavailable() is not None, reason=str(netns_unavailable()))
@@ -40,7 +53,6 @@ def test_phone_behind_carrier_nat_as_middle_stage(
     want = whole_model_tokens(model, PROMPT, 12)
     windows = [(0, 2), (2, 4), (4, 6)]
     paths = stage_files(model, windows, cache_dir)
-    secret = "ab" * 16
     manifest = Manifest(
         model_sha256=model_sha256(model, cache_dir),
         n_layers=6,
@@ -49,9 +61,12 @@ def test_phone_behind_carrier_nat_as_middle_stage(
             RankEntry(1, 2, 4, PHONE_IP, 7101, str(paths[1]), link="relay"),  # the phone: both edges relayed
             RankEntry(2, 4, 6, PUB_IP, 7102, str(paths[2]), link="relay"),
         ),
-        secret=secret,
         relay=f"ws://{PUB_IP}:8443",
     )
+    # A keyed ring: each rank its own key, the relay edges granted by an operator key the relay trusts.
+    manifest = manifest.with_keys([create_identity(tmp_path / f"rank{k}.pem").public for k in range(3)])
+    operator = create_identity(tmp_path / "operator.pem")
+    manifest = grant_relay_edges(manifest, operator, int(time.time()) + 3600)
     manifest.write(tmp_path / "ring.toml")
     with carrier_nat() as nat:
         logs = [(tmp_path / f"{name}.log").open("wb") for name in ("relay", "rank0", "rank1", "rank2")]
@@ -64,8 +79,8 @@ def test_phone_behind_carrier_nat_as_middle_stage(
                 "relay",
                 "--listen",
                 f"{PUB_IP}:8443",
-                "--secret-hex",
-                secret,
+                "--trust-key",
+                operator.public.to_text(),
             ],
             stdout=logs[0],
             stderr=subprocess.STDOUT,
@@ -105,6 +120,8 @@ def test_phone_behind_carrier_nat_as_middle_stage(
                             "1",
                             "--ctx",
                             "512",
+                            "--identity",
+                            str(tmp_path / f"rank{k}.pem"),
                         ],
                         stdout=logs[k + 1],
                         stderr=subprocess.STDOUT,
@@ -148,8 +165,8 @@ def test_links_redial_when_the_relay_restarts(tiny_model: Callable[..., Path], c
                 "relay",
                 "--listen",
                 f"{host}:{port}",
-                "--secret-hex",
-                ring.manifest.secret or "",
+                "--trust-key",
+                str(ring.manifest.operator),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

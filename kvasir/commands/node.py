@@ -27,7 +27,7 @@ from kvasir.ring.node import Node, NodeConfig, open_node
 from kvasir.shard.cache import default_cache_dir, stage_files
 from kvasir.stage.engine import Stage, StageConfig
 from kvasir.wire import BoundaryDType
-from relay.ringlink import connect_ring_edge
+from relay.ringlink import relay_connector
 
 log = logging.getLogger("kvasir.node")
 
@@ -139,18 +139,20 @@ async def serve_node(manifest: Manifest, rank: int, config: StageConfig, args: a
     stage = await trio.to_thread.run_sync(Stage.load, config)
     try:
         await trio.to_thread.run_sync(lambda: stage.vocab)  # load the tokenizer before serving
+        # A keyed ring needs the node's identity; a keyless one uses it only if one was named.
+        identity = (
+            load_or_create_identity(args.identity or default_identity_path())
+            if manifest.secured or args.identity is not None
+            else None
+        )
         node_config = NodeConfig(
             manifest,
             rank,
             prefill_chunk=args.prefill_chunk,
             relay=args.relay,
-            relay_connect=connect_ring_edge,
-            # A keyed ring needs the node's identity; a keyless one uses it only if one was named.
-            identity=(
-                load_or_create_identity(args.identity or default_identity_path())
-                if manifest.secured or args.identity is not None
-                else None
-            ),
+            # v2 tokens from this node's key and grants (keyed ring), else the keyless ring's v1 secret.
+            relay_connect=relay_connector(manifest, rank, identity),
+            identity=identity,
             boundary_dtype=BoundaryDType[args.boundary_dtype.upper()],
         )
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:

@@ -24,6 +24,10 @@ from kvasir.errors import RingError
 from kvasir.ring.manifest import Manifest, RankEntry
 from kvasir.shard.cache import model_sha256, stage_files
 from kvasir.util.files import atomic_output
+from relay.ringlink import grant_relay_edges
+
+#: How long ``ring up --relay``'s edge grants last; the nodes' own tokens still live ten minutes at most.
+GRANT_LIFETIME_S = 30 * 24 * 3600
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
@@ -181,10 +185,15 @@ def start_ring(
         n_layers=windows[-1][1],
         ranks=tuple(RankEntry(k, a, b, host, ports[k], str(paths[k])) for k, (a, b) in enumerate(windows)),
         model_name=model.stem,
-        secret=secrets.token_hex(16),
+        # A keyless ring's relay edges need the v1 shared secret; a keyed ring's use the operator's grants instead.
+        secret=None if secure else secrets.token_hex(16),
     )
     if secure:
         manifest = manifest.with_keys([create_identity(run_dir / f"rank{k}.pem").public for k in range(len(windows))])
+        if relay:
+            # This run is the ring's operator: its key signs every rank's edge grants, the relay trusts only it.
+            operator = create_identity(run_dir / "operator.pem")
+            manifest = grant_relay_edges(manifest, operator, int(time.time()) + GRANT_LIFETIME_S)
     manifest_path = run_dir / "ring.toml"
     manifest.write(manifest_path)
     ring = LocalRing(manifest, run_dir, [], [], api_port, tied=tied)
@@ -218,11 +227,15 @@ def _launch(
     if relay:
         (relay_port,) = free_ports(1, host)
         relay_cmd = [sys.executable, "-m", "kvasir", "relay", "--listen", f"{host}:{relay_port}"]
-        secret_file = run_dir / "relay.secret"  # a file (0600), never argv: /proc/*/cmdline is world-readable
-        with atomic_output(secret_file) as tmp:
-            tmp.write_text(manifest.secret or "")
-            tmp.chmod(0o600)
-        ring.relay = spawn([*relay_cmd, "--secret-file", str(secret_file)], env, run_dir / "relay.log", tied=tied)
+        if manifest.operator is not None:
+            relay_cmd += ["--trust-key", manifest.operator.to_text()]  # public: fine on a command line
+        else:
+            secret_file = run_dir / "relay.secret"  # a file (0600), never argv: /proc/*/cmdline is world-readable
+            with atomic_output(secret_file) as tmp:
+                tmp.write_text(manifest.secret or "")
+                tmp.chmod(0o600)
+            relay_cmd += ["--secret-file", str(secret_file)]
+        ring.relay = spawn(relay_cmd, env, run_dir / "relay.log", tied=tied)
         ring.relay_url = f"ws://{host}:{relay_port}"
         wait_listening(host, relay_port, ring.relay, timeout=30)
         extra_args = [*extra_args, "--relay", ring.relay_url]

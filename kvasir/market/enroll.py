@@ -41,7 +41,7 @@ from kvasir.ring.status import MarketWindow
 from kvasir.shard.fetch import FetchResult, fetch_window, verify_stage
 from kvasir.stage.engine import Stage, StageConfig
 from kvasir.util.addr import format_hostport, parse_hostport
-from relay.ringlink import connect_ring_edge
+from relay.ringlink import relay_connector
 
 log = logging.getLogger("kvasir.enroll")
 
@@ -207,7 +207,7 @@ class Enrollment:
                     window.rank,
                     node_id=cfg.node_id,
                     relay=cfg.relay,
-                    relay_connect=connect_ring_edge,
+                    relay_connect=relay_connector(manifest, window.rank, None),
                     **cfg.node_options,
                 )
                 async with (

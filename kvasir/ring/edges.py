@@ -1,8 +1,10 @@
 """How a node reaches its two neighbours: direct TCP, or a relay edge that both ends dial out to.
 
-Edge ``{ring}-e{k}`` joins rank k-1 (upstream end, role 0x01) to rank k (downstream end, role 0x02); ``ring`` is a
-short hash of the manifest's secret, so two rings of the same model never share an edge. The relay itself is reached
-through a :class:`RelayConnect` the node's owner passes in (docs/protocol.md § Relay edges).
+Edge ``{ring}-e{k}`` joins rank k-1 (upstream end, role 0x01) to rank k (downstream end, role 0x02). ``ring`` is a
+short prefix of the manifest's ring id in a keyed ring (whose operator-signed edge grants name the full id, so the
+relay keeps rings apart by grant), else of a hash of the manifest's v1 secret, so two rings of the same model never
+share an edge. The relay itself is reached through a :class:`RelayConnect` the node's owner builds with whatever
+admits it (its key and grants, or a keyless ring's secret; docs/protocol.md § Relay edges).
 """
 
 from __future__ import annotations
@@ -29,17 +31,24 @@ class RelayChannel(Protocol):
 
 
 class RelayConnect(Protocol):
-    """Opens one relay edge; the relay package provides it (``relay.ringlink.connect_ring_edge``)."""
+    """Opens one relay edge as its upstream or downstream end. The node's owner builds it with the node's
+    credentials (``relay.ringlink.relay_connector``), so the ring never handles tokens or secrets."""
 
-    def __call__(
-        self, url: str, secret: bytes, edge_id: str, *, upstream: bool
-    ) -> AbstractAsyncContextManager[RelayChannel]: ...
+    def __call__(self, url: str, edge_id: str, *, upstream: bool) -> AbstractAsyncContextManager[RelayChannel]: ...
+
+
+def relay_edge_id(manifest: Manifest, rank: int) -> str:
+    """The relay edge into ``rank`` (from its predecessor)."""
+    if manifest.secured:
+        prefix = manifest.ring_id[:12]
+    else:
+        prefix = hashlib.sha256((manifest.secret or manifest.model_sha256).encode()).hexdigest()[:12]
+    return f"{prefix}-e{rank}"
 
 
 @attrs.frozen
 class RingEdges:
     relay_url: str | None
-    secret: bytes
     edge_in: str
     edge_out: str
     predecessor_relayed: bool
@@ -51,19 +60,23 @@ class RingEdges:
         cls, manifest: Manifest, rank: int, relay_override: str | None, connect: RelayConnect | None = None
     ) -> RingEdges:
         url = relay_override or manifest.relay
-        ring_id = hashlib.sha256((manifest.secret or manifest.model_sha256).encode()).hexdigest()[:12]
         me, succ = manifest.rank(rank), manifest.successor(rank)
         pred_relayed = url is not None and (relay_override is not None or me.link == "relay")
         succ_relayed = url is not None and (relay_override is not None or succ.link == "relay")
-        if (pred_relayed or succ_relayed) and not manifest.secret:
-            raise InputError('relayed links need a secret in the manifest ([model] secret = "hex…")')
-        try:
-            secret = bytes.fromhex(manifest.secret) if manifest.secret else b""
-        except ValueError:
-            raise InputError("the manifest's secret must be hex") from None
-        return cls(url, secret, f"{ring_id}-e{rank}", f"{ring_id}-e{succ.rank}", pred_relayed, succ_relayed, connect)
+        if pred_relayed or succ_relayed:
+            if manifest.secured and not me.grants:
+                raise InputError(
+                    f"rank {rank}'s relayed links need the operator's edge grants in the manifest "
+                    "([[rank]] grants; `kvasir ring up --relay` signs them)"
+                )
+            if not manifest.secured and not manifest.secret:
+                raise InputError(
+                    'relayed links of a keyless ring need a secret in the manifest ([model] secret = "hex…")'
+                )
+        edge_in, edge_out = relay_edge_id(manifest, rank), relay_edge_id(manifest, succ.rank)
+        return cls(url, edge_in, edge_out, pred_relayed, succ_relayed, connect)
 
     def open_relay(self, edge_id: str, *, upstream: bool) -> AbstractAsyncContextManager[RelayChannel]:
         if self.connect is None or self.relay_url is None:
             raise RingError("this node has relayed links but was given no relay connector (NodeConfig.relay_connect)")
-        return self.connect(self.relay_url, self.secret, edge_id, upstream=upstream)
+        return self.connect(self.relay_url, edge_id, upstream=upstream)

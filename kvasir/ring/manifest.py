@@ -6,13 +6,15 @@ address. ``docs/protocol.md`` § Rank manifest gives the format.
 sha256 = "a5fd…"          # identity of the whole GGUF; every node checks its neighbours against it
 layers = 18
 name = "gemma-3-270m"     # optional, shown by the API and the TUI
-secret = "hex…"           # optional, signs relay edge tokens
+secret = "hex…"           # optional, keyless rings only: keys v1 relay edge tokens
+operator = "ed25519:…"    # optional, keyed rings: the key that signs this ring's relay edge grants
 
 [[rank]]
 layers = [0, 6]
 listen = "127.0.0.1:7100" # where this rank accepts its predecessor (its successor dials the next rank's)
 stage = "stage-0.gguf"    # optional: this rank's stage file (else cut from --model)
 key = "ed25519:…"         # this rank's node key (`kvasir id`): links then authenticate and encrypt (protocol v2)
+grants = ["…", "…"]       # optional: the operator's signed relay edge grants for this rank's two edges
 ```
 
 A ring whose ranks all name a key runs protocol v2 links only (docs/protocol.md § Link security); a manifest
@@ -21,6 +23,7 @@ without keys runs unauthenticated v1 links in clear, for a private network only 
 
 from __future__ import annotations
 
+import hashlib
 import tomllib
 from collections.abc import Sequence
 from pathlib import Path
@@ -50,6 +53,8 @@ class RankEntry:
     link: str = "direct"
     #: The node key that holds this rank; None in a keyless (v1, unauthenticated) ring.
     key: PublicKey | None = None
+    #: Signed relay edge grants (relay/grant.py text form) held by ``key``: public, useless to anyone else.
+    grants: tuple[str, ...] = ()
 
     @property
     def address(self) -> str:
@@ -64,6 +69,8 @@ class Manifest:
     model_name: str = "model"
     secret: str | None = None
     relay: str | None = None
+    #: The key that signs this ring's relay edge grants (keyed rings); relays that trust it admit the ring.
+    operator: PublicKey | None = None
 
     @property
     def size(self) -> int:
@@ -83,15 +90,37 @@ class Manifest:
             raise InputError(f"{len(keys)} keys for {self.size} ranks")
         return attrs.evolve(self, ranks=tuple(attrs.evolve(r, key=k) for r, k in zip(self.ranks, keys, strict=True)))
 
+    @property
+    def ring_id(self) -> str:
+        """64 hex digits naming a keyed ring: sha256 over the model and the ranks' keys in order.
+
+        Edge grants are bound to it, so a grant of one ring is worthless on another; it does not depend on the
+        grants themselves, so it can be computed before they are added.
+        """
+        if not self.secured:
+            raise InputError("only a ring whose ranks all name a key has a ring id")
+        text = "\n".join(["kvasir-ring/v2", self.model_sha256, *(str(r.key) for r in self.ranks)])
+        return hashlib.sha256(text.encode("ascii")).hexdigest()
+
+    def with_grants(self, operator: PublicKey, grants: Sequence[Sequence[str]]) -> Manifest:
+        """This manifest with ``operator`` and rank k holding ``grants[k]``."""
+        if len(grants) != self.size:
+            raise InputError(f"grants for {len(grants)} ranks, the ring has {self.size}")
+        ranks = tuple(attrs.evolve(r, grants=tuple(g)) for r, g in zip(self.ranks, grants, strict=True))
+        return attrs.evolve(self, operator=operator, ranks=ranks)
+
     def rank(self, k: int) -> RankEntry:
         if not 0 <= k < self.size:
             raise InputError(f"rank {k} is not in the manifest (ranks 0..{self.size - 1})")
         return self.ranks[k]
 
     def to_toml(self) -> str:
-        model = _ModelTable(self.model_sha256, self.n_layers, self.model_name, self.secret, self.relay)
+        operator = None if self.operator is None else self.operator.to_text()
+        model = _ModelTable(self.model_sha256, self.n_layers, self.model_name, self.secret, self.relay, operator)
         ranks = tuple(
-            _RankTable(r.start, r.end, r.address, r.stage, r.link, None if r.key is None else r.key.to_text())
+            _RankTable(
+                r.start, r.end, r.address, r.stage, r.link, None if r.key is None else r.key.to_text(), r.grants or None
+            )
             for r in self.ranks
         )
         return tomli_w.dumps(unstructure(_ManifestFile(model, ranks)))
@@ -126,6 +155,7 @@ class _ModelTable:
     name: str = "model"
     secret: str | None = None
     relay: str | None = None
+    operator: str | None = None
 
 
 @attrs.frozen
@@ -136,6 +166,7 @@ class _RankTable:
     stage: str | None = None
     link: str = attrs.field(default="direct", validator=_link)
     key: str | None = None
+    grants: tuple[str, ...] | None = None
 
 
 @attrs.frozen
@@ -144,8 +175,8 @@ class _ManifestFile:
     rank: tuple[_RankTable, ...] = attrs.field(validator=attrs.validators.min_len(1))
 
 
-register_record(_ModelTable, omit_if_none=("secret", "relay"))
-register_record(_RankTable, window=True, omit_if_none=("stage", "key"))
+register_record(_ModelTable, omit_if_none=("secret", "relay", "operator"))
+register_record(_RankTable, window=True, omit_if_none=("stage", "key", "grants"))
 register_record(_ManifestFile)
 
 
@@ -173,7 +204,7 @@ def parse_manifest(data: dict[str, Any], where: str = "manifest") -> Manifest:
             key = None if r.key is None else PublicKey.from_text(r.key)
         except InputError as exc:
             raise InputError(f"{where}: rank[{i}].key: {exc}") from None
-        ranks.append(RankEntry(i, r.start, r.end, host, port, r.stage, r.link, key))
+        ranks.append(RankEntry(i, r.start, r.end, host, port, r.stage, r.link, key, r.grants or ()))
     keyed = sum(r.key is not None for r in ranks)
     if 0 < keyed < len(ranks):
         raise InputError(f"{where}: {keyed} of {len(ranks)} ranks name a key; name one for every rank, or none")
@@ -181,7 +212,15 @@ def parse_manifest(data: dict[str, Any], where: str = "manifest") -> Manifest:
         raise InputError(f"{where}: two ranks name the same key")
     check_windows([(r.start, r.end) for r in ranks], shape.model.layers)
     m = shape.model
-    return Manifest(m.sha256, m.layers, tuple(ranks), m.name, m.secret, m.relay)
+    try:
+        operator = None if m.operator is None else PublicKey.from_text(m.operator)
+    except InputError as exc:
+        raise InputError(f"{where}: model.operator: {exc}") from None
+    if (operator is not None or any(r.grants for r in ranks)) and not keyed:
+        raise InputError(f"{where}: an operator and edge grants need every rank to name its key")
+    if any(r.grants for r in ranks) and operator is None:
+        raise InputError(f"{where}: edge grants need the operator that signed them (model.operator)")
+    return Manifest(m.sha256, m.layers, tuple(ranks), m.name, m.secret, m.relay, operator)
 
 
 def load_manifest(path: Path) -> Manifest:

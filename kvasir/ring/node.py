@@ -94,7 +94,7 @@ class NodeConfig:
     idle_timeout: float | None = None
     #: Send both links through this relay (``ws://`` or ``wss://``), whatever the manifest says.
     relay: str | None = None
-    #: Opens relay edges (``relay.ringlink.connect_ring_edge``); needed only when a link is relayed.
+    #: Opens relay edges (``relay.ringlink.relay_connector``); needed only when a link is relayed.
     relay_connect: RelayConnect | None = None
     #: Boundary encoding this node sends when its successor accepts it (f32 is bit-exact; f16/bf16 halve the bytes).
     boundary_dtype: BoundaryDType = BoundaryDType.F32
