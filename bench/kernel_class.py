@@ -48,9 +48,14 @@ def run_window(
         out = None
         for i in range(0, len(inputs), chunk):
             out = stage.forward(seq, i, hidden=inputs[i : i + chunk])
-        assert out is not None
-        step = stage.forward(seq, len(inputs), hidden=next_input)
+        out = _boundary(out)
+        step = _boundary(stage.forward(seq, len(inputs), hidden=next_input))
         return np.array(out[-1:], copy=True), np.array(step, copy=True)
+
+
+def _boundary(out: F32 | None) -> F32:
+    assert out is not None  # only the last stage returns None
+    return out
 
 
 def main() -> None:
@@ -66,9 +71,9 @@ def main() -> None:
     rng = np.random.default_rng(0)
     with Stage.load(StageConfig(first, n_ctx=1024, n_seq_max=1, n_threads=2)) as s0:
         tokens = [int(t) for t in rng.integers(100, 20000, size=args.prompt_tokens)]
-        chunks = [s0.forward(0, i, tokens=tokens[i : i + 64]) for i in range(0, len(tokens), 64)]
-        inputs = np.concatenate(chunks)
-        next_input = s0.forward(0, len(tokens), tokens=[4242])
+        chunks = [_boundary(s0.forward(0, i, tokens=tokens[i : i + 64])) for i in range(0, len(tokens), 64)]
+        inputs: F32 = np.concatenate(chunks)
+        next_input = _boundary(s0.forward(0, len(tokens), tokens=[4242]))
 
     reference = run_window(middle, inputs, next_input)
     factors: list[tuple[str, Callable[[], tuple[F32, F32]]]] = [
