@@ -41,9 +41,9 @@ def reference(base_url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
 def test_curl_streams_server_sent_events(base_url: str) -> None:
     body = {"model": "x", "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "stream": True}
+    curl = ["curl", "-sS", "-N", "--fail-with-body", "-H", "Content-Type: application/json"]
     r = subprocess.run(
-        ["curl", "-sS", "-N", "--fail-with-body", "-H", "Content-Type: application/json", "-d", json.dumps(body)]
-        + [f"{base_url}/completions"],
+        [*curl, "-d", json.dumps(body), f"{base_url}/completions"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -75,7 +75,7 @@ LLM = _llm_command()
 def test_llm_tool_as_an_openai_compatible_model(base_url: str, tmp_path: Path, completion: bool) -> None:
     assert LLM is not None
     # llm reads extra OpenAI-compatible models from this file in its user directory (LLM_USER_PATH).
-    entry = {"model_id": "kvasir-ring", "model_name": "x", "api_base": base_url, "api_key_name": "kvasir"}
+    entry: dict[str, object] = {"model_id": "kvasir-ring", "model_name": "x", "api_base": base_url, "api_key_name": "kvasir"}
     if completion:
         entry["completion"] = True
     (tmp_path / "extra-openai-models.yaml").write_text(json.dumps([entry]))  # JSON is YAML
