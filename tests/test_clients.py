@@ -75,7 +75,12 @@ LLM = _llm_command()
 def test_llm_tool_as_an_openai_compatible_model(base_url: str, tmp_path: Path, completion: bool) -> None:
     assert LLM is not None
     # llm reads extra OpenAI-compatible models from this file in its user directory (LLM_USER_PATH).
-    entry: dict[str, object] = {"model_id": "kvasir-ring", "model_name": "x", "api_base": base_url, "api_key_name": "kvasir"}
+    entry: dict[str, object] = {
+        "model_id": "kvasir-ring",
+        "model_name": "x",
+        "api_base": base_url,
+        "api_key_name": "kvasir",
+    }
     if completion:
         entry["completion"] = True
     (tmp_path / "extra-openai-models.yaml").write_text(json.dumps([entry]))  # JSON is YAML
