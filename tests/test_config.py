@@ -128,9 +128,11 @@ def test_node_takes_market_and_relay_from_the_file(conf: Path, capsys: pytest.Ca
     # A bare `kvasir node` enrolls at the configured market through the configured relay (which needs a secret).
     code, _, err = cli(capsys, "node")
     assert code == 2 and "--relay with --market needs --ring-secret" in err
-    # Given a rank, the configured market does not turn it into an enrolling node.
+    # Given a window, the configured market does not turn it into an enrolling node.
     code, _, err = cli(capsys, "node", "--manifest", str(conf.parent / "absent.toml"), "--rank", "0")
     assert code == 2 and "--market starts an empty node" not in err and "absent.toml" in err
+    code, _, err = cli(capsys, "node", "--model", "m.gguf")
+    assert code == 2 and "pass --manifest and --rank" in err
 
 
 def test_flags_win_and_unset_flags_are_filled(conf: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -153,3 +155,13 @@ def test_local_ring_nodes_ignore_the_users_config(conf: Path, monkeypatch: pytes
     assert env_name("identity") not in env and env["XDG_CONFIG_HOME"] == os.environ["XDG_CONFIG_HOME"]
     config = load_config(environ=env)
     assert all(s.source == "default" for s in config.settings.values())
+
+
+def test_kvasir_id_shows_the_configured_key(conf: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    # `kvasir id` prints the key a node would use: the configured one, not the default.
+    conf.write_text('identity = "keys/node.pem"\n')
+    code, out, _ = cli(capsys, "id", "--json")
+    assert code == 0 and json.loads(out)["file"] == str(conf.parent / "keys" / "node.pem")
+    assert (conf.parent / "keys" / "node.pem").exists()
+    code, out, _ = cli(capsys, "id", "--json", "--identity", str(tmp_path / "flag.pem"))
+    assert code == 0 and json.loads(out)["file"] == str(tmp_path / "flag.pem")

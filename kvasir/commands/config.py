@@ -13,8 +13,17 @@ from pathlib import Path
 from typing import Any
 
 from kvasir.commands.common import print_json
-from kvasir.commands.id import default_identity_path
-from kvasir.core.config import INT_KEYS, KEYS, PATH_KEYS, Config, config_path, env_name, flag_name, load_config
+from kvasir.core.config import (
+    INT_KEYS,
+    KEYS,
+    PATH_KEYS,
+    Config,
+    config_path,
+    default_identity_path,
+    env_name,
+    flag_name,
+    load_config,
+)
 
 
 def fill_from_config(args: argparse.Namespace, keys: Iterable[str]) -> Config:

@@ -27,9 +27,10 @@ from typing import Any, Literal
 
 import attrs
 
+from kvasir.core.identity import IDENTITY_FILE
 from kvasir.core.schema import FieldError, register_record, structure
 from kvasir.errors import InputError
-from kvasir.util.dirs import config_dir
+from kvasir.util.dirs import config_dir, data_dir
 
 Source = Literal["default", "file", "env", "flag"]
 CONFIG_ENV = "KVASIR_CONFIG"
@@ -123,6 +124,11 @@ class Config:
 
     def source(self, key: str) -> Source:
         return self.settings[key].source
+
+
+def default_identity_path() -> Path:
+    """Where a node's key lives when nothing names one (Linux: ~/.local/share/kvasir/identity.pem)."""
+    return data_dir() / IDENTITY_FILE
 
 
 def config_path(environ: Mapping[str, str] | None = None) -> Path:
