@@ -171,7 +171,7 @@ def load_config(flags: Mapping[str, object] | None = None, environ: Mapping[str,
     None means the flag was not given)."""
     environ = os.environ if environ is None else environ
     path = config_path(environ)
-    found = read_file(path, required=CONFIG_ENV in environ and bool(environ[CONFIG_ENV]))
+    found = read_file(path, required=bool(environ.get(CONFIG_ENV)))
     settings = {key: Setting(key, value, "default") for key, value in DEFAULTS.items()}
     if found is not None:
         for key in KEYS:
