@@ -29,6 +29,7 @@ _COMMAND_MODULES = (
     "kvasir.commands.tui",
     "kvasir.commands.market",
     "kvasir.commands.fetch",
+    "kvasir.commands.config",
     "relay.cli",
 )
 

@@ -39,24 +39,11 @@ def add_parser(sub: Any) -> None:
 
 
 def run_fetch(args: argparse.Namespace) -> int:
-    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
-
     from kvasir.shard.fetch import fetch_window
+    from kvasir.util.progress import byte_bar
 
     a, b = parse_window(args.layers)
-    with Progress(
-        "[progress.description]{task.description}",
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        transient=True,
-        disable=args.json,
-    ) as bar:
-        task = bar.add_task(f"layers {a}:{b}", total=None)
-
-        def progress(done: int, total: int) -> None:
-            bar.update(task, completed=done, total=total)
-
+    with byte_bar(f"layers {a}:{b}") as progress:  # on stderr, and only when it is a terminal
         res = run_trio(
             functools.partial(
                 fetch_window,

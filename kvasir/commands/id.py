@@ -6,15 +6,10 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-import platformdirs
-
 from kvasir.commands.common import print_json
-from kvasir.core.identity import IDENTITY_FILE, load_or_create_identity
-
-
-def default_identity_path() -> Path:
-    """The identity file in the per-user data directory (Linux: ~/.local/share/kvasir/identity.pem)."""
-    return Path(platformdirs.user_data_dir("kvasir", appauthor=False)) / IDENTITY_FILE
+from kvasir.commands.config import fill_from_config
+from kvasir.core.config import default_identity_path as default_identity_path  # node.py imports it from here
+from kvasir.core.identity import load_or_create_identity
 
 
 def add_identity_argument(p: argparse.ArgumentParser) -> None:
@@ -35,6 +30,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    fill_from_config(args, ["identity"])  # the key `kvasir node` uses: --identity, $KVASIR_IDENTITY, config.toml
     path = args.identity or default_identity_path()
     identity = load_or_create_identity(path)
     if args.json:

@@ -16,6 +16,7 @@ from typing import Any
 import trio
 
 from kvasir.api.server import ApiAccess
+from kvasir.commands.config import fill_from_config
 from kvasir.commands.id import add_identity_argument, default_identity_path
 from kvasir.control.paths import node_socket_path
 from kvasir.control.server import serve_control
@@ -52,7 +53,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--ctx", type=int, default=2048, help="context length per request")
     p.add_argument("--seqs", type=int, default=8, help="requests in flight at once")
-    p.add_argument("--gpu-layers", type=int, default=0)
+    p.add_argument("--gpu-layers", type=int, default=None, help="layers on the GPU (-1 all; default 0)")
     add_identity_argument(p)
     p.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, help="prompt tokens per prefill boundary")
     p.add_argument(
@@ -69,7 +70,7 @@ def add_parser(sub: Any) -> None:
     )
     m = p.add_argument_group("self-enrollment (instead of --manifest/--rank)")
     m.add_argument("--market", metavar="URL", help="claim a window from this market and join its ring")
-    m.add_argument("--memory-budget", default="4GiB", metavar="SIZE", help="largest stage to hold (default 4GiB)")
+    m.add_argument("--memory-budget", default=None, metavar="SIZE", help="largest stage to hold (default 4GiB)")
     m.add_argument("--listen", default="127.0.0.1:0", metavar="HOST:PORT", help="link listener (default any port)")
     m.add_argument("--advertise", default=None, metavar="HOST", help="host neighbours dial (default the listen host)")
     m.add_argument("--lease", type=float, default=30.0, metavar="S", help="lease time (default 30 s)")
@@ -115,6 +116,10 @@ def stage_path_for(manifest: Manifest, rank: int, model: Path | None, stage: Pat
 
 
 def run(args: argparse.Namespace) -> int:
+    # Unset flags take their values from the environment and config.toml; the market only for a node given no window.
+    keys = ["identity", "relay", "memory_budget", "threads", "gpu_layers", "api_key_file"]
+    given_window = any(getattr(args, a) is not None for a in ("manifest", "rank", "model", "stage"))
+    fill_from_config(args, keys if given_window else [*keys, "market"])
     if args.market is not None:
         if args.manifest is not None or args.rank is not None or args.model is not None or args.stage is not None:
             raise InputError("--market starts an empty node: drop --manifest, --rank, --model and --stage")

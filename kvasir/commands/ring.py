@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kvasir.commands.common import add_model_arg, add_text_args, model_windows, print_json, sampling_from_args
+from kvasir.commands.config import fill_from_config
 from kvasir.control.client import ControlClient
 from kvasir.control.paths import find_socket
 from kvasir.core.sampling import SamplingParams
@@ -40,10 +41,12 @@ def add_parser(sub: Any) -> None:
     )
     up.add_argument("--relay", action="store_true", help="start a local relay and send every link through it")
     up.add_argument("--seqs", type=int, default=8, help="concurrent requests per node")
+    up.add_argument("--gpu-layers", type=int, default=None, help="layers on the GPU per node (-1 all; default 0)")
     up.set_defaults(run=run_up)
 
 
 def run_up(args: argparse.Namespace) -> int:
+    fill_from_config(args, ["threads", "gpu_layers", "api_key_file"])  # unset flags: environment, config.toml
     params = sampling_from_args(args)
     # A serving ring is for the TUI's chat pane and the API: an instruction-tuned model by default.
     chat = args.chat or args.prompt is None
@@ -73,6 +76,7 @@ def run_up(args: argparse.Namespace) -> int:
             relay=args.relay,
             default_control=args.prompt is None,
             tied=True,
+            extra_args=("--gpu-layers", str(args.gpu_layers)) if args.gpu_layers else (),
         )
         try:
             stopper.arm()

@@ -19,6 +19,7 @@ import attrs
 
 from kvasir.control.client import ControlClient
 from kvasir.control.paths import node_socket_path
+from kvasir.core.config import without_config
 from kvasir.core.identity import create_identity
 from kvasir.errors import RingError
 from kvasir.ring.manifest import Manifest, RankEntry
@@ -197,7 +198,7 @@ def start_ring(
     manifest_path = run_dir / "ring.toml"
     manifest.write(manifest_path)
     ring = LocalRing(manifest, run_dir, [], [], api_port, tied=tied)
-    env = dict(os.environ)
+    env = without_config(os.environ)  # every setting is a flag below
     # Several nodes share this machine's cores and only one computes at a time. ggml's OpenMP workers meet at a
     # barrier after every graph op: spinning forever (OMP_WAIT_POLICY=active) starves the busy stage, sleeping at
     # once (passive) makes every barrier a futex round trip. A short spin keeps barriers fast and idle nodes quiet

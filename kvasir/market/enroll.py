@@ -41,6 +41,7 @@ from kvasir.ring.status import MarketWindow
 from kvasir.shard.fetch import FetchResult, fetch_window, verify_stage
 from kvasir.stage.engine import Stage, StageConfig
 from kvasir.util.addr import format_hostport, parse_hostport
+from kvasir.util.progress import byte_bar
 from relay.ringlink import relay_connector
 
 log = logging.getLogger("kvasir.enroll")
@@ -259,9 +260,16 @@ class Enrollment:
         errors = []
         for url in model.sources:
             try:
-                result = await fetch_window(
-                    url, window.start, window.end, path, sha256=window.sha256, model_sha256=window.model
-                )
+                with byte_bar(f"window {window.start}:{window.end}") as progress:  # on a terminal only
+                    result = await fetch_window(
+                        url,
+                        window.start,
+                        window.end,
+                        path,
+                        sha256=window.sha256,
+                        model_sha256=window.model,
+                        progress=progress,
+                    )
             except KvasirError as exc:
                 errors.append(str(exc))
                 log.warning("node %s: source %s failed: %s", cfg.node_id, url, exc)

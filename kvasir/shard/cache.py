@@ -15,6 +15,7 @@ from kvasir.shard.gguf_file import describe
 from kvasir.shard.slice import slice_model
 from kvasir.util.dirs import cache_dir
 from kvasir.util.files import atomic_output
+from kvasir.util.progress import byte_bar
 
 
 def default_cache_dir() -> Path:
@@ -83,6 +84,7 @@ def stage_files(model: Path, windows: Sequence[tuple[int, int]], cache_dir: Path
     for a, b in windows:
         path = d / f"layers-{a}-{b}.gguf"
         if not path.exists():
-            slice_model(model, a, b, path, source_sha256=sha)
+            with byte_bar(f"cutting layers {a}:{b}") as progress:  # a bar on a terminal only
+                slice_model(model, a, b, path, source_sha256=sha, progress=progress)
         out.append(path)
     return out

@@ -16,8 +16,9 @@ The rules, in short:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, cast
 
 import attrs
 import numpy as np
@@ -220,7 +221,16 @@ def window_ranges(gg: GGUFFile, start: int, end: int) -> list[tuple[int, int]]:
     return merged
 
 
-def slice_model(src: Path, start: int, end: int, out: Path, *, source_sha256: str | None = None) -> SliceResult:
+def slice_model(
+    src: Path,
+    start: int,
+    end: int,
+    out: Path,
+    *,
+    source_sha256: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> SliceResult:
+    """The stage file of layers ``[start, end)`` of ``src``; ``progress(done, total)`` as its bytes are written."""
     gg = read_gguf(src)
     info = describe(src, gg)
     layout = _layout(gg, info, start, end)
@@ -234,12 +244,30 @@ def slice_model(src: Path, start: int, end: int, out: Path, *, source_sha256: st
         ]
     with atomic_output(out) as tmp:
         with tmp.open("wb") as fh:
-            write_gguf(fh, kvs, tensors)
+            total = sum(t.nbytes for t in tensors) + (embedding.nbytes if embedding is not None else 0)
+            w = cast(BinaryIO, _Reporting(fh, total, progress)) if progress else fh
+            write_gguf(w, kvs, tensors)
             if embedding is not None:
-                fh.write(b"\0" * ((-fh.tell()) % _EMBEDDING_ALIGN))
-                copy_range(gg.path, embedding.offset, embedding.nbytes, fh)
+                w.write(b"\0" * ((-w.tell()) % _EMBEDDING_ALIGN))
+                copy_range(gg.path, embedding.offset, embedding.nbytes, w)
         stage_bytes = tmp.stat().st_size
     return SliceResult(path=out, layout=layout, stage_bytes=stage_bytes, model_bytes=info.file_bytes)
+
+
+class _Reporting:
+    """The parts of a binary file ``write_gguf`` uses, reporting the bytes written so far (header included, so
+    ``done`` is capped at ``total``, the payload)."""
+
+    def __init__(self, fh: BinaryIO, total: int, progress: Callable[[int, int], None]) -> None:
+        self.fh, self.total, self.progress = fh, total, progress
+
+    def write(self, data: bytes) -> int:
+        n = self.fh.write(data)
+        self.progress(min(self.fh.tell(), self.total), self.total)
+        return n
+
+    def tell(self) -> int:
+        return self.fh.tell()
 
 
 def read_embedding_block(gg: GGUFFile) -> tuple[np.ndarray[Any, Any], GGMLQuantizationType]:
