@@ -7,7 +7,7 @@ The fake never replaces the real path: tests/test_ring.py and tests/test_review_
 from __future__ import annotations
 
 import random
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, aclosing, asynccontextmanager
 from typing import Any
 
@@ -37,19 +37,11 @@ from kvasir.wire import (
     Side,
     StartRequest,
 )
+from tests.streams import wait_for
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPT = [1, 5, 9, 17, 33]
 WINDOWS = [(0, 2), (2, 4), (4, 6)]
-
-
-async def wait_for(cond: Callable[[], bool], what: str, limit: float = 60.0) -> None:
-    """Wait on node state (trio clock: instant under MockClock) instead of sleeping a guessed time."""
-    with trio.move_on_after(limit):
-        while not cond():  # noqa: ASYNC110 (node state has no event to wait on)
-            await trio.sleep(0.01)
-        return
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @asynccontextmanager

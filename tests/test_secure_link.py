@@ -24,6 +24,7 @@ from kvasir.ring.secure import (
     accept_secure,
     dial_secure,
 )
+from tests.streams import Tap
 
 
 def test_identity_file_is_private_and_never_replaced(tmp_path: Path) -> None:
@@ -48,27 +49,6 @@ def test_public_key_text_round_trip_and_errors() -> None:
     for bad in ("", "rsa:AAAA", "ed25519:!!!", "ed25519:AAAA"):
         with pytest.raises(InputError):
             PublicKey.from_text(bad)
-
-
-class Tap(trio.abc.Stream):
-    """A stream wrapper that records every byte the dialer sends (what an on-path observer sees)."""
-
-    def __init__(self, inner: trio.abc.Stream) -> None:
-        self.inner = inner
-        self.sent = bytearray()
-
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        self.sent += data
-        await self.inner.send_all(data)
-
-    async def wait_send_all_might_not_block(self) -> None:
-        await self.inner.wait_send_all_might_not_block()
-
-    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
-        return await self.inner.receive_some(max_bytes)
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
 
 
 async def _link(

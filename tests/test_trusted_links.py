@@ -27,6 +27,7 @@ from kvasir.ring.secure import MAGIC, Credentials, LinkAuthError, Refusal, dial_
 from kvasir.testing.fakestage import FakeStage, MemoryNetwork, expected_tokens, fake_ring
 from kvasir.wire import Boundary, BoundaryDType, FrameDecoder, Hello, SamplingParams, StartRequest
 from tests.ringutil import ring_generate, running_ring, whole_model_tokens
+from tests.streams import Tap, wait_for
 
 GREEDY = SamplingParams(temperature=0.0)
 PROMPT = [1, 5, 9, 17, 33, 41, 50, 63]
@@ -41,33 +42,7 @@ class TappedNetwork(MemoryNetwork):
         self.captured = bytearray()
 
     async def connect(self, host: str, port: int) -> trio.abc.Stream:
-        return _Tap(await super().connect(host, port), self.captured)
-
-
-class _Tap(trio.abc.Stream):
-    def __init__(self, inner: trio.abc.Stream, sink: bytearray) -> None:
-        self.inner, self.sink = inner, sink
-
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        self.sink += data
-        await self.inner.send_all(data)
-
-    async def wait_send_all_might_not_block(self) -> None:
-        await self.inner.wait_send_all_might_not_block()
-
-    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
-        return await self.inner.receive_some(max_bytes)
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
-
-
-async def wait_for(cond: Callable[[], bool], what: str, limit: float = 20.0) -> None:
-    with trio.move_on_after(limit):
-        while not cond():  # noqa: ASYNC110 (node state has no event to wait on)
-            await trio.sleep(0.01)
-        return
-    raise AssertionError(f"timed out waiting for {what}")
+        return Tap(await super().connect(host, port), self.captured)
 
 
 @asynccontextmanager
@@ -87,7 +62,7 @@ async def keyed_ring(net: MemoryNetwork) -> AsyncIterator[tuple[list[Node], Mani
             )
             for r in range(len(WINDOWS))
         ]
-        await wait_for(lambda: all(n.ready for n in nodes), "the ring to link")
+        await wait_for(lambda: all(n.ready for n in nodes), "the ring to link", 20)
         yield nodes, manifest, identities
 
 
@@ -246,7 +221,7 @@ class PerLinkNetwork(MemoryNetwork):
         self.sent: dict[int, bytearray] = {}
 
     async def connect(self, host: str, port: int) -> trio.abc.Stream:
-        return _Tap(await super().connect(host, port), self.sent.setdefault(port, bytearray()))
+        return Tap(await super().connect(host, port), self.sent.setdefault(port, bytearray()))
 
 
 def _starts(data: bytes | bytearray) -> list[StartRequest]:
@@ -266,7 +241,7 @@ async def test_middle_ranks_get_the_prompt_length_not_its_tokens(penalties: bool
                 await stack.enter_async_context(open_node(NodeConfig(manifest, r), stages[r], transport=net))
                 for r in range(4)
             ]
-            await wait_for(lambda: all(n.ready for n in nodes), "the ring to link")
+            await wait_for(lambda: all(n.ready for n in nodes), "the ring to link", 20)
             for entry in (0, 2):
                 async with nodes[entry].request(PROMPT, params, 4) as handle:
                     async for ev in handle.events:
