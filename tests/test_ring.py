@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvasir.control.client import ControlClient
+from kvasir.local.launcher import LocalRing
 from tests.conftest import run_cli
 from tests.ringutil import ring_generate, running_ring, whole_model, whole_model_tokens
 
@@ -220,3 +221,64 @@ def test_a_killed_node_fails_in_flight_requests_fast_and_frees_every_node(
         ring.wait_ready(timeout=60)
         expected = whole_model_tokens(model, PROMPTS[0], 8)
         assert ring_generate(ring.sockets[0], PROMPTS[0], 8)["tokens"] == expected
+
+
+def _free_everywhere(ring: LocalRing, ranks: tuple[int, ...], limit: float = 20.0) -> None:
+    deadline = time.monotonic() + limit
+    while True:
+        free = []
+        for k in ranks:
+            with ControlClient(ring.sockets[k], 10) as s:
+                free.append(s.status()["requests"]["free_sequences"])
+        if free == [8] * len(ranks):
+            return
+        assert time.monotonic() < deadline, f"sequences still held: {free}"
+        time.sleep(0.2)
+
+
+def test_a_hung_node_is_dropped_and_the_ring_relinks_when_it_wakes(
+    tiny_model: Callable[..., Path], cache_dir: Path
+) -> None:
+    """SIGSTOP of the middle rank: its neighbours notice within a few keepalives, the request in flight fails with
+    an error instead of hanging, no other node stops; after SIGCONT the ring relinks and answers exactly."""
+    model = tiny_model("llama", "f32")
+    with running_ring(model, [(0, 2), (2, 4), (4, 6)], cache_dir) as ring, ControlClient(ring.sockets[0], 60) as c:
+        stream = c.generate(prompt=PROMPTS[0], max_tokens=400)
+        assert next(stream)["type"] == "accepted"
+        assert next(stream)["type"] == "token"
+        stopped_at = time.monotonic()
+        ring.processes[1].send_signal(signal.SIGSTOP)
+        try:
+            end = next(m for m in stream if m["type"] == "end")
+            waited = time.monotonic() - stopped_at
+            assert end["reason"] == "error" and end["code"] == "link_lost", end
+            assert waited < 15, f"the error took {waited:.1f} s"
+            assert ring.processes[0].poll() is None and ring.processes[2].poll() is None
+            _free_everywhere(ring, (0, 2))
+        finally:
+            ring.processes[1].send_signal(signal.SIGCONT)
+        ring.wait_ready(timeout=60)
+        expected = whole_model_tokens(model, PROMPTS[0], 8)
+        assert ring_generate(ring.sockets[0], PROMPTS[0], 8)["tokens"] == expected
+
+
+def test_an_entry_node_crash_frees_its_orphaned_requests_everywhere(
+    tiny_model: Callable[..., Path], cache_dir: Path
+) -> None:
+    """Requests that entered at a node that then died are freed on every other node within seconds (they held
+    every sequence for minutes before), so the ring serves new clients as soon as the node is back."""
+    model = tiny_model("llama", "f32")
+    with running_ring(model, [(0, 2), (2, 4), (4, 6)], cache_dir) as ring:
+        clients = [ControlClient(ring.sockets[1], 60) for _ in range(3)]
+        streams = [cl.generate(prompt=PROMPTS[0], max_tokens=400) for cl in clients]
+        for s in streams:
+            assert next(s)["type"] == "accepted"
+        ring.processes[1].kill()
+        ring.processes[1].wait(timeout=10)
+        for cl in clients:
+            cl.close()
+        _free_everywhere(ring, (0, 2))
+        ring.restart(1)
+        ring.wait_ready(timeout=60)
+        expected = whole_model_tokens(model, PROMPTS[0], 8)
+        assert ring_generate(ring.sockets[2], PROMPTS[0], 8)["tokens"] == expected
