@@ -13,12 +13,13 @@ import secrets
 import sqlite3
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
 from kvasir.errors import InputError, MarketError
 from kvasir.market.records import (
+    MAX_REWARD,
     ClaimRequest,
     CoverageEntry,
     CreditReport,
@@ -33,6 +34,19 @@ from kvasir.market.records import (
 DEMAND_HORIZON_S = 600.0
 #: Recent tokens that double a model's rewards.
 DEMAND_SCALE_TOKENS = 1000.0
+#: Demand is summed per bucket of this many seconds: one row per model and bucket, whoever reports.
+DEMAND_BUCKET_S = 60
+#: Tokens one bucket counts at most (a sum that never nears 2^63, whatever the reports).
+BUCKET_MAX_TOKENS = 10**9
+BUCKET_MAX_REQUESTS = 10**7
+#: The most demand can raise rewards.
+MAX_MULTIPLIER = 1000.0
+#: Tokens per second one window can be credited for at most, and the seconds of slack a fresh lease starts with.
+MAX_TOKENS_PER_S = 2000.0
+CREDIT_SLACK_S = 10.0
+#: Models a market offers at most; ledger rows in one reply at most.
+MAX_MODELS = 256
+MAX_LEDGER_ROWS = 1000
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS models (sha256 TEXT PRIMARY KEY, body TEXT NOT NULL, added REAL NOT NULL);
@@ -40,33 +54,45 @@ CREATE TABLE IF NOT EXISTS manifests (model TEXT PRIMARY KEY, body TEXT NOT NULL
 CREATE TABLE IF NOT EXISTS leases (
     model TEXT NOT NULL, start INTEGER NOT NULL, "end" INTEGER NOT NULL,
     node_id TEXT NOT NULL, lease_id TEXT NOT NULL, expires_at REAL NOT NULL,
-    endpoint TEXT, state TEXT NOT NULL, claimed_at REAL NOT NULL,
+    endpoint TEXT, state TEXT NOT NULL, claimed_at REAL NOT NULL, holder_key TEXT,
     PRIMARY KEY (model, start, "end"));
-CREATE TABLE IF NOT EXISTS demand (
-    id INTEGER PRIMARY KEY AUTOINCREMENT, ts REAL NOT NULL, model TEXT NOT NULL,
-    requests INTEGER NOT NULL, tokens INTEGER NOT NULL);
-CREATE INDEX IF NOT EXISTS demand_ts ON demand (model, ts);
-CREATE TABLE IF NOT EXISTS credits (
-    id INTEGER PRIMARY KEY AUTOINCREMENT, ts REAL NOT NULL, node_id TEXT NOT NULL, model TEXT NOT NULL,
-    start INTEGER NOT NULL, "end" INTEGER NOT NULL, tokens INTEGER NOT NULL, layer_tokens INTEGER NOT NULL,
-    earned REAL NOT NULL);
-CREATE INDEX IF NOT EXISTS credits_node ON credits (node_id);
+CREATE TABLE IF NOT EXISTS demand_buckets (
+    model TEXT NOT NULL, bucket INTEGER NOT NULL, requests INTEGER NOT NULL, tokens INTEGER NOT NULL,
+    PRIMARY KEY (model, bucket));
+CREATE TABLE IF NOT EXISTS lease_credits (
+    lease_id TEXT PRIMARY KEY, node_id TEXT NOT NULL, model TEXT NOT NULL, start INTEGER NOT NULL,
+    "end" INTEGER NOT NULL, tokens INTEGER NOT NULL, layer_tokens INTEGER NOT NULL, earned REAL NOT NULL,
+    ts REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS lease_credits_node ON lease_credits (node_id);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 
 
 def demand_multiplier(recent_tokens: int) -> float:
-    """How much recent demand raises a model's rewards (pure): 1 at no demand, +1 per DEMAND_SCALE_TOKENS."""
-    return 1.0 + recent_tokens / DEMAND_SCALE_TOKENS
+    """How much recent demand raises a model's rewards (pure): 1 at no demand, +1 per DEMAND_SCALE_TOKENS, at most
+    MAX_MULTIPLIER."""
+    return min(1.0 + recent_tokens / DEMAND_SCALE_TOKENS, MAX_MULTIPLIER)
+
+
+def reward_of(weight: float, multiplier: float) -> float:
+    return min(weight * multiplier, MAX_REWARD)
 
 
 class MarketStore:
-    def __init__(self, path: Path | str, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, path: Path | str, *, clock: Callable[[], float] = time.time, max_tokens_per_s: float = MAX_TOKENS_PER_S
+    ) -> None:
         self.clock = clock
+        self.max_tokens_per_s = max_tokens_per_s
+        self._models: dict[str, ModelRecord] = {}  # parsed once: a published record never changes
         try:
             self.db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False, timeout=10)
             self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute("PRAGMA synchronous=NORMAL")
             self.db.executescript(_SCHEMA)
+            columns = {r[1] for r in self.db.execute("PRAGMA table_info(leases)")}
+            if "holder_key" not in columns:  # a database from before signed claims
+                self.db.execute("ALTER TABLE leases ADD COLUMN holder_key TEXT")
         except sqlite3.Error as exc:
             raise InputError(f"{path}: cannot open the market database ({exc})") from None
 
@@ -83,28 +109,47 @@ class MarketStore:
             raise
         self.db.execute("COMMIT")
 
+    def get_meta(self, key: str) -> str | None:
+        row = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return None if row is None else str(row[0])
+
+    def set_meta(self, key: str, value: str) -> None:
+        with self._write() as db:
+            db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
+
     # ------------------------------------------------------------------------------------------ models
 
     def put_model(self, model: ModelRecord) -> bool:
-        """Store or replace a model record; True if it is new."""
+        """Store a model record; True if it is new. A published record is immutable: the same record again is a
+        no-op, different content under the same sha256 is refused (409)."""
         with self._write() as db:
-            new = db.execute("SELECT 1 FROM models WHERE sha256 = ?", (model.sha256,)).fetchone() is None
+            row = db.execute("SELECT body FROM models WHERE sha256 = ?", (model.sha256,)).fetchone()
+            if row is not None:
+                if not ModelRecord.from_wire(json.loads(row[0])).same_content(model):
+                    raise MarketError(409, "model_immutable", f"model {model.sha256[:12]}… is published already")
+                return False
+            (count,) = db.execute("SELECT COUNT(*) FROM models").fetchone()
+            if count >= MAX_MODELS:
+                raise MarketError(409, "too_many_models", f"this market offers {MAX_MODELS} models at most")
             db.execute(
-                "INSERT INTO models (sha256, body, added) VALUES (?, ?, ?)"
-                " ON CONFLICT (sha256) DO UPDATE SET body = excluded.body",
+                "INSERT INTO models (sha256, body, added) VALUES (?, ?, ?)",
                 (model.sha256, json.dumps(model.to_wire()), self.clock()),
             )
-        return new
+        return True
 
     def models(self) -> list[ModelRecord]:
-        rows = self.db.execute("SELECT body FROM models ORDER BY added").fetchall()
-        return [ModelRecord.from_wire(json.loads(r[0])) for r in rows]
+        rows = self.db.execute("SELECT sha256 FROM models ORDER BY added LIMIT ?", (MAX_MODELS,)).fetchall()
+        return [self.model(r[0]) for r in rows]
 
     def model(self, sha256: str) -> ModelRecord:
+        cached = self._models.get(sha256)
+        if cached is not None:
+            return cached
         row = self.db.execute("SELECT body FROM models WHERE sha256 = ?", (sha256,)).fetchone()
         if row is None:
             raise MarketError(404, "unknown_model", f"no model {sha256[:12]}… on this market")
-        return ModelRecord.from_wire(json.loads(row[0]))
+        record = self._models[sha256] = ModelRecord.from_wire(json.loads(row[0]))
+        return record
 
     # ------------------------------------------------------------------------------------------ manifests
 
@@ -173,7 +218,7 @@ class MarketStore:
                         start=w.start,
                         end=w.end,
                         weight=w.weight,
-                        reward=w.weight * mult,
+                        reward=reward_of(w.weight, mult),
                         bytes=stage.bytes,
                         sha256=stage.sha256,
                         holder=lease[2] if lease else None,
@@ -204,24 +249,34 @@ class MarketStore:
 
     # ------------------------------------------------------------------------------------------ claims
 
-    def claim(self, req: ClaimRequest) -> Lease:
-        """Compare-and-set: grant the window if it has no live lease (or the caller already holds it)."""
+    def claim(self, req: ClaimRequest, holder_key: str | None = None) -> Lease:
+        """Compare-and-set: grant the window if it has no live lease, or renew the caller's own (``node_id`` is the
+        fingerprint of the key that signed the request, so nobody gets or changes another holder's lease)."""
         self._window(req.model, req.start, req.end)
         now = self.clock()
+        expires = now + req.lease_s
         with self._write() as db:
             row = db.execute(
                 'SELECT node_id, lease_id, expires_at FROM leases WHERE model = ? AND start = ? AND "end" = ?',
                 (req.model, req.start, req.end),
             ).fetchone()
-            if row is not None and row[2] > now and row[0] != req.node_id:
-                raise MarketError(409, "window_taken", f"window [{req.start}, {req.end}) is held by node {row[0]}")
-            lease_id = row[1] if row is not None and row[2] > now else secrets.token_hex(12)
-            expires = now + req.lease_s
-            db.execute(
-                'INSERT OR REPLACE INTO leases (model, start, "end", node_id, lease_id, expires_at, endpoint, state,'
-                " claimed_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (req.model, req.start, req.end, req.node_id, lease_id, expires, req.endpoint, req.state, now),
-            )
+            if row is not None and row[2] > now:
+                if row[0] != req.node_id:
+                    raise MarketError(409, "window_taken", f"window [{req.start}, {req.end}) is held by node {row[0]}")
+                lease_id = row[1]
+                db.execute(
+                    "UPDATE leases SET expires_at = ?, endpoint = ?, state = ?"
+                    ' WHERE model = ? AND start = ? AND "end" = ?',
+                    (expires, req.endpoint, req.state, req.model, req.start, req.end),
+                )
+            else:
+                lease_id = secrets.token_hex(12)
+                db.execute(
+                    'INSERT OR REPLACE INTO leases (model, start, "end", node_id, lease_id, expires_at, endpoint,'
+                    " state, claimed_at, holder_key) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (req.model, req.start, req.end, req.node_id, lease_id, expires, req.endpoint, req.state, now,
+                     holder_key),
+                )  # fmt: skip
         return Lease(req.model, req.start, req.end, req.node_id, lease_id, expires)
 
     def _check_lease(self, db: sqlite3.Connection, ref: LeaseRef | ClaimRequest | CreditReport, now: float) -> None:
@@ -262,34 +317,48 @@ class MarketStore:
 
     def _recent_tokens(self, model: str, now: float) -> int:
         row = self.db.execute(
-            "SELECT COALESCE(SUM(tokens), 0) FROM demand WHERE model = ? AND ts > ?", (model, now - DEMAND_HORIZON_S)
+            "SELECT COALESCE(SUM(tokens), 0) FROM demand_buckets WHERE model = ? AND bucket >= ?",
+            (model, _bucket(now - DEMAND_HORIZON_S)),
         ).fetchone()
         return int(row[0])
 
-    def add_demand(self, report: DemandReport) -> None:
+    def holds_lease(self, node_id: str, model: str) -> bool:
+        row = self.db.execute(
+            "SELECT 1 FROM leases WHERE model = ? AND node_id = ? AND expires_at > ?", (model, node_id, self.clock())
+        ).fetchone()
+        return row is not None
+
+    def add_demand(self, report: DemandReport, node_id: str) -> None:
+        """Add a lease holder's report to the current bucket (sums clamped); drop buckets past the horizon."""
         self.model(report.model)
+        now = self.clock()
+        if not self.holds_lease(node_id, report.model):
+            raise MarketError(403, "not_a_holder", f"node {node_id} holds no window of model {report.model[:12]}…")
         with self._write() as db:
             db.execute(
-                "INSERT INTO demand (ts, model, requests, tokens) VALUES (?, ?, ?, ?)",
-                (self.clock(), report.model, report.requests, report.tokens),
+                "INSERT INTO demand_buckets (model, bucket, requests, tokens) VALUES (?, ?, ?, ?)"
+                " ON CONFLICT (model, bucket) DO UPDATE SET requests = MIN(requests + excluded.requests, ?),"
+                " tokens = MIN(tokens + excluded.tokens, ?)",
+                (report.model, _bucket(now), report.requests, report.tokens, BUCKET_MAX_REQUESTS, BUCKET_MAX_TOKENS),
             )
+            db.execute("DELETE FROM demand_buckets WHERE bucket < ?", (_bucket(now - DEMAND_HORIZON_S),))
 
     def demand(self) -> dict[str, Any]:
         now = self.clock()
         out = []
         for m in self.models():
             row = self.db.execute(
-                "SELECT COALESCE(SUM(requests), 0), COALESCE(SUM(tokens), 0) FROM demand WHERE model = ? AND ts > ?",
-                (m.sha256, now - DEMAND_HORIZON_S),
+                "SELECT COALESCE(SUM(requests), 0), COALESCE(SUM(tokens), 0) FROM demand_buckets"
+                " WHERE model = ? AND bucket >= ?",
+                (m.sha256, _bucket(now - DEMAND_HORIZON_S)),
             ).fetchone()
+            mult = demand_multiplier(int(row[1]))
             rewards = []
-            try:
-                mult = demand_multiplier(int(row[1]))
+            with suppress(MarketError):  # a model without a manifest yet
                 rewards = [
-                    {"layers": [w.start, w.end], "reward": w.weight * mult} for w in self.manifest(m.sha256).windows
+                    {"layers": [w.start, w.end], "reward": reward_of(w.weight, mult)}
+                    for w in self.manifest(m.sha256).windows
                 ]
-            except MarketError:
-                mult = demand_multiplier(int(row[1]))
             out.append(
                 {
                     "model": m.sha256,
@@ -303,25 +372,40 @@ class MarketStore:
         return {"horizon_s": DEMAND_HORIZON_S, "models": out}
 
     def credit(self, report: CreditReport) -> dict[str, Any]:
-        """Credit a lease holder for tokens served: layer_tokens = tokens × window layers, earned = tokens × reward."""
+        """Credit a lease holder: ``report.tokens`` is its cumulative count under this lease, so a repeated report
+        adds nothing. The count is cut to what one window could serve since the claim (MAX_TOKENS_PER_S); each new
+        token earns layers (layer_tokens) and the window's reward now (earned). Replies with the lease's totals."""
         manifest, rank = self._window(report.model, report.start, report.end)
         now = self.clock()
-        reward = manifest.windows[rank].weight * demand_multiplier(self._recent_tokens(report.model, now))
-        layer_tokens = report.tokens * (report.end - report.start)
-        earned = report.tokens * reward
+        reward = reward_of(manifest.windows[rank].weight, demand_multiplier(self._recent_tokens(report.model, now)))
+        layers = report.end - report.start
         with self._write() as db:
             self._check_lease(db, report, now)
+            (claimed_at,) = db.execute(
+                'SELECT claimed_at FROM leases WHERE model = ? AND start = ? AND "end" = ?',
+                (report.model, report.start, report.end),
+            ).fetchone()
+            cap = int((max(0.0, now - claimed_at) + CREDIT_SLACK_S) * self.max_tokens_per_s)
+            prior = db.execute(
+                "SELECT tokens, layer_tokens, earned FROM lease_credits WHERE lease_id = ?", (report.lease_id,)
+            ).fetchone()
+            tokens, layer_tokens, earned = prior if prior is not None else (0, 0, 0.0)
+            new = max(0, min(report.tokens, cap) - tokens)
+            tokens, layer_tokens, earned = tokens + new, layer_tokens + new * layers, earned + new * reward
             db.execute(
-                'INSERT INTO credits (ts, node_id, model, start, "end", tokens, layer_tokens, earned)'
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (now, report.node_id, report.model, report.start, report.end, report.tokens, layer_tokens, earned),
-            )
-        return {"node_id": report.node_id, "tokens": report.tokens, "layer_tokens": layer_tokens, "earned": earned}
+                'INSERT INTO lease_credits (lease_id, node_id, model, start, "end", tokens, layer_tokens, earned, ts)'
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (lease_id) DO UPDATE SET tokens = excluded.tokens,"
+                " layer_tokens = excluded.layer_tokens, earned = excluded.earned, ts = excluded.ts",
+                (report.lease_id, report.node_id, report.model, report.start, report.end, tokens, layer_tokens,
+                 earned, now),
+            )  # fmt: skip
+        return {"node_id": report.node_id, "tokens": tokens, "layer_tokens": layer_tokens, "earned": earned}
 
     def ledger(self) -> dict[str, Any]:
         rows = self.db.execute(
-            "SELECT node_id, SUM(tokens), SUM(layer_tokens), SUM(earned), MAX(ts) FROM credits"
-            " GROUP BY node_id ORDER BY SUM(earned) DESC, node_id"
+            "SELECT node_id, SUM(tokens), SUM(layer_tokens), SUM(earned), MAX(ts) FROM lease_credits"
+            " GROUP BY node_id ORDER BY SUM(earned) DESC, node_id LIMIT ?",
+            (MAX_LEDGER_ROWS,),
         ).fetchall()
         return {
             "nodes": [
@@ -329,3 +413,13 @@ class MarketStore:
                 for r in rows
             ]
         }
+
+    def holder_key(self, model: str, start: int, end: int) -> str | None:
+        row = self.db.execute(
+            'SELECT holder_key FROM leases WHERE model = ? AND start = ? AND "end" = ?', (model, start, end)
+        ).fetchone()
+        return None if row is None else row[0]
+
+
+def _bucket(ts: float) -> int:
+    return int(ts // DEMAND_BUCKET_S)
