@@ -17,7 +17,7 @@ from kvasir.core.identity import Identity
 from kvasir.errors import MarketError
 from kvasir.market import auth
 from kvasir.market.client import MarketClient
-from kvasir.market.enroll import EnrollConfig, Enrollment, LeaseLost
+from kvasir.market.enroll import EnrollConfig, Enrollment, LeaseLost, manifest_from_coverage
 from kvasir.market.records import MAX_REWARD, CoverageEntry, coverage_from_wire
 from kvasir.market.service import serve_market
 from kvasir.market.store import BUCKET_MAX_TOKENS, MAX_TOKENS_PER_S, MarketStore
@@ -307,3 +307,19 @@ async def test_source_redirects_only_to_https_on_the_same_host(location: str, ok
     else:
         with pytest.raises(SourceError, match="refused a redirect"):
             await refuse_unsafe_redirect(reply)
+
+
+def test_nodes_dial_and_fetch_inside_only_when_the_market_is_inside(tmp_path: Path) -> None:
+    """L6: a public market cannot aim its nodes at their own network (loopback, private, link-local, .local)."""
+    public = EnrollConfig("https://market.example.com", 1, tmp_path)
+    assert [public.host_ok(h) for h in ("8.8.8.8", "seed.example.org", "[2001:4860::8888]")] == [True] * 3
+    inside = ("127.0.0.1", "10.0.0.5", "169.254.169.254", "::1", "fd00::1", "localhost", "nas.local", "router")
+    assert not any(public.host_ok(h) for h in inside)
+    assert all(EnrollConfig("http://127.0.0.1:8480", 1, tmp_path).host_ok(h) for h in inside)  # a LAN market
+    assert all(attrs.evolve(public, allow_private=True).host_ok(h) for h in inside)
+    ws = [
+        CoverageEntry(SHA, 0, 0, 2, 1, 1, 10, "00" * 32, "a", 5.0, "serving", "10.0.0.1:7000"),
+        CoverageEntry(SHA, 1, 2, 4, 1, 1, 10, "00" * 32, "b", 5.0, "serving", "93.184.216.34:7000"),
+    ]
+    m = manifest_from_coverage(ws, 1, "0.0.0.0", 9000, host_ok=public.host_ok)
+    assert [r.address for r in m.ranks] == ["0.0.0.0:0", "0.0.0.0:9000"]  # the inside endpoint is never dialled

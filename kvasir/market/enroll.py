@@ -25,6 +25,7 @@ window (no source, a bad record, any KvasirError) releases the lease and avoids 
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import random
 import time
@@ -33,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+import httpx
 import trio
 
 from kvasir.core.identity import Identity, PublicKey
@@ -84,6 +86,8 @@ class EnrollConfig:
     identity: Identity = attrs.field(factory=Identity.generate)
     #: The operator key records must be signed by (None: trust the market's on first use, and log it).
     market_key: PublicKey | None = None
+    #: Whether neighbours and sources may be private or loopback addresses (None: only if the market's is).
+    allow_private: bool | None = None
     #: Stage settings and node settings (everything but the manifest and rank).
     stage_config: Callable[[Path], StageConfig] = StageConfig
     node_options: dict[str, Any] = attrs.field(factory=dict)
@@ -92,9 +96,28 @@ class EnrollConfig:
     def node_id(self) -> str:
         return self.identity.node_id
 
+    def host_ok(self, host: str) -> bool:
+        """Whether the node may dial or fetch from ``host`` (what the market says must not aim it at the inside of
+        its own network, unless the market itself lives there)."""
+        allow = self.allow_private
+        if allow is None:
+            allow = not is_public_host(httpx.URL(self.market_url).host)
+        return allow or is_public_host(host)
+
     @property
     def report_s(self) -> float:
         return max(0.2, min(self.lease_s / 3, 5.0))
+
+
+def is_public_host(host: str) -> bool:
+    """A global IP address, or a DNS name other than localhost and .local/.internal/one-label names (pure: a name
+    is not resolved, so a public name that resolves inside is not caught here)."""
+    host = host.strip("[]").rstrip(".").lower()
+    try:
+        return ipaddress.ip_address(host).is_global
+    except ValueError:
+        pass
+    return "." in host and not host.endswith((".local", ".internal", ".localhost", ".lan", ".home.arpa"))
 
 
 def manifest_from_coverage(
@@ -106,11 +129,13 @@ def manifest_from_coverage(
     name: str = "model",
     relay: str | None = None,
     secret: str | None = None,
+    host_ok: Callable[[str], bool] = lambda _: True,
 ) -> Manifest:
     """The rank manifest a node runs with, built from its model's coverage map (pure).
 
     Its own rank gets ``host:port``; other ranks the endpoint of their serving holder, or an unknown address
-    (0.0.0.0:0) the node waits on until a holder appears.
+    (0.0.0.0:0) the node waits on until a holder appears. An endpoint whose host ``host_ok`` refuses, or that does
+    not parse, counts as unknown.
     """
     ranks = []
     for w in sorted(windows, key=lambda e: e.rank):
@@ -119,7 +144,12 @@ def manifest_from_coverage(
         if w.rank == rank:
             h, p = host, port
         elif w.serving and w.endpoint is not None and not w.endpoint.startswith("relay:"):
-            h, p = parse_hostport(w.endpoint, what="endpoint")
+            try:
+                eh, ep = parse_hostport(w.endpoint, what="endpoint")
+            except InputError:
+                eh, ep = UNKNOWN_HOST, UNKNOWN_PORT
+            if host_ok(eh):
+                h, p = eh, ep
         ranks.append(RankEntry(w.rank, w.start, w.end, h, p, None, link))
     first = windows[0]
     return Manifest(
@@ -306,6 +336,7 @@ class Enrollment:
                     cfg.listen_port,
                     relay=cfg.relay,
                     secret=cfg.ring_secret,
+                    host_ok=cfg.host_ok,
                 )
                 node_config = NodeConfig(
                     manifest, window.rank, node_id=cfg.node_id, relay=cfg.relay, **cfg.node_options
@@ -360,6 +391,9 @@ class Enrollment:
             return path
         errors = []
         for url in model.sources:
+            if not cfg.host_ok(httpx.URL(url).host):
+                errors.append(f"{url}: a private or loopback source, and this node does not allow them")
+                continue
             try:
                 result = await fetch_window(
                     url,
@@ -470,6 +504,7 @@ class Enrollment:
                     name=node.manifest.model_name,
                     relay=cfg.relay,
                     secret=cfg.ring_secret,
+                    host_ok=cfg.host_ok,
                 )
             )
 
