@@ -211,8 +211,12 @@ async def test_lease_lifecycle(market: httpx.AsyncClient, clock: Clock, sign: An
         assert r.status_code == 409 and r.json()["error"]["code"] == "foreign_lease"
     credit = {"model": SHA, "layers": [2, 4], "node_id": n2, "lease_id": "nope", "tokens": 5}
     assert (await market.post("/v1/credits", json=credit, auth=sign("n2"))).status_code == 409
-    # the holder is credited tokens × layers and tokens × reward
+    # the holder is credited what an entry node's receipt confirms: tokens × layers and tokens × reward
     credit = {**credit, "node_id": n1, "lease_id": lid}
+    r = await market.post("/v1/credits", json=credit, auth=sign("n1"))
+    assert r.json() == {"node_id": n1, "tokens": 0, "layer_tokens": 0, "earned": 0.0}  # nothing confirmed yet
+    receipt = {"model": SHA, "node_id": n1, "receipts": [{"request": 1, "tokens": 5, "holders": ["", n1, ""]}]}
+    assert (await market.post("/v1/receipts", json=receipt, auth=sign("n1"))).json() == {"accepted": 1}
     r = await market.post("/v1/credits", json=credit, auth=sign("n1"))
     assert r.json() == {"node_id": n1, "tokens": 5, "layer_tokens": 10, "earned": 5.0}
     # expiry: the window turns uncovered, the old lease cannot renew, another node can claim

@@ -187,24 +187,38 @@ async def test_a_node_pinned_to_one_operator_refuses_another(market: Market, tmp
 # ---------------------------------------------------------------------------------------------- C2 (e), M2
 
 
-async def test_credit_is_cumulative_and_bounded_by_time(market: Market) -> None:
+async def test_credit_needs_receipts_and_is_bounded(market: Market) -> None:
+    """C2 (e): one POST credited 10^15 tokens. Now credit is what an entry node's receipts confirm, cumulative per
+    lease (a repeat adds nothing) and at most what one window could serve since its claim."""
     clock = market.store.clock
     lease = await _serving_victim(market)
-    liar = await market.post("/v1/claims", _claim(ATTACKER.node_id, layers=(0, 2)), ATTACKER)
+    liar = (await market.post("/v1/claims", _claim(ATTACKER.node_id, layers=(0, 2)), ATTACKER)).json()
     base = {"model": SHA, "layers": [2, 4], "node_id": VICTIM.node_id, "lease_id": lease["lease_id"]}
-    over = {"model": SHA, "layers": [0, 2], "node_id": ATTACKER.node_id, "lease_id": liar.json()["lease_id"]}
+    over = {"model": SHA, "layers": [0, 2], "node_id": ATTACKER.node_id, "lease_id": liar["lease_id"]}
     assert (await market.post("/v1/credits", {**over, "tokens": 10**15}, ATTACKER)).status_code == 400
+    # the entry node (here the victim) signs receipts naming who held each window while the request ran
+    ring = [ATTACKER.node_id, VICTIM.node_id, ""]
+    receipts = {"model": SHA, "node_id": VICTIM.node_id, "receipts": [
+        {"request": 1, "tokens": 200, "holders": ring}, {"request": 2, "tokens": 100, "holders": ring}]}  # fmt: skip
+    assert (await market.post("/v1/receipts", receipts, VICTIM)).json() == {"accepted": 2}
+    assert (await market.post("/v1/receipts", receipts, VICTIM)).json() == {"accepted": 0}  # counted once
+    outsider = {**receipts, "node_id": OPERATOR.node_id}
+    assert (await market.post("/v1/receipts", outsider, OPERATOR)).status_code == 403  # holds no window
     honest = await market.post("/v1/credits", {**base, "tokens": 300}, VICTIM)
     assert honest.json()["tokens"] == 300
-    # the same cumulative report again (a retry after a lost reply) adds nothing
     assert (await market.post("/v1/credits", {**base, "tokens": 300}, VICTIM)).json()["tokens"] == 300
+    # the over-reporting node gets what the receipts confirm, not what it claims, however often it claims it
+    for _ in range(3):
+        r = await market.post("/v1/credits", {**over, "tokens": 10**11}, ATTACKER)
+        assert r.status_code == 200 and r.json()["tokens"] == 300
+    # receipts themselves cannot mint past what a window serves in the time it was held
+    flood = {"model": SHA, "node_id": ATTACKER.node_id, "receipts": [
+        {"request": 10 + i, "tokens": 10**6, "holders": ring} for i in range(100)]}  # fmt: skip
+    assert (await market.post("/v1/receipts", flood, ATTACKER)).json() == {"accepted": 100}
     r = await market.post("/v1/credits", {**over, "tokens": 10**11}, ATTACKER)
-    cap = (
-        clock() - market.store.db.execute("SELECT MIN(claimed_at) FROM leases").fetchone()[0] + 11
-    ) * MAX_TOKENS_PER_S
-    assert r.status_code == 200 and r.json()["tokens"] <= cap < 10**6
-    again = await market.post("/v1/credits", {**over, "tokens": 10**11}, ATTACKER)
-    assert again.json()["tokens"] <= cap  # repeating the lie earns nothing more
+    claimed_at = market.store.db.execute("SELECT MIN(claimed_at) FROM leases").fetchone()[0]
+    cap = (clock() - claimed_at + 11) * MAX_TOKENS_PER_S
+    assert r.json()["tokens"] <= cap < 10**6
     ledger = {n["node_id"]: n["tokens"] for n in (await market.http.get("/v1/ledger")).json()["nodes"]}
     assert ledger[VICTIM.node_id] == 300 and ledger[ATTACKER.node_id] <= cap
 

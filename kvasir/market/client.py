@@ -26,6 +26,7 @@ from kvasir.market.records import (
     LeaseRef,
     ManifestRecord,
     ModelRecord,
+    ReceiptBatch,
     coverage_from_wire,
 )
 
@@ -134,6 +135,9 @@ class MarketClient:
 
     async def demand(self, report: DemandReport) -> None:
         await self._call("POST", "/v1/demand", report.to_wire())
+
+    async def receipts(self, batch: ReceiptBatch) -> None:
+        await self._call("POST", "/v1/receipts", batch.to_wire())
 
     async def credit(self, report: CreditReport) -> dict[str, Any]:
         result: dict[str, Any] = await self._call("POST", "/v1/credits", report.to_wire())

@@ -43,6 +43,7 @@ from kvasir.market import auth
 from kvasir.market.choice import choose_window
 from kvasir.market.client import MarketClient
 from kvasir.market.records import (
+    MAX_RECEIPTS,
     MAX_REPORT_REQUESTS,
     MAX_REPORT_TOKENS,
     ClaimRequest,
@@ -52,6 +53,8 @@ from kvasir.market.records import (
     Lease,
     LeaseRef,
     ModelRecord,
+    Receipt,
+    ReceiptBatch,
 )
 from kvasir.market.tickets import TicketPolicy
 from kvasir.ring.manifest import Manifest, RankEntry
@@ -66,6 +69,9 @@ log = logging.getLogger("kvasir.enroll")
 UNKNOWN_HOST, UNKNOWN_PORT = "0.0.0.0", 0
 #: How long a window that failed (no source, a bad record) is left to others.
 AVOID_S = 120.0
+#: Receipts kept for the market at most (while it cannot be reached), and how often to re-report unconfirmed work.
+MAX_PENDING_RECEIPTS = 4096
+CREDIT_RETRY_S = 5.0
 
 
 @attrs.frozen
@@ -191,6 +197,12 @@ class Enrollment:
         self._reported_tokens = 0
         self._credit_lease: str | None = None
         self._credit_base = 0
+        self._credit_sent = 0  # cumulative tokens last reported under the current lease
+        self._credited = 0  # what the market credited for it (receipts confirm with a lag)
+        self._credit_retry_at = 0.0
+        #: Node id serving each rank (by the latest coverage map), named in the receipts this node signs.
+        self._holders: list[str] = []
+        self._receipts: list[Receipt] = []
         self._demand = {"requests": 0, "tokens": 0}
         self._entered: set[int] = set()
         self.operator_key: PublicKey | None = config.market_key
@@ -345,6 +357,8 @@ class Enrollment:
                 port = await nursery.start(node.serve)
                 self.node = node
                 self._reported_tokens, self._credit_lease, self._credit_base = 0, None, 0
+                self._receipts.clear()
+                self._see_holders(coverage, window.rank)
                 host = cfg.advertise_host or cfg.listen_host
                 self.endpoint = f"relay:{cfg.relay}" if cfg.relay else format_hostport(host, port)
                 node.update_manifest(attrs.evolve(manifest, ranks=_with_port(manifest.ranks, window.rank, port)))
@@ -493,6 +507,7 @@ class Enrollment:
                 }
                 for c in coverage
             ]
+            self._see_holders(coverage, window.rank)
             if len(coverage) != node.manifest.size:
                 continue  # the manifest changed under us: the lease keeper finds out whether we still hold a window
             node.update_manifest(
@@ -508,8 +523,14 @@ class Enrollment:
                 )
             )
 
+    def _see_holders(self, coverage: Sequence[CoverageEntry], rank: int) -> None:
+        holders = {c.rank: (c.holder or "") if c.serving else "" for c in coverage}
+        holders[rank] = self.config.node_id
+        self._holders = [holders.get(r, "") for r in range(max(holders) + 1)]
+
     async def _watch_demand(self, node: Node) -> None:
-        """Count requests that entered the ring at this node and the tokens they generated."""
+        """Count requests that entered the ring at this node and the tokens they generated; keep a receipt of each
+        (its tokens and the holders that produced them), which the market needs to credit any of them."""
         async with node.hub.subscribe() as events:
             async for ev in events:
                 if ev.get("type") != "request":
@@ -519,7 +540,11 @@ class Enrollment:
                 elif ev.get("state") == "end" and ev.get("request") in self._entered:
                     self._entered.discard(int(ev["request"]))
                     self._demand["requests"] += 1
-                    self._demand["tokens"] += int(ev.get("generated") or 0)
+                    generated = min(int(ev.get("generated") or 0), MAX_REPORT_TOKENS)
+                    self._demand["tokens"] += generated
+                    if generated > 0:
+                        self._receipts.append(Receipt(int(ev["request"]), generated, tuple(self._holders)))
+                        del self._receipts[:-MAX_PENDING_RECEIPTS]  # bounded while the market is away
 
     async def _report_loop(self) -> None:
         while True:
@@ -533,6 +558,7 @@ class Enrollment:
             return
         if lease.lease_id != self._credit_lease:  # credit reports are cumulative per lease
             self._credit_lease, self._credit_base = lease.lease_id, self._reported_tokens
+            self._credit_sent = self._credited = 0
         tokens = node.contribution_tokens
         demand = {
             "requests": min(self._demand["requests"], MAX_REPORT_REQUESTS),
@@ -543,11 +569,19 @@ class Enrollment:
                 await self.market.demand(DemandReport(lease.model, demand["requests"], demand["tokens"]))
                 self._demand["requests"] -= demand["requests"]
                 self._demand["tokens"] -= demand["tokens"]
-            if tokens > self._reported_tokens:
-                served = tokens - self._credit_base
+            while self._receipts:
+                batch = self._receipts[:MAX_RECEIPTS]
+                await self.market.receipts(ReceiptBatch(lease.model, self.config.node_id, tuple(batch)))
+                del self._receipts[: len(batch)]
+            served = tokens - self._credit_base
+            now = time.monotonic()
+            # Report new work at once; work not yet confirmed (receipts lag) again every CREDIT_RETRY_S.
+            if served > self._credit_sent or (served > self._credited and now >= self._credit_retry_at):
                 report = CreditReport(lease.model, lease.start, lease.end, self.config.node_id, lease.lease_id, served)
-                await self.market.credit(report)
-                self._reported_tokens = tokens
+                reply = await self.market.credit(report)
+                self._credit_sent, self._reported_tokens = served, tokens
+                self._credited = int(reply.get("tokens") or 0)
+                self._credit_retry_at = now + CREDIT_RETRY_S
         except (MarketError, KvasirError) as exc:
             log.info("node %s: report failed: %s", self.config.node_id, exc)
 

@@ -35,6 +35,8 @@ MAX_REPORT_REQUESTS = 10_000
 MAX_REPORT_TOKENS = 1_000_000
 #: A credit report's cumulative tokens for one lease (the market bounds credit by time served anyway).
 MAX_LEASE_TOKENS = 10**12
+#: Receipts per batch at most.
+MAX_RECEIPTS = 256
 #: Credits per token a window can pay at most, whatever its weight and demand.
 MAX_REWARD = 1e15
 LeaseState = Literal["fetching", "serving"]
@@ -332,6 +334,39 @@ class CreditReport(_Body):
     tokens: int = attrs.field(default=0, validator=_count(0, high=MAX_LEASE_TOKENS))
 
 
+@attrs.frozen
+class Receipt(_Body):
+    """One request that entered the ring at the reporting node: its id, the tokens the ring generated for it, and
+    the node id holding each window (in rank order; "" where none) while it ran."""
+
+    WHERE: ClassVar[str] = "receipt"
+
+    request: int = attrs.field(validator=_count(0, high=2**64 - 1))
+    tokens: int = attrs.field(validator=_count(0, high=MAX_REPORT_TOKENS))
+    holders: tuple[str, ...]
+
+    def __attrs_post_init__(self) -> None:
+        if len(self.holders) > MAX_WINDOWS or not all(
+            isinstance(h, str) and (h == "" or _NODE_ID.fullmatch(h)) for h in self.holders
+        ):
+            raise FieldError("holders", f"must list at most {MAX_WINDOWS} node ids (or '')")
+
+
+@attrs.frozen
+class ReceiptBatch(_Body):
+    """Body of ``POST /v1/receipts``: receipts an entry node signs (with the request) for the work others did."""
+
+    WHERE: ClassVar[str] = "receipts"
+
+    model: str = attrs.field(validator=_sha256)
+    node_id: str = attrs.field(validator=_node_id)
+    receipts: tuple[Receipt, ...]
+
+    def __attrs_post_init__(self) -> None:
+        if not 1 <= len(self.receipts) <= MAX_RECEIPTS:
+            raise InputError(f"'receipts' must list 1-{MAX_RECEIPTS} receipts")
+
+
 # ---------------------------------------------------------------------------------------------- coverage (read side)
 
 
@@ -397,3 +432,5 @@ register_record(ClaimRequest, window=True, omit_if_none=("lease_id",))
 register_record(ModelRecord, rename={"n_layers": "layers"}, omit_if_none=("signature",))
 register_record(ManifestRecord, key_order=("model", "origin", "windows"))
 register_record(DemandReport)
+register_record(Receipt)
+register_record(ReceiptBatch)

@@ -33,6 +33,7 @@ from kvasir.market.records import (
     LeaseRef,
     ManifestRecord,
     ModelRecord,
+    ReceiptBatch,
     sha256_field,
 )
 from kvasir.market.store import MarketStore
@@ -169,6 +170,11 @@ class MarketService:
             self._signed(request, node_id=ref.node_id)
             await self._db(self.store.release, ref)
             return 200, {"released": True}
+        if path == "/v1/receipts":
+            allow("POST")
+            batch = ReceiptBatch.from_wire(_body(request))
+            self._signed(request, node_id=batch.node_id)
+            return 200, await self._db(self.store.add_receipts, batch)
         if path == "/v1/credits":
             allow("POST")
             credit = CreditReport.from_wire(_body(request))

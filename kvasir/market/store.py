@@ -19,6 +19,7 @@ from typing import Any
 
 from kvasir.errors import InputError, MarketError
 from kvasir.market.records import (
+    MAX_LEASE_TOKENS,
     MAX_REWARD,
     ClaimRequest,
     CoverageEntry,
@@ -28,6 +29,7 @@ from kvasir.market.records import (
     LeaseRef,
     ManifestRecord,
     ModelRecord,
+    ReceiptBatch,
 )
 
 #: Demand older than this no longer raises rewards.
@@ -44,6 +46,9 @@ MAX_MULTIPLIER = 1000.0
 #: Tokens per second one window can be credited for at most, and the seconds of slack a fresh lease starts with.
 MAX_TOKENS_PER_S = 2000.0
 CREDIT_SLACK_S = 10.0
+#: Receipts are remembered (so a repeated one counts once) this long, and at most this many at once.
+RECEIPT_HORIZON_S = 3600.0
+MAX_RECEIPTS_SEEN = 1_000_000
 #: Models a market offers at most; ledger rows in one reply at most.
 MAX_MODELS = 256
 MAX_LEDGER_ROWS = 1000
@@ -64,6 +69,10 @@ CREATE TABLE IF NOT EXISTS lease_credits (
     "end" INTEGER NOT NULL, tokens INTEGER NOT NULL, layer_tokens INTEGER NOT NULL, earned REAL NOT NULL,
     ts REAL NOT NULL);
 CREATE INDEX IF NOT EXISTS lease_credits_node ON lease_credits (node_id);
+CREATE TABLE IF NOT EXISTS receipts_seen (
+    entry TEXT NOT NULL, request TEXT NOT NULL, ts REAL NOT NULL, PRIMARY KEY (entry, request));
+CREATE INDEX IF NOT EXISTS receipts_seen_ts ON receipts_seen (ts);
+CREATE TABLE IF NOT EXISTS lease_confirmed (lease_id TEXT PRIMARY KEY, tokens INTEGER NOT NULL, ts REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 
@@ -371,10 +380,50 @@ class MarketStore:
             )
         return {"horizon_s": DEMAND_HORIZON_S, "models": out}
 
+    def add_receipts(self, batch: ReceiptBatch) -> dict[str, Any]:
+        """An entry node's receipts: each new one (per entry and request id) confirms its tokens for every window
+        whose live holder it names. Replies with how many receipts were new."""
+        manifest = self.manifest(batch.model)
+        now = self.clock()
+        if not self.holds_lease(batch.node_id, batch.model):
+            raise MarketError(403, "not_a_holder", f"node {batch.node_id} holds no window of {batch.model[:12]}…")
+        new = 0
+        with self._write() as db:
+            db.execute("DELETE FROM receipts_seen WHERE ts < ?", (now - RECEIPT_HORIZON_S,))
+            (seen,) = db.execute("SELECT COUNT(*) FROM receipts_seen").fetchone()
+            if seen + len(batch.receipts) > MAX_RECEIPTS_SEEN:
+                raise MarketError(503, "busy", "too many receipts in the last hour; retry later")
+            leases = {
+                (r[0], r[1]): (r[2], r[3])
+                for r in db.execute(
+                    'SELECT start, "end", node_id, lease_id FROM leases WHERE model = ? AND expires_at > ?',
+                    (batch.model, now),
+                )
+            }
+            for receipt in batch.receipts:
+                fresh = db.execute(
+                    "INSERT OR IGNORE INTO receipts_seen (entry, request, ts) VALUES (?, ?, ?)",
+                    (batch.node_id, str(receipt.request), now),
+                ).rowcount
+                if not fresh:
+                    continue
+                new += 1
+                for rank, w in enumerate(manifest.windows):
+                    holder = leases.get((w.start, w.end))
+                    if holder is None or rank >= len(receipt.holders) or receipt.holders[rank] != holder[0]:
+                        continue  # the receipt names someone else (or nobody): it confirms nothing here
+                    db.execute(
+                        "INSERT INTO lease_confirmed (lease_id, tokens, ts) VALUES (?, MIN(?, ?), ?)"
+                        " ON CONFLICT (lease_id) DO UPDATE SET tokens = MIN(tokens + excluded.tokens, ?), ts = ?",
+                        (holder[1], receipt.tokens, MAX_LEASE_TOKENS, now, MAX_LEASE_TOKENS, now),
+                    )
+        return {"accepted": new}
+
     def credit(self, report: CreditReport) -> dict[str, Any]:
         """Credit a lease holder: ``report.tokens`` is its cumulative count under this lease, so a repeated report
-        adds nothing. The count is cut to what one window could serve since the claim (MAX_TOKENS_PER_S); each new
-        token earns layers (layer_tokens) and the window's reward now (earned). Replies with the lease's totals."""
+        adds nothing. The count is cut to what entry nodes' receipts confirmed for this lease and to what one
+        window could serve since the claim (MAX_TOKENS_PER_S); each new token earns layers (layer_tokens) and the
+        window's reward now (earned). Replies with the lease's totals."""
         manifest, rank = self._window(report.model, report.start, report.end)
         now = self.clock()
         reward = reward_of(manifest.windows[rank].weight, demand_multiplier(self._recent_tokens(report.model, now)))
@@ -386,6 +435,10 @@ class MarketStore:
                 (report.model, report.start, report.end),
             ).fetchone()
             cap = int((max(0.0, now - claimed_at) + CREDIT_SLACK_S) * self.max_tokens_per_s)
+            confirmed = db.execute(
+                "SELECT tokens FROM lease_confirmed WHERE lease_id = ?", (report.lease_id,)
+            ).fetchone()
+            cap = min(cap, confirmed[0] if confirmed is not None else 0)
             prior = db.execute(
                 "SELECT tokens, layer_tokens, earned FROM lease_credits WHERE lease_id = ?", (report.lease_id,)
             ).fetchone()
