@@ -337,3 +337,31 @@ def test_nodes_dial_and_fetch_inside_only_when_the_market_is_inside(tmp_path: Pa
     ]
     m = manifest_from_coverage(ws, 1, "0.0.0.0", 9000, host_ok=public.host_ok)
     assert [r.address for r in m.ranks] == ["0.0.0.0:0", "0.0.0.0:9000"]  # the inside endpoint is never dialled
+
+
+def test_an_outage_longer_than_a_lease_evicts_no_healthy_holder(tmp_path: Path) -> None:
+    """Issue 11 (6): after a market restart, a spare polling first took a healthy holder's window. Leases that
+    were live when the market stopped get the time they had left; the ledger and leases survive a kill."""
+    from kvasir.market.records import ClaimRequest, ManifestRecord, ModelRecord
+
+    now = [1_000_000.0]
+    db = tmp_path / "m.sqlite"
+    store = MarketStore(db, clock=lambda: now[0])
+    store.put_model(ModelRecord.from_wire(signed_model(_model(), OPERATOR)))
+    store.put_manifest(ManifestRecord.from_wire(MANIFEST, SHA))
+    lease = store.claim(ClaimRequest(SHA, 2, 4, VICTIM.node_id, 30.0))
+    now[0] += 20  # the holder renewed 10 s before the market died
+    lease = store.renew(ClaimRequest(SHA, 2, 4, VICTIM.node_id, 30.0, lease_id=lease.lease_id))
+    store.close()  # as after kill -9: every write was its own committed transaction
+    now[0] += 600  # ten minutes away, twenty leases' worth
+    again = MarketStore(db, clock=lambda: now[0])
+    w = again.coverage()["models"][0]["windows"][1]
+    assert w["holder"] == VICTIM.node_id and w["lease_expires"] == now[0] + 30
+    with pytest.raises(MarketError, match="held by node"):
+        again.claim(ClaimRequest(SHA, 2, 4, ATTACKER.node_id, 30.0))  # the spare waits
+    assert (
+        again.renew(ClaimRequest(SHA, 2, 4, VICTIM.node_id, 30.0, lease_id=lease.lease_id)).lease_id == lease.lease_id
+    )
+    now[0] += 31  # a holder that does not come back still loses its window
+    assert again.claim(ClaimRequest(SHA, 2, 4, ATTACKER.node_id, 30.0)).node_id == ATTACKER.node_id
+    again.close()

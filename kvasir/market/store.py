@@ -102,8 +102,24 @@ class MarketStore:
             columns = {r[1] for r in self.db.execute("PRAGMA table_info(leases)")}
             if "holder_key" not in columns:  # a database from before signed claims
                 self.db.execute("ALTER TABLE leases ADD COLUMN holder_key TEXT")
+            self._resume()
         except sqlite3.Error as exc:
             raise InputError(f"{path}: cannot open the market database ({exc})") from None
+
+    def _resume(self) -> None:
+        """After a downtime, give every lease that was live when the market stopped the time it had left.
+
+        Holders could not renew while the market was away; without this, a spare that polls first after a restart
+        would take a healthy holder's window and cut its streams.
+        """
+        row = self.db.execute("SELECT value FROM meta WHERE key = 'alive_at'").fetchone()
+        now = self.clock()
+        if row is not None and now > float(row[0]):
+            alive_at = float(row[0])
+            with self._write() as db:
+                db.execute(
+                    "UPDATE leases SET expires_at = expires_at + ? WHERE expires_at > ?", (now - alive_at, alive_at)
+                )
 
     def close(self) -> None:
         self.db.close()
@@ -113,6 +129,8 @@ class MarketStore:
         self.db.execute("BEGIN IMMEDIATE")
         try:
             yield self.db
+            # When the market was last alive (every write): a restart extends leases by the time it was away.
+            self.db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('alive_at', ?)", (str(self.clock()),))
         except BaseException:
             self.db.execute("ROLLBACK")
             raise
