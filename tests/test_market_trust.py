@@ -253,7 +253,7 @@ async def test_window_tickets(market: Market) -> None:
     now = market.store.clock()
     ticket = lease["ticket"]
     t = parse_ticket(ticket, OPERATOR.public)
-    assert (t.model, t.start, t.end, t.holder) == (SHA, 2, 4, VICTIM.public)
+    assert (t.model, t.start, t.end, t.holder, t.relay_edge) == (SHA, 2, 4, VICTIM.public, f"{SHA[:12]}-e1")
     assert now < t.not_after <= now + MAX_TICKET_S
     policy = TicketPolicy(OPERATOR.public, SHA, frozenset({(2, 4)}), clock=lambda: now)
     assert policy.problem(VICTIM.public, ticket.encode()) is None

@@ -74,8 +74,11 @@ class MarketService:
         return signed
 
     def _ticketed(self, lease: Lease, holder: PublicKey) -> Lease:
+        """The lease with a fresh window ticket; its relay edge is the one into the holder's window (downstream)."""
+        _, rank = self.store.window_of(lease.model, lease.start, lease.end)
         not_after = int(min(lease.expires_at, self.store.clock() + MAX_TICKET_S))
-        ticket = WindowTicket(lease.model, lease.start, lease.end, holder, not_after, self.identity.public)
+        edge = relay_edge_id(lease.model, rank)
+        ticket = WindowTicket(lease.model, lease.start, lease.end, holder, not_after, self.identity.public, edge)
         return attrs.evolve(lease, ticket=issue_ticket(self.identity, ticket))
 
     async def _db(self, fn: Callable[..., T], *args: Any) -> T:
@@ -158,12 +161,13 @@ class MarketService:
             req = ClaimRequest.from_wire(_body(request))
             signed = self._signed(request, node_id=req.node_id)
             lease = await self._db(self.store.claim, req, signed.key.to_text())
-            return 200, self._ticketed(lease, signed.key).to_wire()
+            return 200, (await self._db(self._ticketed, lease, signed.key)).to_wire()
         if path == "/v1/claims/renew":
             allow("POST")
             req = ClaimRequest.from_wire(_body(request), renew=True, where="renew")
             signed = self._signed(request, node_id=req.node_id)
-            return 200, self._ticketed(await self._db(self.store.renew, req), signed.key).to_wire()
+            lease = await self._db(self.store.renew, req)
+            return 200, (await self._db(self._ticketed, lease, signed.key)).to_wire()
         if path == "/v1/claims/release":
             allow("POST")
             ref = LeaseRef.from_wire(_body(request))
@@ -200,6 +204,12 @@ def _body(request: HttpRequest) -> Any:
         raise InputError(f"request body is not JSON ({exc})") from None
     except RecursionError:
         raise InputError("request body is nested too deeply") from None
+
+
+def relay_edge_id(model: str, rank: int) -> str:
+    """The relay edge into window ``rank`` of a market ring: the model in it, so rings of two models never share
+    an edge id on one relay."""
+    return f"{model[:12]}-e{rank}"
 
 
 def machine_identity() -> Identity:

@@ -266,6 +266,10 @@ class MarketStore:
             )
         return {"now": now, "models": out}
 
+    def window_of(self, model: str, start: int, end: int) -> tuple[ManifestRecord, int]:
+        """The model's manifest and the rank of window [start, end) in it (404 if there is none)."""
+        return self._window(model, start, end)
+
     def _window(self, model: str, start: int, end: int) -> tuple[ManifestRecord, int]:
         self.model(model)
         manifest = self.manifest(model)
