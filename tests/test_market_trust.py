@@ -365,3 +365,24 @@ def test_an_outage_longer_than_a_lease_evicts_no_healthy_holder(tmp_path: Path) 
     now[0] += 31  # a holder that does not come back still loses its window
     assert again.claim(ClaimRequest(SHA, 2, 4, ATTACKER.node_id, 30.0)).node_id == ATTACKER.node_id
     again.close()
+
+
+def test_a_key_sharing_the_holders_fingerprint_holds_nothing(tmp_path: Path) -> None:
+    """Node ids are 64-bit fingerprints; the market also pins the holder's whole key, so a ground collision of the
+    id is not enough to renew, release, credit or re-claim."""
+    from kvasir.market.records import ClaimRequest, LeaseRef, ManifestRecord, ModelRecord
+
+    store = MarketStore(tmp_path / "m.sqlite")
+    store.put_model(ModelRecord.from_wire(signed_model(_model(), OPERATOR)))
+    store.put_manifest(ManifestRecord.from_wire(MANIFEST, SHA))
+    real, twin = VICTIM.public.to_text(), ATTACKER.public.to_text()
+    lease = store.claim(ClaimRequest(SHA, 2, 4, VICTIM.node_id, 30.0), real)
+    renew = ClaimRequest(SHA, 2, 4, VICTIM.node_id, 30.0, lease_id=lease.lease_id)
+    with pytest.raises(MarketError, match="held by"):
+        store.claim(ClaimRequest(SHA, 2, 4, VICTIM.node_id, 30.0), twin)
+    with pytest.raises(MarketError, match="another lease"):
+        store.renew(renew, twin)
+    with pytest.raises(MarketError, match="another lease"):
+        store.release(LeaseRef(SHA, 2, 4, VICTIM.node_id, lease.lease_id), twin)
+    assert store.renew(renew, real).lease_id == lease.lease_id
+    store.close()

@@ -130,7 +130,13 @@ class NonceCache:
         self._seen[signed.nonce] = max(now, signed.when) + self.window_s
 
     def _expire(self, now: float) -> None:
-        stale = [n for n, until in self._seen.items() if until < now]
+        # Oldest first (insertion order is nearly time order): stop at the first live one, so each call costs only
+        # what it removes. A nonce stored out of order is kept a little longer, which is the safe direction.
+        stale = []
+        for n, until in self._seen.items():
+            if until >= now:
+                break
+            stale.append(n)
         for n in stale:
             del self._seen[n]
 

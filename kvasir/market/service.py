@@ -166,13 +166,13 @@ class MarketService:
             allow("POST")
             req = ClaimRequest.from_wire(_body(request), renew=True, where="renew")
             signed = self._signed(request, node_id=req.node_id)
-            lease = await self._db(self.store.renew, req)
+            lease = await self._db(self.store.renew, req, signed.key.to_text())
             return 200, (await self._db(self._ticketed, lease, signed.key)).to_wire()
         if path == "/v1/claims/release":
             allow("POST")
             ref = LeaseRef.from_wire(_body(request))
-            self._signed(request, node_id=ref.node_id)
-            await self._db(self.store.release, ref)
+            signed = self._signed(request, node_id=ref.node_id)
+            await self._db(self.store.release, ref, signed.key.to_text())
             return 200, {"released": True}
         if path == "/v1/receipts":
             allow("POST")
@@ -182,8 +182,8 @@ class MarketService:
         if path == "/v1/credits":
             allow("POST")
             credit = CreditReport.from_wire(_body(request))
-            self._signed(request, node_id=credit.node_id)
-            return 200, await self._db(self.store.credit, credit)
+            signed = self._signed(request, node_id=credit.node_id)
+            return 200, await self._db(self.store.credit, credit, signed.key.to_text())
         if path == "/v1/ledger":
             allow("GET")
             return 200, await self._db(self.store.ledger)

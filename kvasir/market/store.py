@@ -53,6 +53,8 @@ MAX_RECEIPTS_SEEN = 1_000_000
 MAX_MODELS = 256
 MAX_LEDGER_ROWS = 1000
 
+_LEASE_ROW = 'SELECT node_id, lease_id, expires_at, holder_key FROM leases WHERE model = ? AND start = ? AND "end" = ?'
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS models (sha256 TEXT PRIMARY KEY, body TEXT NOT NULL, added REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS manifests (model TEXT PRIMARY KEY, body TEXT NOT NULL, updated REAL NOT NULL);
@@ -288,11 +290,11 @@ class MarketStore:
         expires = now + req.lease_s
         with self._write() as db:
             row = db.execute(
-                'SELECT node_id, lease_id, expires_at FROM leases WHERE model = ? AND start = ? AND "end" = ?',
+                _LEASE_ROW,
                 (req.model, req.start, req.end),
             ).fetchone()
             if row is not None and row[2] > now:
-                if row[0] != req.node_id:
+                if row[0] != req.node_id or (holder_key is not None and row[3] not in (None, holder_key)):
                     raise MarketError(409, "window_taken", f"window [{req.start}, {req.end}) is held by node {row[0]}")
                 lease_id = row[1]
                 db.execute(
@@ -310,11 +312,16 @@ class MarketStore:
                 )  # fmt: skip
         return Lease(req.model, req.start, req.end, req.node_id, lease_id, expires)
 
-    def _check_lease(self, db: sqlite3.Connection, ref: LeaseRef | ClaimRequest | CreditReport, now: float) -> None:
+    def _check_lease(
+        self, db: sqlite3.Connection, ref: LeaseRef | ClaimRequest | CreditReport, now: float, key: str | None
+    ) -> None:
+        """The caller holds this lease: its node id and lease id match (and its full key, where both are known)."""
         row = db.execute(
-            'SELECT node_id, lease_id, expires_at FROM leases WHERE model = ? AND start = ? AND "end" = ?',
+            _LEASE_ROW,
             (ref.model, ref.start, ref.end),
         ).fetchone()
+        if row is not None and key is not None and row[3] is not None and row[3] != key:
+            row = (None, None, row[2], row[3])  # a key that merely shares the holder's fingerprint holds nothing
         window = f"[{ref.start}, {ref.end})"
         if row is None or (row[2] <= now and (row[0], row[1]) == (ref.node_id, ref.lease_id)):
             raise MarketError(409, "lease_expired", f"the lease on window {window} has expired; claim it again")
@@ -323,23 +330,23 @@ class MarketStore:
                 raise MarketError(409, "lease_expired", f"the lease on window {window} has expired; claim it again")
             raise MarketError(409, "foreign_lease", f"window {window} is held by another lease")
 
-    def renew(self, req: ClaimRequest) -> Lease:
+    def renew(self, req: ClaimRequest, holder_key: str | None = None) -> Lease:
         self._window(req.model, req.start, req.end)
         assert req.lease_id is not None
         now = self.clock()
         expires = now + req.lease_s
         with self._write() as db:
-            self._check_lease(db, req, now)
+            self._check_lease(db, req, now, holder_key)
             db.execute(
                 'UPDATE leases SET expires_at = ?, endpoint = ?, state = ? WHERE model = ? AND start = ? AND "end" = ?',
                 (expires, req.endpoint, req.state, req.model, req.start, req.end),
             )
         return Lease(req.model, req.start, req.end, req.node_id, req.lease_id, expires)
 
-    def release(self, ref: LeaseRef) -> None:
+    def release(self, ref: LeaseRef, holder_key: str | None = None) -> None:
         self._window(ref.model, ref.start, ref.end)
         with self._write() as db:
-            self._check_lease(db, ref, self.clock())
+            self._check_lease(db, ref, self.clock(), holder_key)
             db.execute(
                 'DELETE FROM leases WHERE model = ? AND start = ? AND "end" = ?', (ref.model, ref.start, ref.end)
             )
@@ -441,7 +448,7 @@ class MarketStore:
                     )
         return {"accepted": new}
 
-    def credit(self, report: CreditReport) -> dict[str, Any]:
+    def credit(self, report: CreditReport, holder_key: str | None = None) -> dict[str, Any]:
         """Credit a lease holder: ``report.tokens`` is its cumulative count under this lease, so a repeated report
         adds nothing. The count is cut to what entry nodes' receipts confirmed for this lease and to what one
         window could serve since the claim (MAX_TOKENS_PER_S); each new token earns layers (layer_tokens) and the
@@ -451,7 +458,7 @@ class MarketStore:
         reward = reward_of(manifest.windows[rank].weight, demand_multiplier(self._recent_tokens(report.model, now)))
         layers = report.end - report.start
         with self._write() as db:
-            self._check_lease(db, report, now)
+            self._check_lease(db, report, now, holder_key)
             (claimed_at,) = db.execute(
                 'SELECT claimed_at FROM leases WHERE model = ? AND start = ? AND "end" = ?',
                 (report.model, report.start, report.end),
