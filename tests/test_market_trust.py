@@ -386,3 +386,26 @@ def test_a_key_sharing_the_holders_fingerprint_holds_nothing(tmp_path: Path) -> 
         store.release(LeaseRef(SHA, 2, 4, VICTIM.node_id, lease.lease_id), twin)
     assert store.renew(renew, real).lease_id == lease.lease_id
     store.close()
+
+
+def test_market_status_prints_hostile_strings_literally() -> None:
+    """L6: names and endpoints come from the network; rich markup in them is shown, never interpreted."""
+    import io
+
+    from rich.console import Console
+
+    from kvasir.commands.market import print_status
+
+    w = {"rank": 0, "layers": [0, 2], "bytes": 10, "reward": 1.0, "holder": "[link=http://x]h[/link]",
+         "lease_expires": None, "state": "serving", "endpoint": "[red]x[/red]:80"}  # fmt: skip
+    st = {
+        "coverage": {"now": 0.0, "models": [{"name": "[bold]evil", "model": SHA, "covered": 1, "windows_total": 1,
+                                             "live": False, "windows": [w]}]},
+        "demand": {"horizon_s": 600, "models": [{"name": "[blink]d", "requests": 0, "tokens": 0, "multiplier": 1.0}]},
+        "ledger": {"nodes": [{"node_id": "[i]n", "tokens": 1, "layer_tokens": 2, "earned": 1.0, "last": None}]},
+    }  # fmt: skip
+    out = io.StringIO()
+    print_status(st, Console(file=out, width=200, color_system=None))
+    text = out.getvalue()
+    for literal in ("[bold]evil", "[red]x[/red]:80", "[link=http://x]h[/link]", "[blink]d", "[i]n"):
+        assert literal in text, literal
