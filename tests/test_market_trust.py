@@ -409,3 +409,21 @@ def test_market_status_prints_hostile_strings_literally() -> None:
     text = out.getvalue()
     for literal in ("[bold]evil", "[red]x[/red]:80", "[link=http://x]h[/link]", "[blink]d", "[i]n"):
         assert literal in text, literal
+
+
+def test_coverage_replies_are_capped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """L7: one coverage reply lists whole models up to a window cap and says when it left some out."""
+    from kvasir.market import store as store_module
+    from kvasir.market.records import ManifestRecord, ModelRecord
+    from tests.test_market import OTHER
+
+    monkeypatch.setattr(store_module, "MAX_COVERAGE_WINDOWS", 4)
+    store = MarketStore(tmp_path / "m.sqlite")
+    for sha in (SHA, OTHER):
+        store.put_model(ModelRecord.from_wire(signed_model({**_model(), "sha256": sha}, OPERATOR)))
+        store.put_manifest(ManifestRecord.from_wire(MANIFEST, sha))
+    cov = store.coverage()
+    assert [m["model"] for m in cov["models"]] == [SHA] and cov["truncated"]
+    one = store.coverage(OTHER)
+    assert [m["model"] for m in one["models"]] == [OTHER] and not one["truncated"]
+    store.close()

@@ -51,6 +51,8 @@ RECEIPT_HORIZON_S = 3600.0
 MAX_RECEIPTS_SEEN = 1_000_000
 #: Models a market offers at most; ledger rows in one reply at most.
 MAX_MODELS = 256
+#: Windows one coverage reply lists at most (a manifest has at most 4096).
+MAX_COVERAGE_WINDOWS = 16384
 MAX_LEDGER_ROWS = 1000
 
 _LEASE_ROW = 'SELECT node_id, lease_id, expires_at, holder_key FROM leases WHERE model = ? AND start = ? AND "end" = ?'
@@ -217,15 +219,23 @@ class MarketStore:
     # ------------------------------------------------------------------------------------------ coverage
 
     def coverage(self, model: str | None = None) -> dict[str, Any]:
-        """The coverage map (``GET /v1/coverage``): every manifest window, its reward and its live holder."""
+        """The coverage map (``GET /v1/coverage``): every manifest window, its reward and its live holder.
+
+        At most MAX_COVERAGE_WINDOWS windows in one reply (whole models, oldest first; ``truncated`` says when
+        some were left out, and ``?model=`` asks for one)."""
         now = self.clock()
         out = []
+        shown, truncated = 0, False
         models = [self.model(model)] if model is not None else self.models()
         for m in models:
             try:
                 manifest = self.manifest(m.sha256)
             except MarketError:
                 continue
+            if shown + len(manifest.windows) > MAX_COVERAGE_WINDOWS:
+                truncated = True
+                continue
+            shown += len(manifest.windows)
             mult = demand_multiplier(self._recent_tokens(m.sha256, now))
             leases = {
                 (r[0], r[1]): r
@@ -266,7 +276,7 @@ class MarketStore:
                     "windows": [w.to_wire() for w in windows],
                 }
             )
-        return {"now": now, "models": out}
+        return {"now": now, "models": out, "truncated": truncated}
 
     def window_of(self, model: str, start: int, end: int) -> tuple[ManifestRecord, int]:
         """The model's manifest and the rank of window [start, end) in it (404 if there is none)."""
