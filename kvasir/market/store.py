@@ -392,8 +392,10 @@ class MarketStore:
             db.execute("DELETE FROM demand_buckets WHERE bucket < ?", (_bucket(now - DEMAND_HORIZON_S),))
 
     def demand(self) -> dict[str, Any]:
+        """Recent demand per model, with each window's reward (window lists stop at MAX_COVERAGE_WINDOWS in all)."""
         now = self.clock()
         out = []
+        shown = 0
         for m in self.models():
             row = self.db.execute(
                 "SELECT COALESCE(SUM(requests), 0), COALESCE(SUM(tokens), 0) FROM demand_buckets"
@@ -403,10 +405,10 @@ class MarketStore:
             mult = demand_multiplier(int(row[1]))
             rewards = []
             with suppress(MarketError):  # a model without a manifest yet
-                rewards = [
-                    {"layers": [w.start, w.end], "reward": reward_of(w.weight, mult)}
-                    for w in self.manifest(m.sha256).windows
-                ]
+                windows = self.manifest(m.sha256).windows
+                if shown + len(windows) <= MAX_COVERAGE_WINDOWS:
+                    shown += len(windows)
+                    rewards = [{"layers": [w.start, w.end], "reward": reward_of(w.weight, mult)} for w in windows]
             out.append(
                 {
                     "model": m.sha256,
