@@ -210,6 +210,7 @@ class Enrollment:
         self.ticket_issuer: PublicKey | None = None
         self._avoid: dict[tuple[str, int, int], float] = {}
         self._lost = False
+        self._warned_operator: PublicKey | None = None
 
     # ------------------------------------------------------------------------------------------ main loop
 
@@ -254,7 +255,8 @@ class Enrollment:
                 named.fingerprint,
                 named.to_text(),
             )
-        elif named != self.operator_key:
+        elif named != self.operator_key and named != self._warned_operator:
+            self._warned_operator = named  # once per key, not every poll
             log.warning(
                 "node %s: the market names operator %s, not the pinned %s: its records will be refused",
                 self.config.node_id,
