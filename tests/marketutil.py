@@ -10,10 +10,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import httpx
+
+from kvasir.core.identity import Identity
+from kvasir.market import auth
 
 
 class Proc:
@@ -105,3 +108,25 @@ def coverage(url: str) -> dict[str, Any]:
     r.raise_for_status()
     model: dict[str, Any] = r.json()["models"][0]
     return model
+
+
+class SignAuth(httpx.Auth):
+    """Signs each request as kvasir.market.auth asks, with ``identity`` at ``clock()`` (tests move the clock)."""
+
+    requires_request_body = True
+
+    def __init__(self, identity: Identity, clock: Callable[[], float] = time.time) -> None:
+        self.identity = identity
+        self.clock = clock
+
+    def auth_flow(self, request: httpx.Request) -> Generator[httpx.Request, httpx.Response, None]:
+        target = request.url.raw_path.decode()
+        request.headers.update(auth.sign_request(self.identity, request.method, target, request.content, self.clock()))
+        yield request
+
+
+def signed_model(body: dict[str, Any], operator: Identity) -> dict[str, Any]:
+    """A model record's wire body with the operator's signature."""
+    from kvasir.market.records import ModelRecord
+
+    return ModelRecord.from_wire(body).signed(operator).to_wire()

@@ -1,4 +1,9 @@
-"""The market: records, the pure choice rule, and the HTTP API (claims compare-and-set, leases, ledger, errors)."""
+"""The market: records, the pure choice rule, and the HTTP API (claims compare-and-set, leases, ledger, errors).
+
+Writes are signed (kvasir.market.auth): the ``market`` fixture publishes as the operator, nodes sign with their own
+keys (``keys`` fixture: node name -> Identity, its node id the key's fingerprint). Attacks on the trust rules are
+in tests/test_market_trust.py.
+"""
 
 from __future__ import annotations
 
@@ -11,12 +16,14 @@ import httpx
 import pytest
 import trio
 
+from kvasir.core.identity import Identity
 from kvasir.errors import InputError
 from kvasir.market.choice import choose_window
 from kvasir.market.enroll import manifest_from_coverage
 from kvasir.market.records import ClaimRequest, CoverageEntry, ModelRecord
 from kvasir.market.service import serve_market
 from kvasir.market.store import MarketStore, demand_multiplier
+from tests.marketutil import SignAuth, signed_model
 
 SHA = "ab" * 32
 OTHER = "cd" * 32
@@ -47,6 +54,15 @@ def _claim(node: str, layers: tuple[int, int] = (2, 4), **kw: Any) -> dict[str, 
     return {"model": SHA, "layers": list(layers), "node_id": node, "lease_s": 5, **kw}
 
 
+OPERATOR = Identity.generate()
+KEYS = {name: Identity.generate() for name in ("n1", "n2", *(f"node{i}" for i in range(16)))}
+
+
+def nid(name: str) -> str:
+    """The node id of test node ``name``: its key's fingerprint."""
+    return KEYS[name].node_id
+
+
 class Clock:
     def __init__(self) -> None:
         self.now = 1_000_000.0
@@ -61,15 +77,25 @@ def clock() -> Clock:
 
 
 @pytest.fixture
-async def market(tmp_path: Path, clock: Clock) -> AsyncIterator[httpx.AsyncClient]:
+def sign(clock: Clock) -> Any:
+    """``sign("n1")``: httpx auth that signs as test node n1 (or ``sign(OPERATOR)``) at the test clock."""
+    return lambda who: SignAuth(KEYS[who] if isinstance(who, str) else who, clock)
+
+
+@pytest.fixture
+async def market(tmp_path: Path, clock: Clock, sign: Any) -> AsyncIterator[httpx.AsyncClient]:
     store = MarketStore(tmp_path / "m.sqlite", clock=clock)
     async with trio.open_nursery() as nursery:
         port = await nursery.start(
-            lambda task_status: serve_market(tmp_path, "127.0.0.1", 0, store=store, task_status=task_status)
+            lambda task_status: serve_market(
+                tmp_path, "127.0.0.1", 0, store=store, identity=OPERATOR, task_status=task_status
+            )
         )
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
-            assert (await client.put(f"/v1/models/{SHA}", json=_model())).status_code == 201
-            assert (await client.put(f"/v1/models/{SHA}/manifest", json=MANIFEST)).status_code == 200
+            model = signed_model(_model(), OPERATOR)
+            assert (await client.put(f"/v1/models/{SHA}", json=model, auth=sign(OPERATOR))).status_code == 201
+            r = await client.put(f"/v1/models/{SHA}/manifest", json=MANIFEST, auth=sign(OPERATOR))
+            assert r.status_code == 200
             yield client
         nursery.cancel_scope.cancel()
     store.close()
@@ -154,11 +180,11 @@ def test_claim_rejects_bad_input(body: dict[str, Any]) -> None:
 # ---------------------------------------------------------------------------------------------- the API
 
 
-async def test_concurrent_claims_one_winner(market: httpx.AsyncClient) -> None:
+async def test_concurrent_claims_one_winner(market: httpx.AsyncClient, sign: Any) -> None:
     replies: list[httpx.Response] = []
 
     async def one(i: int) -> None:
-        replies.append(await market.post("/v1/claims", json=_claim(f"node{i}")))
+        replies.append(await market.post("/v1/claims", json=_claim(nid(f"node{i}")), auth=sign(f"node{i}")))
 
     async with trio.open_nursery() as nursery:
         for i in range(16):
@@ -171,45 +197,51 @@ async def test_concurrent_claims_one_winner(market: httpx.AsyncClient) -> None:
     assert cov["windows"][1]["holder"] == ok[0].json()["node_id"] and cov["covered"] == 1 and not cov["live"]
 
 
-async def test_lease_lifecycle(market: httpx.AsyncClient, clock: Clock) -> None:
-    lease = (await market.post("/v1/claims", json=_claim("n1"))).json()
+async def test_lease_lifecycle(market: httpx.AsyncClient, clock: Clock, sign: Any) -> None:
+    n1, n2 = nid("n1"), nid("n2")
+    lease = (await market.post("/v1/claims", json=_claim(n1), auth=sign("n1"))).json()
     lid = lease["lease_id"]
-    serving = _claim("n1", lease_id=lid, state="serving", endpoint="127.0.0.1:7001")
-    r = await market.post("/v1/claims/renew", json=serving)
+    serving = _claim(n1, lease_id=lid, state="serving", endpoint="127.0.0.1:7001")
+    r = await market.post("/v1/claims/renew", json=serving, auth=sign("n1"))
     assert r.status_code == 200 and r.json()["expires_at"] == clock.now + 5
     # a foreign lease cannot renew, credit or release
-    foreign = {**serving, "node_id": "n2", "lease_id": "nope"}
+    foreign = {**serving, "node_id": n2, "lease_id": "nope"}
     for path in ("/v1/claims/renew", "/v1/claims/release"):
-        r = await market.post(path, json=foreign)
+        r = await market.post(path, json=foreign, auth=sign("n2"))
         assert r.status_code == 409 and r.json()["error"]["code"] == "foreign_lease"
-    credit = {"model": SHA, "layers": [2, 4], "node_id": "n2", "lease_id": "nope", "tokens": 5}
-    assert (await market.post("/v1/credits", json=credit)).status_code == 409
-    # the holder is credited tokens × layers and tokens × reward
-    credit = {**credit, "node_id": "n1", "lease_id": lid}
-    r = await market.post("/v1/credits", json=credit)
-    assert r.json() == {"node_id": "n1", "tokens": 5, "layer_tokens": 10, "earned": 5.0}
+    credit = {"model": SHA, "layers": [2, 4], "node_id": n2, "lease_id": "nope", "tokens": 5}
+    assert (await market.post("/v1/credits", json=credit, auth=sign("n2"))).status_code == 409
+    # the holder is credited what an entry node's receipt confirms: tokens × layers and tokens × reward
+    credit = {**credit, "node_id": n1, "lease_id": lid}
+    r = await market.post("/v1/credits", json=credit, auth=sign("n1"))
+    assert r.json() == {"node_id": n1, "tokens": 0, "layer_tokens": 0, "earned": 0.0}  # nothing confirmed yet
+    receipt = {"model": SHA, "node_id": n1, "receipts": [{"request": 1, "tokens": 5, "holders": ["", n1, ""]}]}
+    assert (await market.post("/v1/receipts", json=receipt, auth=sign("n1"))).json() == {"accepted": 1}
+    r = await market.post("/v1/credits", json=credit, auth=sign("n1"))
+    assert r.json() == {"node_id": n1, "tokens": 5, "layer_tokens": 10, "earned": 5.0}
     # expiry: the window turns uncovered, the old lease cannot renew, another node can claim
     clock.now += 6
     cov = (await market.get("/v1/coverage")).json()["models"][0]["windows"][1]
     assert cov["holder"] is None
-    r = await market.post("/v1/claims/renew", json=serving)
+    r = await market.post("/v1/claims/renew", json=serving, auth=sign("n1"))
     assert r.status_code == 409 and r.json()["error"]["code"] == "lease_expired"
-    assert (await market.post("/v1/credits", json=credit)).status_code == 409
-    lease2 = (await market.post("/v1/claims", json=_claim("n2"))).json()
-    r = await market.post("/v1/claims/renew", json=serving)
+    assert (await market.post("/v1/credits", json=credit, auth=sign("n1"))).status_code == 409
+    lease2 = (await market.post("/v1/claims", json=_claim(n2), auth=sign("n2"))).json()
+    r = await market.post("/v1/claims/renew", json=serving, auth=sign("n1"))
     assert r.status_code == 409 and r.json()["error"]["code"] == "foreign_lease"
     # release frees it at once
-    ref = {"model": SHA, "layers": [2, 4], "node_id": "n2", "lease_id": lease2["lease_id"]}
-    assert (await market.post("/v1/claims/release", json=ref)).status_code == 200
+    ref = {"model": SHA, "layers": [2, 4], "node_id": n2, "lease_id": lease2["lease_id"]}
+    assert (await market.post("/v1/claims/release", json=ref, auth=sign("n2"))).status_code == 200
     assert (await market.get("/v1/coverage")).json()["models"][0]["windows"][1]["holder"] is None
     ledger = (await market.get("/v1/ledger")).json()["nodes"]
-    assert ledger == [{"node_id": "n1", "tokens": 5, "layer_tokens": 10, "earned": 5.0, "last": ledger[0]["last"]}]
+    assert ledger == [{"node_id": n1, "tokens": 5, "layer_tokens": 10, "earned": 5.0, "last": ledger[0]["last"]}]
 
 
-async def test_demand_raises_rewards(market: httpx.AsyncClient, clock: Clock) -> None:
+async def test_demand_raises_rewards(market: httpx.AsyncClient, clock: Clock, sign: Any) -> None:
     before = (await market.get("/v1/coverage")).json()["models"][0]["windows"]
     assert [w["reward"] for w in before] == [1.0, 1.0, 3.0]
-    r = await market.post("/v1/demand", json={"model": SHA, "requests": 4, "tokens": 500})
+    assert (await market.post("/v1/claims", json=_claim(nid("n1")), auth=sign("n1"))).status_code == 200
+    r = await market.post("/v1/demand", json={"model": SHA, "requests": 4, "tokens": 500}, auth=sign("n1"))
     d = r.json()["models"][0]
     assert (d["requests"], d["tokens"], d["multiplier"]) == (4, 500, 1.5)
     after = (await market.get("/v1/coverage")).json()["models"][0]["windows"]
@@ -218,24 +250,28 @@ async def test_demand_raises_rewards(market: httpx.AsyncClient, clock: Clock) ->
     assert (await market.get("/v1/demand")).json()["models"][0]["multiplier"] == 1.0
 
 
-async def test_bad_requests_store_nothing(market: httpx.AsyncClient) -> None:
+async def test_bad_requests_store_nothing(market: httpx.AsyncClient, sign: Any) -> None:
     async def err(r: httpx.Response, status: int, code: str) -> None:
         assert r.status_code == status, r.text
         assert r.json()["error"]["code"] == code
 
-    await err(await market.post("/v1/claims", content=b"{not json"), 400, "bad_request")
-    await err(await market.post("/v1/claims", json=[1, 2]), 400, "bad_request")
-    await err(await market.post("/v1/claims", json=_claim("n1", layers=(1, 3))), 404, "unknown_window")
-    await err(await market.post("/v1/claims", json={**_claim("n1"), "model": OTHER}), 404, "unknown_model")
+    n1, op = sign("n1"), sign(OPERATOR)
+    await err(await market.post("/v1/claims", content=b"{not json", auth=n1), 400, "bad_request")
+    await err(await market.post("/v1/claims", json=[1, 2], auth=n1), 400, "bad_request")
+    await err(await market.post("/v1/claims", json=_claim(nid("n1"), layers=(1, 3)), auth=n1), 404, "unknown_window")
+    claim_other = {**_claim(nid("n1")), "model": OTHER}
+    await err(await market.post("/v1/claims", json=claim_other, auth=n1), 404, "unknown_model")
     await err(await market.get("/v1/claims"), 405, "method_not_allowed")
     await err(await market.get("/v1/nowhere"), 404, "not_found")
-    await err(await market.put(f"/v1/models/{OTHER}", json=_model()), 400, "bad_request")
+    await err(await market.put(f"/v1/models/{OTHER}", json=_model(), auth=op), 400, "bad_request")
     bad_manifest = {"windows": [{"layers": [0, 3]}, {"layers": [3, 6]}]}
-    await err(await market.put(f"/v1/models/{SHA}/manifest", json=bad_manifest), 400, "bad_request")
+    await err(await market.put(f"/v1/models/{SHA}/manifest", json=bad_manifest, auth=op), 400, "bad_request")
     gap = {"windows": [{"layers": [0, 2]}, {"layers": [4, 6]}]}
-    await err(await market.put(f"/v1/models/{SHA}/manifest", json=gap), 400, "bad_request")
+    await err(await market.put(f"/v1/models/{SHA}/manifest", json=gap, auth=op), 400, "bad_request")
     await err(await market.get(f"/v1/models/{OTHER}/manifest"), 404, "no_manifest")
-    await err(await market.post("/v1/demand", json={"model": SHA, "tokens": -1}), 400, "bad_request")
+    await err(await market.post("/v1/demand", json={"model": SHA, "tokens": -1}, auth=n1), 400, "bad_request")
+    deep = b"[" * 100_000 + b"]" * 100_000  # json.loads raises RecursionError: a 400, never a 500
+    await err(await market.post("/v1/claims", content=deep, auth=n1), 400, "bad_request")
     port = market.base_url.port
     assert port is not None
     stream = await trio.open_tcp_stream("127.0.0.1", port)
@@ -252,21 +288,24 @@ async def test_bad_requests_store_nothing(market: httpx.AsyncClient) -> None:
 async def test_restart_loses_nothing(tmp_path: Path, clock: Clock) -> None:
     db = tmp_path / "m.sqlite"
     store = MarketStore(db, clock=clock)
-    store.put_model(ModelRecord.from_wire(_model()))
+    store.put_model(ModelRecord.from_wire(signed_model(_model(), OPERATOR)))
     from kvasir.market.records import ManifestRecord
 
     store.put_manifest(ManifestRecord.from_wire(MANIFEST, SHA))
-    lease = store.claim(ClaimRequest(SHA, 0, 2, "n1", 30.0))
+    lease = store.claim(ClaimRequest(SHA, 0, 2, nid("n1"), 30.0))
     store.close()
     again = MarketStore(db, clock=clock)
     cov = again.coverage()["models"][0]["windows"]
-    assert cov[0]["holder"] == "n1" and cov[0]["lease_expires"] == lease.expires_at
+    assert cov[0]["holder"] == nid("n1") and cov[0]["lease_expires"] == lease.expires_at
+    assert again.model(SHA).signed_by(OPERATOR.public)  # the record keeps its signature
     again.close()
 
 
-def test_relay_runs_the_market(tmp_path: Path) -> None:
+def test_relay_runs_the_market(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvasir.core.identity import IDENTITY_FILE, load_identity
     from tests.marketutil import Proc
 
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))  # the market's machine identity lives here
     relay = Proc(
         "relay", "--trust-key", "ed25519:" + "A" * 43, "--listen", "127.0.0.1:0", "--market", "127.0.0.1:0",
         "--db", str(tmp_path / "m.sqlite"),
@@ -274,7 +313,11 @@ def test_relay_runs_the_market(tmp_path: Path) -> None:
     try:
         url = relay.wait_line(r"market on (http://\S+)").group(1)
         relay.wait_line(r"listening on ws://")
-        r = httpx.put(f"{url}/v1/models/{SHA}", json=_model(), timeout=10)
+        operator = load_identity(tmp_path / "data" / "kvasir" / IDENTITY_FILE)  # the default operator: the machine
+        r = httpx.put(f"{url}/v1/models/{SHA}", json=_model(), timeout=10, auth=SignAuth(operator))
+        assert r.status_code == 400  # an unsigned record is refused even from the operator
+        model = signed_model(_model(), operator)
+        r = httpx.put(f"{url}/v1/models/{SHA}", json=model, timeout=10, auth=SignAuth(operator))
         assert r.status_code == 201
         assert httpx.get(f"{url}/v1/models", timeout=10).json()["models"][0]["sha256"] == SHA
     finally:

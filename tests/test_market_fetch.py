@@ -131,6 +131,17 @@ async def test_header_over_the_cap_fails_before_it_is_fetched(
     assert res.header_bytes <= read_gguf(llama).data_offset
 
 
+async def test_a_source_whose_size_differs_from_the_record_is_refused(
+    llama: Path, source: tuple[str, Source], tmp_path: Path
+) -> None:
+    url, _ = source
+    size = read_gguf(llama).file_size
+    with pytest.raises(SourceError, match="the model's record says"):
+        await fetch_window(url, 2, 4, tmp_path / "stage.gguf", file_bytes=size + 1)
+    assert _names(tmp_path) == []  # refused before the sparse file was made
+    assert (await fetch_window(url, 2, 4, tmp_path / "stage.gguf", file_bytes=size)).window_bytes > 0
+
+
 async def test_resume_after_interruption(llama: Path, source: tuple[str, Source], tmp_path: Path) -> None:
     url, src = source
     ref = tmp_path / "ref.gguf"

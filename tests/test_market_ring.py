@@ -53,7 +53,7 @@ def _node(market: str, name: str, tmp: Path, budget: str, *extra: str) -> Proc:
     )
 
 
-def _seed_and_publish(ps: list[Proc], model: Path, market_url: str) -> None:
+def _seed_and_publish(ps: list[Proc], model: Path, market_url: str, *extra: str) -> None:
     """Serve the model over HTTP (Range) and publish it, with the test's windows and weights, on the market."""
     seeder = Proc("serve-model", str(model), "--listen", "127.0.0.1:0")
     ps.append(seeder)
@@ -70,6 +70,7 @@ def _seed_and_publish(ps: list[Proc], model: Path, market_url: str) -> None:
         WINDOWS,
         "--weights",
         WEIGHTS,
+        *extra,
     )
     assert pub.wait(120) == 0, pub.err
 
@@ -85,13 +86,15 @@ def test_empty_nodes_enroll_serve_earn_and_heal(tiny_model: Callable[..., Path],
     want = whole_model_tokens(model, PROMPT, 12)
     gg = read_gguf(model)
     with procs() as ps:
-        market = Proc("market", "--listen", "127.0.0.1:0", "--db", str(tmp_path / "market.sqlite"))
+        operator = ("--identity", str(tmp_path / "operator.pem"))
+        market = Proc("market", "--listen", "127.0.0.1:0", "--db", str(tmp_path / "market.sqlite"), *operator)
         ps.append(market)
         url = market.wait_line(r"listening on (http://\S+)").group(1)
-        _seed_and_publish(ps, model, url)
+        key = market.wait_line(r"operator (ed25519:\S+)").group(1)
+        _seed_and_publish(ps, model, url, *operator)  # signed by the operator: nodes pinned to its key load it
 
         t0 = time.monotonic()
-        nodes = {name: _node(url, name, tmp_path, budget) for name, budget in BUDGETS.items()}
+        nodes = {name: _node(url, name, tmp_path, budget, "--market-key", key) for name, budget in BUDGETS.items()}
         ps.extend(nodes.values())
         status = {name: _enrolled(p) for name, p in nodes.items()}
         live = wait_for(lambda: coverage(url)["live"], 120, "full coverage")

@@ -70,6 +70,12 @@ def add_parser(sub: Any) -> None:
     )
     m = p.add_argument_group("self-enrollment (instead of --manifest/--rank)")
     m.add_argument("--market", metavar="URL", help="claim a window from this market and join its ring")
+    m.add_argument(
+        "--market-key",
+        default=None,
+        metavar="KEY",
+        help="the market operator's key (ed25519:…): records it did not sign are refused (default: trust on first use)",
+    )
     m.add_argument("--memory-budget", default=None, metavar="SIZE", help="largest stage to hold (default 4GiB)")
     m.add_argument("--listen", default="127.0.0.1:0", metavar="HOST:PORT", help="link listener (default any port)")
     m.add_argument("--advertise", default=None, metavar="HOST", help="host neighbours dial (default the listen host)")
@@ -210,6 +216,7 @@ def run_enrolled(args: argparse.Namespace) -> int:
         seed=args.seed,
         relay=args.relay,
         ring_secret=args.ring_secret,
+        **enroll_keys(args),
         stage_config=functools.partial(
             StageConfig, n_ctx=args.ctx, n_seq_max=args.seqs, n_threads=args.threads, n_gpu_layers=args.gpu_layers
         ),
@@ -220,6 +227,16 @@ def run_enrolled(args: argparse.Namespace) -> int:
     )
     trio.run(serve_enrolled, config, args)
     return 0
+
+
+def enroll_keys(args: argparse.Namespace) -> dict[str, Any]:
+    """The pinned operator key, and this node's identity when one is named (default: a fresh key per run)."""
+    from kvasir.core.identity import PublicKey, load_or_create_identity
+
+    keys: dict[str, Any] = {"market_key": PublicKey.from_text(args.market_key) if args.market_key else None}
+    if getattr(args, "identity", None) is not None:
+        keys["identity"] = load_or_create_identity(args.identity)
+    return keys
 
 
 async def serve_enrolled(config: Any, args: argparse.Namespace) -> None:

@@ -1,13 +1,22 @@
 """A client of the market's HTTP API (httpx, async under trio). Error replies become :class:`MarketError` (404,
-409) or :class:`InputError` (400); an unreachable market is a :class:`MarketError` with status 0."""
+409) or :class:`InputError` (400); an unreachable market is a :class:`MarketError` with status 0.
+
+Writes are signed with the client's identity (kvasir.market.auth); a reply larger than ``max_reply_bytes`` is
+refused unread.
+"""
 
 from __future__ import annotations
 
+import json
+import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 
+from kvasir.core.identity import Identity
 from kvasir.errors import InputError, MarketError
+from kvasir.market import auth
 from kvasir.market.records import (
     ClaimRequest,
     CoverageEntry,
@@ -17,29 +26,47 @@ from kvasir.market.records import (
     LeaseRef,
     ManifestRecord,
     ModelRecord,
+    ReceiptBatch,
     coverage_from_wire,
 )
 
+#: Largest reply read from a market (a coverage map of MAX_MODELS models fits well within it).
+MAX_REPLY_BYTES = 16 * 1024 * 1024
 
-def _raise_for(r: httpx.Response) -> Any:
+
+def _raise_for(status: int, raw: bytes) -> Any:
     try:
-        body = r.json()
-    except ValueError:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
         body = None
-    if r.status_code < 300:
+    if status < 300:
         return body
     err = body.get("error", {}) if isinstance(body, dict) else {}
     code = str(err.get("code", "error"))
-    message = str(err.get("message", r.text[:200]))
-    if r.status_code == 400:
+    message = str(err.get("message", raw[:200].decode(errors="replace")))
+    if status == 400:
         raise InputError(f"market: {message}")
-    raise MarketError(r.status_code, code, f"market: {message}")
+    raise MarketError(status, code, f"market: {message}")
 
 
 class MarketClient:
-    def __init__(self, url: str, *, timeout: float = 10.0, client: httpx.AsyncClient | None = None) -> None:
+    """``identity``: the key that signs writes (a node's, or the operator's for publishing)."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        identity: Identity | None = None,
+        timeout: float = 10.0,
+        client: httpx.AsyncClient | None = None,
+        max_reply_bytes: int = MAX_REPLY_BYTES,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.url = url.rstrip("/")
+        self.identity = identity
         self.http = client or httpx.AsyncClient(timeout=timeout)
+        self.max_reply_bytes = max_reply_bytes
+        self.clock = clock
 
     async def aclose(self) -> None:
         await self.http.aclose()
@@ -51,11 +78,38 @@ class MarketClient:
         await self.aclose()
 
     async def _call(self, method: str, path: str, body: Any = None, params: dict[str, str] | None = None) -> Any:
+        content = b"" if body is None else json.dumps(body, separators=(",", ":")).encode()
+        headers = {"accept-encoding": "identity"} | ({"content-type": "application/json"} if body is not None else {})
+        if method != "GET":
+            if self.identity is None:
+                raise InputError(f"market: {method} {path} must be signed; this client has no identity")
+            headers |= auth.sign_request(self.identity, method, path, content, self.clock())
         try:
-            r = await self.http.request(method, self.url + path, json=body, params=params)
+            async with self.http.stream(
+                method, self.url + path, content=content or None, params=params, headers=headers
+            ) as r:
+                declared = r.headers.get("content-length", "0")
+                if declared.isdigit() and int(declared) > self.max_reply_bytes:
+                    raise MarketError(r.status_code, "reply_too_large", f"market {self.url}: reply of {declared} bytes")
+                raw = bytearray()
+                async for chunk in r.aiter_raw():
+                    raw += chunk
+                    if len(raw) > self.max_reply_bytes:
+                        raise MarketError(r.status_code, "reply_too_large", f"market {self.url}: reply too large")
+                status = r.status_code
         except httpx.HTTPError as exc:
             raise MarketError(0, "unreachable", f"market {self.url}: {type(exc).__name__}: {exc}") from None
-        return _raise_for(r)
+        return _raise_for(status, bytes(raw))
+
+    async def operator(self) -> dict[str, Any]:
+        """The market's keys: ``operator`` (signs records), ``market`` (signs tickets) and the delegation."""
+        result = await self._call("GET", "/v1/operator")
+        if not isinstance(result, dict):
+            raise InputError("market: /v1/operator is not an object")
+        return result
+
+    async def put_delegation(self, signature: str) -> None:
+        await self._call("PUT", "/v1/operator/delegation", {"signature": signature})
 
     async def put_model(self, model: ModelRecord) -> None:
         await self._call("PUT", f"/v1/models/{model.sha256}", model.to_wire())
@@ -66,9 +120,9 @@ class MarketClient:
     async def put_manifest(self, manifest: ManifestRecord) -> None:
         await self._call("PUT", f"/v1/models/{manifest.model}/manifest", manifest.to_wire())
 
-    async def coverage(self, model: str | None = None) -> list[CoverageEntry]:
+    async def coverage(self, model: str | None = None, skipped: list[str] | None = None) -> list[CoverageEntry]:
         params = {"model": model} if model else None
-        return coverage_from_wire(await self._call("GET", "/v1/coverage", params=params))
+        return coverage_from_wire(await self._call("GET", "/v1/coverage", params=params), skipped)
 
     async def claim(self, req: ClaimRequest) -> Lease:
         return Lease.from_wire(await self._call("POST", "/v1/claims", req.to_wire()))
@@ -81,6 +135,9 @@ class MarketClient:
 
     async def demand(self, report: DemandReport) -> None:
         await self._call("POST", "/v1/demand", report.to_wire())
+
+    async def receipts(self, batch: ReceiptBatch) -> None:
+        await self._call("POST", "/v1/receipts", batch.to_wire())
 
     async def credit(self, report: CreditReport) -> dict[str, Any]:
         result: dict[str, Any] = await self._call("POST", "/v1/credits", report.to_wire())

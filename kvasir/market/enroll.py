@@ -16,25 +16,47 @@ One :class:`Enrollment` owns one nursery (``run``). The loop:
    back to 1; shutdown fails in-flight requests, credits what is left and releases the lease.
 
 Timeouts live in the child tasks that wait (every market call is bounded by the client's timeout).
+
+Trust: the node signs every market write with its identity (its id is the key's fingerprint) and loads nothing a
+model record names unless the record carries the pinned operator's signature (``market_key``; without one, the
+operator key the market names is trusted on first use and its fingerprint logged). A failure while holding a
+window (no source, a bad record, any KvasirError) releases the lease and avoids that window for a while.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import random
-import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import attrs
+import httpx
 import trio
 
-from kvasir.errors import KvasirError, MarketError
+from kvasir.core.identity import Identity, PublicKey
+from kvasir.errors import InputError, KvasirError, MarketError
+from kvasir.market import auth
 from kvasir.market.choice import choose_window
 from kvasir.market.client import MarketClient
-from kvasir.market.records import ClaimRequest, CoverageEntry, CreditReport, DemandReport, Lease, LeaseRef
+from kvasir.market.records import (
+    MAX_RECEIPTS,
+    MAX_REPORT_REQUESTS,
+    MAX_REPORT_TOKENS,
+    ClaimRequest,
+    CoverageEntry,
+    CreditReport,
+    DemandReport,
+    Lease,
+    LeaseRef,
+    ModelRecord,
+    Receipt,
+    ReceiptBatch,
+)
+from kvasir.market.tickets import TicketPolicy
 from kvasir.ring.manifest import Manifest, RankEntry
 from kvasir.ring.node import Node, NodeConfig, open_node
 from kvasir.ring.status import MarketWindow
@@ -48,6 +70,11 @@ log = logging.getLogger("kvasir.enroll")
 
 #: Address of a window nobody serves yet (the node's dial loop waits on it).
 UNKNOWN_HOST, UNKNOWN_PORT = "0.0.0.0", 0
+#: How long a window that failed (no source, a bad record) is left to others.
+AVOID_S = 120.0
+#: Receipts kept for the market at most (while it cannot be reached), and how often to re-report unconfirmed work.
+MAX_PENDING_RECEIPTS = 4096
+CREDIT_RETRY_S = 5.0
 
 
 @attrs.frozen
@@ -64,14 +91,42 @@ class EnrollConfig:
     seed: int | None = None
     relay: str | None = None
     ring_secret: str | None = None
-    node_id: str = attrs.field(factory=lambda: secrets.token_hex(6))
+    #: The key that signs this node's claims and reports; its fingerprint is the node id.
+    identity: Identity = attrs.field(factory=Identity.generate)
+    #: The operator key records must be signed by (None: trust the market's on first use, and log it).
+    market_key: PublicKey | None = None
+    #: Whether neighbours and sources may be private or loopback addresses (None: only if the market's is).
+    allow_private: bool | None = None
     #: Stage settings and node settings (everything but the manifest and rank).
     stage_config: Callable[[Path], StageConfig] = StageConfig
     node_options: dict[str, Any] = attrs.field(factory=dict)
 
     @property
+    def node_id(self) -> str:
+        return self.identity.node_id
+
+    def host_ok(self, host: str) -> bool:
+        """Whether the node may dial or fetch from ``host`` (what the market says must not aim it at the inside of
+        its own network, unless the market itself lives there)."""
+        allow = self.allow_private
+        if allow is None:
+            allow = not is_public_host(httpx.URL(self.market_url).host)
+        return allow or is_public_host(host)
+
+    @property
     def report_s(self) -> float:
         return max(0.2, min(self.lease_s / 3, 5.0))
+
+
+def is_public_host(host: str) -> bool:
+    """A global IP address, or a DNS name other than localhost and .local/.internal/one-label names (pure: a name
+    is not resolved, so a public name that resolves inside is not caught here)."""
+    host = host.strip("[]").rstrip(".").lower()
+    try:
+        return ipaddress.ip_address(host).is_global
+    except ValueError:
+        pass
+    return "." in host and not host.endswith((".local", ".internal", ".localhost", ".lan", ".home.arpa"))
 
 
 def manifest_from_coverage(
@@ -83,11 +138,13 @@ def manifest_from_coverage(
     name: str = "model",
     relay: str | None = None,
     secret: str | None = None,
+    host_ok: Callable[[str], bool] = lambda _: True,
 ) -> Manifest:
     """The rank manifest a node runs with, built from its model's coverage map (pure).
 
     Its own rank gets ``host:port``; other ranks the endpoint of their serving holder, or an unknown address
-    (0.0.0.0:0) the node waits on until a holder appears.
+    (0.0.0.0:0) the node waits on until a holder appears. An endpoint whose host ``host_ok`` refuses, or that does
+    not parse, counts as unknown.
     """
     ranks = []
     for w in sorted(windows, key=lambda e: e.rank):
@@ -96,7 +153,12 @@ def manifest_from_coverage(
         if w.rank == rank:
             h, p = host, port
         elif w.serving and w.endpoint is not None and not w.endpoint.startswith("relay:"):
-            h, p = parse_hostport(w.endpoint, what="endpoint")
+            try:
+                eh, ep = parse_hostport(w.endpoint, what="endpoint")
+            except InputError:
+                eh, ep = UNKNOWN_HOST, UNKNOWN_PORT
+            if host_ok(eh):
+                h, p = eh, ep
         ranks.append(RankEntry(w.rank, w.start, w.end, h, p, None, link))
     first = windows[0]
     return Manifest(
@@ -124,7 +186,7 @@ class Enrollment:
         client: MarketClient | None = None,
     ) -> None:
         self.config = config
-        self.market = client or MarketClient(config.market_url)
+        self.market = client or MarketClient(config.market_url, identity=config.identity)
         self.draw = random.Random(config.seed)
         self.on_node = on_node
         self.node: Node | None = None
@@ -138,8 +200,22 @@ class Enrollment:
         self.started = time.monotonic()
         self.joined_after: float | None = None
         self._reported_tokens = 0
+        self._credit_lease: str | None = None
+        self._credit_base = 0
+        self._credit_sent = 0  # cumulative tokens last reported under the current lease
+        self._credited = 0  # what the market credited for it (receipts confirm with a lag)
+        self._credit_retry_at = 0.0
+        #: Node id serving each rank (by the latest coverage map), named in the receipts this node signs.
+        self._holders: list[str] = []
+        self._receipts: list[Receipt] = []
         self._demand = {"requests": 0, "tokens": 0}
         self._entered: set[int] = set()
+        self.operator_key: PublicKey | None = config.market_key
+        #: The market's ticket key, when the operator delegated to it (neighbours' tickets are checked with it).
+        self.ticket_issuer: PublicKey | None = None
+        self._avoid: dict[tuple[str, int, int], float] = {}
+        self._lost = False
+        self._warned_operator: PublicKey | None = None
 
     # ------------------------------------------------------------------------------------------ main loop
 
@@ -148,14 +224,79 @@ class Enrollment:
         try:
             while True:
                 window, lease = await self._claim_one()
+                self._lost = False
                 try:
                     await self._hold(window, lease)
-                except LeaseLost as exc:
-                    log.warning("node %s: %s; choosing again", self.config.node_id, exc)
-                self.node, self.lease, self.window, self.endpoint = None, None, None, None
+                except* KvasirError as group:
+                    reasons = "; ".join(str(e) for e in _leaves(group))
+                    log.warning("node %s: %s; choosing again", self.config.node_id, reasons)
+                    self._avoid[(window.model, window.start, window.end)] = time.monotonic() + AVOID_S
+                finally:
+                    if not self._lost:  # a failure or shutdown: hand the window back at once
+                        with trio.CancelScope(shield=True):
+                            await self._release()
+                    self.node, self.lease, self.window, self.endpoint = None, None, None, None
+                await trio.sleep(self.config.poll_s if not self._lost else 0)
         finally:
             with trio.CancelScope(shield=True):
                 await self.market.aclose()
+
+    async def _trust(self) -> None:
+        """Learn the operator's key (pinned, or trusted on first use) and the market's delegated ticket key."""
+        if self.operator_key is not None and self.ticket_issuer is not None:
+            return
+        info = await self.market.operator()
+        try:
+            named = PublicKey.from_text(info.get("operator", ""))
+            market = PublicKey.from_text(info.get("market", ""))
+        except InputError as exc:
+            raise MarketError(0, "bad_operator", f"market: /v1/operator: {exc}") from None
+        if self.operator_key is None:
+            self.operator_key = named
+            log.warning(
+                "node %s: trusting market operator %s (fingerprint %s) on first use; pin it with --market-key %s",
+                self.config.node_id,
+                named.to_text(),
+                named.fingerprint,
+                named.to_text(),
+            )
+        elif named != self.operator_key and named != self._warned_operator:
+            self._warned_operator = named  # once per key, not every poll
+            log.warning(
+                "node %s: the market names operator %s, not the pinned %s: its records will be refused",
+                self.config.node_id,
+                named.fingerprint,
+                self.operator_key.fingerprint,
+            )
+        if auth.signature_ok(self.operator_key, auth.delegation_message(market), info.get("delegation")):
+            self.ticket_issuer = market
+
+    def ticket_policy(self) -> TicketPolicy | None:
+        """Who may neighbour this node's window: holders of the adjacent windows with the market's tickets."""
+        window, issuer = self.window, self.ticket_issuer
+        if window is None or issuer is None or self.node is None:
+            return None
+        ranks = self.node.manifest.ranks
+        near = {
+            (r.start, r.end)
+            for r in ranks
+            if abs(r.rank - window.rank) == 1 or {r.rank, window.rank} == {0, len(ranks) - 1}
+        }
+        return TicketPolicy(issuer, window.model, frozenset(near))
+
+    async def _release(self) -> None:
+        lease = self.lease
+        if lease is None:
+            return
+        self.lease = None
+        with trio.move_on_after(5):
+            try:
+                await self.market.release(
+                    LeaseRef(lease.model, lease.start, lease.end, self.config.node_id, lease.lease_id)
+                )
+                log.warning("node %s released window %d:%d", self.config.node_id, lease.start, lease.end)
+            except KvasirError as exc:
+                log.warning("node %s: release failed: %s", self.config.node_id, exc)
 
     async def _claim_one(self) -> tuple[CoverageEntry, Lease]:
         """Poll, choose, claim: until a claim succeeds."""
@@ -163,7 +304,16 @@ class Enrollment:
         while True:
             self.state = "choosing"
             try:
-                coverage = await self.market.coverage()
+                await self._trust()
+                skipped: list[str] = []
+                coverage = await self.market.coverage(skipped=skipped)
+                if skipped:
+                    log.info(
+                        "node %s: skipped %d malformed coverage entries: %s", cfg.node_id, len(skipped), skipped[0]
+                    )
+                now = time.monotonic()
+                self._avoid = {k: until for k, until in self._avoid.items() if until > now}
+                coverage = [c for c in coverage if (c.model, c.start, c.end) not in self._avoid]
                 choice = choose_window(coverage, cfg.budget_bytes, self.draw)
                 if choice is not None:
                     req = ClaimRequest(choice.model, choice.start, choice.end, cfg.node_id, cfg.lease_s)
@@ -176,6 +326,8 @@ class Enrollment:
                     log.info("node %s lost the race for a window: %s", cfg.node_id, exc)
                     continue  # someone else was faster: choose again at once
                 log.warning("node %s: %s", cfg.node_id, exc)
+            except KvasirError as exc:  # a malformed reply: wait and ask again
+                log.warning("node %s: %s", cfg.node_id, exc)
             await trio.sleep(cfg.poll_s)
 
     async def _hold(self, window: CoverageEntry, lease: Lease) -> None:
@@ -186,6 +338,7 @@ class Enrollment:
 
             def lose(reason: str) -> None:
                 lost.append(reason)
+                self._lost = True
                 nursery.cancel_scope.cancel()
 
             nursery.start_soon(self._keep_lease, lose)
@@ -202,6 +355,7 @@ class Enrollment:
                     cfg.listen_port,
                     relay=cfg.relay,
                     secret=cfg.ring_secret,
+                    host_ok=cfg.host_ok,
                 )
                 node_config = NodeConfig(
                     manifest,
@@ -217,7 +371,9 @@ class Enrollment:
                 ):
                     port = node.port
                     self.node = node
-                    self._reported_tokens = 0
+                    self._reported_tokens, self._credit_lease, self._credit_base = 0, None, 0
+                    self._receipts.clear()
+                    self._see_holders(coverage, window.rank)
                     host = cfg.advertise_host or cfg.listen_host
                     self.endpoint = f"relay:{cfg.relay}" if cfg.relay else format_hostport(host, port)
                     node.update_manifest(attrs.evolve(manifest, ranks=_with_port(manifest.ranks, window.rank, port)))
@@ -250,15 +406,21 @@ class Enrollment:
     async def _fetch(self, window: CoverageEntry) -> Path:
         cfg = self.config
         self.state = f"fetching window {window.start}:{window.end}"
-        model = await self.market.model(window.model)
+        model = await self.verified_model(window.model)
+        stage = model.stage(window.start, window.end)
+        if stage is None:
+            raise LeaseLost(f"the signed record of {window.model[:12]}… has no window {window.start}:{window.end}")
         d = cfg.stage_dir / window.model[:16]
         d.mkdir(parents=True, exist_ok=True)
         path = d / f"layers-{window.start}-{window.end}.gguf"
-        if await trio.to_thread.run_sync(verify_stage, path, window.sha256):
+        if await trio.to_thread.run_sync(verify_stage, path, stage.sha256):
             log.info("node %s reuses its stage %s", cfg.node_id, path)
             return path
         errors = []
         for url in model.sources:
+            if not cfg.host_ok(httpx.URL(url).host):
+                errors.append(f"{url}: a private or loopback source, and this node does not allow them")
+                continue
             try:
                 with byte_bar(f"window {window.start}:{window.end}") as progress:  # on a terminal only
                     result = await fetch_window(
@@ -266,12 +428,14 @@ class Enrollment:
                         window.start,
                         window.end,
                         path,
-                        sha256=window.sha256,
-                        model_sha256=window.model,
+                        sha256=stage.sha256,  # the signed record's hash, never the coverage map's
+                        model_sha256=model.sha256,
+                        max_header_bytes=model.header_bytes,
+                        file_bytes=model.file_bytes,
                         progress=progress,
                     )
-            except KvasirError as exc:
-                errors.append(str(exc))
+            except Exception as exc:  # any failure of one source (KvasirError, or a bug on hostile input): next one
+                errors.append(f"{type(exc).__name__}: {exc}")
                 log.warning("node %s: source %s failed: %s", cfg.node_id, url, exc)
                 continue
             self.fetches.append(result)
@@ -287,6 +451,16 @@ class Enrollment:
             )
             return path
         raise LeaseLost(f"no source could serve window {window.start}:{window.end}: {'; '.join(errors)}")
+
+    async def verified_model(self, sha256: str) -> ModelRecord:
+        """The market's record of a model, if the trusted operator signed it (LeaseLost otherwise)."""
+        await self._trust()
+        model = await self.market.model(sha256)
+        key = self.operator_key
+        assert key is not None
+        if model.sha256 != sha256 or not model.signed_by(key):
+            raise LeaseLost(f"the record of model {sha256[:12]}… is not signed by operator {key.fingerprint}")
+        return model
 
     # ------------------------------------------------------------------------------------------ lease
 
@@ -322,6 +496,8 @@ class Enrollment:
                     lose(f"lost window: {exc}")
                     return
                 log.warning("node %s: renewing the lease failed (will retry): %s", cfg.node_id, exc)
+            except KvasirError as exc:  # a malformed reply: the lease may still be ours; retry
+                log.warning("node %s: renewing the lease failed (will retry): %s", cfg.node_id, exc)
 
     # ------------------------------------------------------------------------------------------ serving
 
@@ -340,6 +516,7 @@ class Enrollment:
                 MarketWindow(c.rank, (c.start, c.end), c.holder if c.serving else None, c.reward, c.state)
                 for c in coverage
             )
+            self._see_holders(coverage, window.rank)
             if len(coverage) != node.manifest.size:
                 continue  # the manifest changed under us: the lease keeper finds out whether we still hold a window
             node.update_manifest(
@@ -351,11 +528,18 @@ class Enrollment:
                     name=node.manifest.model_name,
                     relay=cfg.relay,
                     secret=cfg.ring_secret,
+                    host_ok=cfg.host_ok,
                 )
             )
 
+    def _see_holders(self, coverage: Sequence[CoverageEntry], rank: int) -> None:
+        holders = {c.rank: (c.holder or "") if c.serving else "" for c in coverage}
+        holders[rank] = self.config.node_id
+        self._holders = [holders.get(r, "") for r in range(max(holders) + 1)]
+
     async def _watch_demand(self, node: Node) -> None:
-        """Count requests that entered the ring at this node and the tokens they generated."""
+        """Count requests that entered the ring at this node and the tokens they generated; keep a receipt of each
+        (its tokens and the holders that produced them), which the market needs to credit any of them."""
         async with node.hub.subscribe() as events:
             async for ev in events:
                 if ev.get("type") != "request":
@@ -365,7 +549,11 @@ class Enrollment:
                 elif ev.get("state") == "end" and ev.get("request") in self._entered:
                     self._entered.discard(int(ev["request"]))
                     self._demand["requests"] += 1
-                    self._demand["tokens"] += int(ev.get("generated") or 0)
+                    generated = min(int(ev.get("generated") or 0), MAX_REPORT_TOKENS)
+                    self._demand["tokens"] += generated
+                    if generated > 0:
+                        self._receipts.append(Receipt(int(ev["request"]), generated, tuple(self._holders)))
+                        del self._receipts[:-MAX_PENDING_RECEIPTS]  # bounded while the market is away
 
     async def _report_loop(self) -> None:
         while True:
@@ -377,17 +565,32 @@ class Enrollment:
         node, lease = self.node, self.lease
         if node is None or lease is None:
             return
-        tokens = node.requests.tokens - self._reported_tokens
-        demand = dict(self._demand)
+        if lease.lease_id != self._credit_lease:  # credit reports are cumulative per lease
+            self._credit_lease, self._credit_base = lease.lease_id, self._reported_tokens
+            self._credit_sent = self._credited = 0
+        tokens = node.requests.tokens
+        demand = {
+            "requests": min(self._demand["requests"], MAX_REPORT_REQUESTS),
+            "tokens": min(self._demand["tokens"], MAX_REPORT_TOKENS),
+        }
         try:
             if demand["requests"] or demand["tokens"]:
                 await self.market.demand(DemandReport(lease.model, demand["requests"], demand["tokens"]))
                 self._demand["requests"] -= demand["requests"]
                 self._demand["tokens"] -= demand["tokens"]
-            if tokens > 0:
-                report = CreditReport(lease.model, lease.start, lease.end, self.config.node_id, lease.lease_id, tokens)
-                await self.market.credit(report)
-                self._reported_tokens += tokens
+            while self._receipts:
+                batch = self._receipts[:MAX_RECEIPTS]
+                await self.market.receipts(ReceiptBatch(lease.model, self.config.node_id, tuple(batch)))
+                del self._receipts[: len(batch)]
+            served = tokens - self._credit_base
+            now = time.monotonic()
+            # Report new work at once; work not yet confirmed (receipts lag) again every CREDIT_RETRY_S.
+            if served > self._credit_sent or (served > self._credited and now >= self._credit_retry_at):
+                report = CreditReport(lease.model, lease.start, lease.end, self.config.node_id, lease.lease_id, served)
+                reply = await self.market.credit(report)
+                self._credit_sent, self._reported_tokens = served, tokens
+                self._credited = int(reply.get("tokens") or 0)
+                self._credit_retry_at = now + CREDIT_RETRY_S
         except (MarketError, KvasirError) as exc:
             log.info("node %s: report failed: %s", self.config.node_id, exc)
 
@@ -397,15 +600,7 @@ class Enrollment:
             if self.node is not None:
                 await self.node.shutdown()
             await self.report()
-            lease = self.lease
-            if lease is not None:
-                try:
-                    await self.market.release(
-                        LeaseRef(lease.model, lease.start, lease.end, self.config.node_id, lease.lease_id)
-                    )
-                    log.warning("node %s released window %d:%d", self.config.node_id, lease.start, lease.end)
-                except (MarketError, KvasirError) as exc:
-                    log.warning("node %s: release failed: %s", self.config.node_id, exc)
+            await self._release()
 
     def status(self) -> dict[str, Any]:
         w = self.window
@@ -427,6 +622,13 @@ class Enrollment:
                 for f in self.fetches
             ],
         }
+
+
+def _leaves(group: BaseExceptionGroup[KvasirError]) -> list[BaseException]:
+    out: list[BaseException] = []
+    for exc in group.exceptions:
+        out += _leaves(exc) if isinstance(exc, BaseExceptionGroup) else [exc]
+    return out
 
 
 def _with_port(ranks: tuple[RankEntry, ...], rank: int, port: int) -> tuple[RankEntry, ...]:

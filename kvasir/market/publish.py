@@ -5,7 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvasir.core.identity import Identity, PublicKey
 from kvasir.errors import InputError
+from kvasir.market import auth
+from kvasir.market.client import MarketClient
 from kvasir.market.records import ManifestRecord, ModelRecord, StageHash, WindowSpec
 from kvasir.shard.cache import file_sha256, model_sha256, stage_files
 from kvasir.shard.gguf_file import describe
@@ -65,3 +68,18 @@ def model_record(
 
 def manifest_record(model: ModelRecord, windows: Sequence[WindowSpec], origin: str) -> ManifestRecord:
     return ManifestRecord(model.sha256, tuple(windows), origin)
+
+
+async def publish_signed(
+    market: MarketClient, operator: Identity, record: ModelRecord, manifest: ManifestRecord
+) -> None:
+    """Put a signed model record and its manifest; if the market's own key is not the operator's, also delegate
+    window tickets to it (the operator's signature of the market's key), so nodes can trust its tickets."""
+    await market.put_model(record)
+    await market.put_manifest(manifest)
+    info = await market.operator()
+    market_key = PublicKey.from_text(str(info.get("market", "")))
+    if market_key != operator.public and not auth.signature_ok(
+        operator.public, auth.delegation_message(market_key), info.get("delegation")
+    ):
+        await market.put_delegation(auth.b64(operator.sign(auth.delegation_message(market_key))))

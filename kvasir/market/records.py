@@ -15,8 +15,10 @@ from typing import Any, ClassVar, Literal, Self
 
 import attrs
 
+from kvasir.core.identity import Identity, PublicKey
 from kvasir.core.schema import FieldError, Json, register_record, structure, unstructure
 from kvasir.errors import InputError
+from kvasir.market import auth
 from kvasir.util.addr import parse_hostport
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -26,6 +28,17 @@ MIN_LEASE_S = 0.5
 MAX_WINDOWS = 4096
 MAX_SOURCES = 16
 MAX_TEXT = 512
+#: Largest file a model record may describe (bytes); keeps every sum of sizes far from 2^63.
+MAX_FILE_BYTES = 2**50
+#: Per demand report: requests and tokens (more is refused; one report cannot move the market by itself).
+MAX_REPORT_REQUESTS = 10_000
+MAX_REPORT_TOKENS = 1_000_000
+#: A credit report's cumulative tokens for one lease (the market bounds credit by time served anyway).
+MAX_LEASE_TOKENS = 10**12
+#: Receipts per batch at most.
+MAX_RECEIPTS = 256
+#: Credits per token a window can pay at most, whatever its weight and demand.
+MAX_REWARD = 1e15
 LeaseState = Literal["fetching", "serving"]
 LEASE_STATES: tuple[LeaseState, ...] = ("fetching", "serving")
 
@@ -47,8 +60,10 @@ def _is_int(v: Any) -> bool:
     return type(v) is int
 
 
-def _count(low: int = 0, key: str | None = None) -> Callable[[Any, Any, Any], None]:
-    return _rule(lambda v: _is_int(v) and v >= low, f"must be an integer >= {low}", key)
+def _count(low: int = 0, key: str | None = None, high: int | None = None) -> Callable[[Any, Any, Any], None]:
+    if high is None:
+        return _rule(lambda v: _is_int(v) and v >= low, f"must be an integer >= {low}", key)
+    return _rule(lambda v: _is_int(v) and low <= v <= high, f"must be an integer in [{low}, {high}]", key)
 
 
 def _number(low: float, high: float) -> Callable[[Any, Any, Any], None]:
@@ -72,6 +87,9 @@ _node_id = _rule(lambda v: isinstance(v, str) and _NODE_ID.fullmatch(v) is not N
 _text = _rule(lambda v: isinstance(v, str) and 0 < len(v) <= MAX_TEXT,
               f"must be a non-empty string of at most {MAX_TEXT} characters")  # fmt: skip
 _state = _rule(lambda v: v in LEASE_STATES, f"must be one of {', '.join(LEASE_STATES)}")
+
+
+_ticket = _rule(lambda v: isinstance(v, str) and len(v) <= 4096, "must be a string of at most 4096 characters")
 
 
 def _window_end(instance: Any, _: attrs.Attribute[int], end: Any) -> None:
@@ -141,14 +159,16 @@ class ModelRecord(_Record):
     sha256: str = attrs.field(validator=_sha256)
     name: str = attrs.field(validator=_text)
     n_layers: int = attrs.field(validator=_count(1, "layers"))
-    file_bytes: int = attrs.field(validator=_count(1))
+    file_bytes: int = attrs.field(validator=_count(1, high=MAX_FILE_BYTES))
     #: Bytes of the GGUF header (metadata and tensor infos, up to the aligned data offset).
-    header_bytes: int = attrs.field(validator=_count(24))
+    header_bytes: int = attrs.field(validator=_count(24, high=MAX_FILE_BYTES))
     #: URLs serving the whole GGUF with HTTP Range support.
     sources: tuple[str, ...]
     layer_bytes: tuple[int, ...]
     outside_bytes: int = attrs.field(validator=_count(0))
     stages: tuple[StageHash, ...]
+    #: The operator's signature (kvasir.market.auth): nodes load nothing from an unsigned or foreign record.
+    signature: str | None = attrs.field(default=None, validator=_optional(_text))
 
     def __attrs_post_init__(self) -> None:
         if self.header_bytes > self.file_bytes:
@@ -158,7 +178,9 @@ class ModelRecord(_Record):
         for url in self.sources:
             if not isinstance(url, str) or not url.startswith(("http://", "https://")) or len(url) > MAX_TEXT:
                 raise InputError("every source must be an http:// or https:// URL")
-        if len(self.layer_bytes) != self.n_layers or not all(_is_int(x) and x >= 0 for x in self.layer_bytes):
+        if len(self.layer_bytes) != self.n_layers or not all(
+            _is_int(x) and 0 <= x <= MAX_FILE_BYTES for x in self.layer_bytes
+        ):
             raise InputError(f"'layer_bytes' must list {self.n_layers} byte counts")
         if len(self.stages) > MAX_WINDOWS:
             raise InputError(f"'stages' may list at most {MAX_WINDOWS} windows")
@@ -169,6 +191,16 @@ class ModelRecord(_Record):
 
     def stage(self, start: int, end: int) -> StageHash | None:
         return next((s for s in self.stages if (s.start, s.end) == (start, end)), None)
+
+    def signed(self, identity: Identity) -> ModelRecord:
+        """This record with the operator's signature."""
+        return attrs.evolve(self, signature=auth.sign_record(identity, auth.MODEL_DOMAIN, self.to_wire()))
+
+    def signed_by(self, key: PublicKey) -> bool:
+        return auth.record_signed_by(key, auth.MODEL_DOMAIN, self.to_wire(), self.signature)
+
+    def same_content(self, other: ModelRecord) -> bool:
+        return auth.canonical(self.to_wire()) == auth.canonical(other.to_wire())
 
     @classmethod
     def from_wire(cls, data: Any, where: str = "model") -> ModelRecord:
@@ -269,6 +301,8 @@ class Lease(_Body):
     node_id: str = attrs.field(validator=_node_id)
     lease_id: str = attrs.field(validator=_text)
     expires_at: float = attrs.field(validator=_number(0, 1e12))
+    #: The window ticket (kvasir.market.tickets) the market signed for the holder; neighbours check it.
+    ticket: str | None = attrs.field(default=None, validator=_optional(_ticket))
 
 
 # ---------------------------------------------------------------------------------------------- demand, credits
@@ -276,18 +310,19 @@ class Lease(_Body):
 
 @attrs.frozen
 class DemandReport(_Body):
-    """Requests that entered the ring at the reporting node, and the tokens they generated."""
+    """Requests that entered the ring at the reporting node (a lease holder), and the tokens they generated."""
 
     WHERE: ClassVar[str] = "demand"
 
     model: str = attrs.field(validator=_sha256)
-    requests: int = attrs.field(default=0, validator=_count(0))
-    tokens: int = attrs.field(default=0, validator=_count(0))
+    requests: int = attrs.field(default=0, validator=_count(0, high=MAX_REPORT_REQUESTS))
+    tokens: int = attrs.field(default=0, validator=_count(0, high=MAX_REPORT_TOKENS))
 
 
 @attrs.frozen
 class CreditReport(_Body):
-    """Tokens a lease holder served on its window since its last report."""
+    """Tokens a lease holder served on its window under this lease, in all (cumulative: a repeated report is
+    idempotent, and the market credits at most what the window could have served since the claim)."""
 
     WHERE: ClassVar[str] = "credit"
 
@@ -296,7 +331,40 @@ class CreditReport(_Body):
     end: int = attrs.field(validator=_window_end)
     node_id: str = attrs.field(validator=_node_id)
     lease_id: str = attrs.field(validator=_text)
-    tokens: int = attrs.field(default=0, validator=_count(0))
+    tokens: int = attrs.field(default=0, validator=_count(0, high=MAX_LEASE_TOKENS))
+
+
+@attrs.frozen
+class Receipt(_Body):
+    """One request that entered the ring at the reporting node: its id, the tokens the ring generated for it, and
+    the node id holding each window (in rank order; "" where none) while it ran."""
+
+    WHERE: ClassVar[str] = "receipt"
+
+    request: int = attrs.field(validator=_count(0, high=2**64 - 1))
+    tokens: int = attrs.field(validator=_count(0, high=MAX_REPORT_TOKENS))
+    holders: tuple[str, ...]
+
+    def __attrs_post_init__(self) -> None:
+        if len(self.holders) > MAX_WINDOWS or not all(
+            isinstance(h, str) and (h == "" or _NODE_ID.fullmatch(h)) for h in self.holders
+        ):
+            raise FieldError("holders", f"must list at most {MAX_WINDOWS} node ids (or '')")
+
+
+@attrs.frozen
+class ReceiptBatch(_Body):
+    """Body of ``POST /v1/receipts``: receipts an entry node signs (with the request) for the work others did."""
+
+    WHERE: ClassVar[str] = "receipts"
+
+    model: str = attrs.field(validator=_sha256)
+    node_id: str = attrs.field(validator=_node_id)
+    receipts: tuple[Receipt, ...]
+
+    def __attrs_post_init__(self) -> None:
+        if not 1 <= len(self.receipts) <= MAX_RECEIPTS:
+            raise InputError(f"'receipts' must list 1-{MAX_RECEIPTS} receipts")
 
 
 # ---------------------------------------------------------------------------------------------- coverage (read side)
@@ -332,8 +400,12 @@ class CoverageEntry(_Body):
         return self.holder is not None and self.state == "serving" and self.endpoint is not None
 
 
-def coverage_from_wire(data: Any) -> list[CoverageEntry]:
-    """The windows of every model in a ``GET /v1/coverage`` reply."""
+def coverage_from_wire(data: Any, skipped: list[str] | None = None) -> list[CoverageEntry]:
+    """The windows of every model in a ``GET /v1/coverage`` reply.
+
+    A malformed model or window is left out (its reason appended to ``skipped``), so one bad entry cannot stop a
+    node from enrolling on the others; only a reply that is not a coverage map at all raises.
+    """
     models = data.get("models") if isinstance(data, Mapping) else None
     if not isinstance(models, list):
         raise InputError("coverage: 'models' must be a list")
@@ -341,14 +413,24 @@ def coverage_from_wire(data: Any) -> list[CoverageEntry]:
     for i, m in enumerate(models):
         windows = m.get("windows") if isinstance(m, Mapping) else None
         if not isinstance(windows, list):
-            raise InputError(f"coverage: models[{i}]: 'windows' must be a list")
-        out += [CoverageEntry.from_wire(w, f"coverage: models[{i}].windows[{j}]") for j, w in enumerate(windows)]
+            if skipped is not None:
+                skipped.append(f"coverage: models[{i}]: 'windows' must be a list")
+            continue
+        for j, w in enumerate(windows):
+            try:
+                out.append(CoverageEntry.from_wire(w, f"coverage: models[{i}].windows[{j}]"))
+            except InputError as exc:
+                if skipped is not None:
+                    skipped.append(str(exc))
     return out
 
 
-for _cls in (StageHash, WindowSpec, LeaseRef, Lease, CreditReport, CoverageEntry):
+for _cls in (StageHash, WindowSpec, LeaseRef, CreditReport, CoverageEntry):
     register_record(_cls, window=True)
+register_record(Lease, window=True, omit_if_none=("ticket",))
 register_record(ClaimRequest, window=True, omit_if_none=("lease_id",))
-register_record(ModelRecord, rename={"n_layers": "layers"})
+register_record(ModelRecord, rename={"n_layers": "layers"}, omit_if_none=("signature",))
 register_record(ManifestRecord, key_order=("model", "origin", "windows"))
 register_record(DemandReport)
+register_record(Receipt)
+register_record(ReceiptBatch)

@@ -2,6 +2,9 @@
 
 Routes parse bodies into records (bad input → 400, nothing stored), then run one store transaction in a worker
 thread through a limiter of one (sqlite3 blocks; the one connection is never shared across threads at once).
+
+Every write is signed (kvasir.market.auth): models, manifests and the delegation by the operator's key; claims,
+renewals, releases, demand and credit reports by the node whose ``node_id`` is its key's fingerprint.
 """
 
 from __future__ import annotations
@@ -15,19 +18,25 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import parse_qsl
 
+import attrs
 import trio
 
+from kvasir.core.identity import Identity, PublicKey
 from kvasir.errors import InputError, MarketError
+from kvasir.market import auth
 from kvasir.market.records import (
     ClaimRequest,
     CreditReport,
     DemandReport,
+    Lease,
     LeaseRef,
     ManifestRecord,
     ModelRecord,
+    ReceiptBatch,
     sha256_field,
 )
 from kvasir.market.store import MarketStore
+from kvasir.market.tickets import MAX_TICKET_S, WindowTicket, issue_ticket
 from kvasir.net.http import ApiLimits, HttpConnection, HttpError, HttpRequest, serve_http
 
 log = logging.getLogger("kvasir.market")
@@ -39,12 +48,48 @@ MARKET_LIMITS = ApiLimits(max_body_bytes=1024 * 1024, max_connections=512)
 
 
 class MarketService:
-    def __init__(self, store: MarketStore) -> None:
+    """The routes. ``identity``: the market's own key (it signs window tickets); ``operator``: the key whose
+    signature publishing needs (default: the market's own)."""
+
+    def __init__(self, store: MarketStore, identity: Identity, operator: PublicKey | None = None) -> None:
         self.store = store
+        self.identity = identity
+        self.operator = operator or identity.public
         self.limiter = trio.CapacityLimiter(1)
+        self.nonces = auth.NonceCache()
+        self.delegation: str | None = store.get_meta("delegation")
+        if self.operator == identity.public:
+            self.delegation = auth.b64(identity.sign(auth.delegation_message(identity.public)))
+
+    def _signed(self, request: HttpRequest, *, operator: bool = False, node_id: str | None = None) -> auth.Signed:
+        """The request's signer (401 unsigned, stale, replayed or forged); 403 unless it is the operator (or the
+        node the body names)."""
+        now = self.store.clock()
+        signed = auth.verify_request(request.method, request.target, request.headers, request.body, now)
+        if operator and signed.key != self.operator:
+            raise MarketError(403, "not_operator", f"only the operator {self.operator.fingerprint} may publish")
+        if node_id is not None and node_id != signed.node_id:
+            raise MarketError(403, "wrong_node", f"node_id {node_id!r} is not the signing key's {signed.node_id}")
+        self.nonces.check(signed, now)  # last: a refused request does not use up its nonce
+        return signed
+
+    def _ticketed(self, lease: Lease, holder: PublicKey) -> Lease:
+        """The lease with a fresh window ticket; its relay edge is the one into the holder's window (downstream)."""
+        _, rank = self.store.window_of(lease.model, lease.start, lease.end)
+        not_after = int(min(lease.expires_at, self.store.clock() + MAX_TICKET_S))
+        edge = relay_edge_id(lease.model, rank)
+        ticket = WindowTicket(lease.model, lease.start, lease.end, holder, not_after, self.identity.public, edge)
+        return attrs.evolve(lease, ticket=issue_ticket(self.identity, ticket))
 
     async def _db(self, fn: Callable[..., T], *args: Any) -> T:
         return await trio.to_thread.run_sync(functools.partial(fn, *args), limiter=self.limiter)
+
+    def _operator(self) -> dict[str, Any]:
+        return {
+            "operator": self.operator.to_text(),
+            "market": self.identity.public.to_text(),
+            "delegation": self.delegation,
+        }
 
     async def handle(self, http: HttpConnection, request: HttpRequest) -> None:
         try:
@@ -63,6 +108,20 @@ class MarketService:
             if method not in methods:
                 raise HttpError(405, "method_not_allowed", f"{method} {path}", [("allow", ", ".join(methods))])
 
+        if path == "/v1/operator":
+            allow("GET")
+            return 200, self._operator()
+        if path == "/v1/operator/delegation":
+            allow("PUT")
+            self._signed(request, operator=True)
+            body = _body(request)
+            sig = body.get("signature") if isinstance(body, dict) else None
+            if not auth.signature_ok(self.operator, auth.delegation_message(self.identity.public), sig):
+                raise InputError("delegation: 'signature' is not the operator's signature of this market's key")
+            assert isinstance(sig, str)
+            await self._db(self.store.set_meta, "delegation", sig)
+            self.delegation = sig
+            return 200, self._operator()
         if path == "/v1/models":
             allow("GET")
             return 200, {"models": [m.to_wire() for m in await self._db(self.store.models)]}
@@ -70,15 +129,19 @@ class MarketService:
             allow("GET", "PUT")
             if method == "GET":
                 return 200, (await self._db(self.store.model, m.group(1))).to_wire()
+            self._signed(request, operator=True)
             model = ModelRecord.from_wire(_body(request))
             if model.sha256 != m.group(1):
                 raise InputError("model: 'sha256' differs from the one in the path")
+            if not model.signed_by(self.operator):
+                raise InputError("model: 'signature' is not the operator's signature of this record")
             new = await self._db(self.store.put_model, model)
             return (201 if new else 200), model.to_wire()
         if m := _MANIFEST.match(path):
             allow("GET", "PUT")
             if method == "GET":
                 return 200, (await self._db(self.store.manifest, m.group(1))).to_wire()
+            self._signed(request, operator=True)
             manifest = ManifestRecord.from_wire(_body(request), m.group(1))
             await self._db(self.store.put_manifest, manifest)
             return 200, manifest.to_wire()
@@ -89,22 +152,38 @@ class MarketService:
         if path == "/v1/demand":
             allow("GET", "POST")
             if method == "POST":
-                await self._db(self.store.add_demand, DemandReport.from_wire(_body(request)))
+                signed = self._signed(request)
+                report = DemandReport.from_wire(_body(request))
+                await self._db(self.store.add_demand, report, signed.node_id)
             return 200, await self._db(self.store.demand)
         if path == "/v1/claims":
             allow("POST")
-            return 200, (await self._db(self.store.claim, ClaimRequest.from_wire(_body(request)))).to_wire()
+            req = ClaimRequest.from_wire(_body(request))
+            signed = self._signed(request, node_id=req.node_id)
+            lease = await self._db(self.store.claim, req, signed.key.to_text())
+            return 200, (await self._db(self._ticketed, lease, signed.key)).to_wire()
         if path == "/v1/claims/renew":
             allow("POST")
             req = ClaimRequest.from_wire(_body(request), renew=True, where="renew")
-            return 200, (await self._db(self.store.renew, req)).to_wire()
+            signed = self._signed(request, node_id=req.node_id)
+            lease = await self._db(self.store.renew, req, signed.key.to_text())
+            return 200, (await self._db(self._ticketed, lease, signed.key)).to_wire()
         if path == "/v1/claims/release":
             allow("POST")
-            await self._db(self.store.release, LeaseRef.from_wire(_body(request)))
+            ref = LeaseRef.from_wire(_body(request))
+            signed = self._signed(request, node_id=ref.node_id)
+            await self._db(self.store.release, ref, signed.key.to_text())
             return 200, {"released": True}
+        if path == "/v1/receipts":
+            allow("POST")
+            batch = ReceiptBatch.from_wire(_body(request))
+            self._signed(request, node_id=batch.node_id)
+            return 200, await self._db(self.store.add_receipts, batch)
         if path == "/v1/credits":
             allow("POST")
-            return 200, await self._db(self.store.credit, CreditReport.from_wire(_body(request)))
+            credit = CreditReport.from_wire(_body(request))
+            signed = self._signed(request, node_id=credit.node_id)
+            return 200, await self._db(self.store.credit, credit, signed.key.to_text())
         if path == "/v1/ledger":
             allow("GET")
             return 200, await self._db(self.store.ledger)
@@ -123,6 +202,23 @@ def _body(request: HttpRequest) -> Any:
         return json.loads(request.body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InputError(f"request body is not JSON ({exc})") from None
+    except RecursionError:
+        raise InputError("request body is nested too deeply") from None
+
+
+def relay_edge_id(model: str, rank: int) -> str:
+    """The relay edge into window ``rank`` of a market ring: the model in it, so rings of two models never share
+    an edge id on one relay."""
+    return f"{model[:12]}-e{rank}"
+
+
+def machine_identity() -> Identity:
+    """This machine's node identity, where ``kvasir id`` keeps it (the per-user data directory)."""
+    import platformdirs
+
+    from kvasir.core.identity import IDENTITY_FILE, load_or_create_identity
+
+    return load_or_create_identity(Path(platformdirs.user_data_dir("kvasir", appauthor=False)) / IDENTITY_FILE)
 
 
 def _query(target: str) -> dict[str, str]:
@@ -136,12 +232,20 @@ async def serve_market(
     port: int,
     *,
     store: MarketStore | None = None,
+    identity: Identity | None = None,
+    operator: PublicKey | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run the market on ``host:port`` (0: any free port) with its state in ``db``; ``started(bound_port)``."""
+    """Run the market on ``host:port`` (0: any free port) with its state in ``db``; ``started(bound_port)``.
+
+    ``identity``: the market's key (default: this machine's node identity); ``operator``: the publisher's key
+    (default: the market's own).
+    """
+    if identity is None:
+        identity = await trio.to_thread.run_sync(machine_identity)
     own = store is None
     store = store if store is not None else await trio.to_thread.run_sync(MarketStore, db)
-    service = MarketService(store)
+    service = MarketService(store, identity, operator)
     try:
         await serve_http(service.handle, host, port, limits=MARKET_LIMITS, name="market", task_status=task_status)
     finally:

@@ -13,12 +13,14 @@ import secrets
 import sqlite3
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
 from kvasir.errors import InputError, MarketError
 from kvasir.market.records import (
+    MAX_LEASE_TOKENS,
+    MAX_REWARD,
     ClaimRequest,
     CoverageEntry,
     CreditReport,
@@ -27,12 +29,33 @@ from kvasir.market.records import (
     LeaseRef,
     ManifestRecord,
     ModelRecord,
+    ReceiptBatch,
 )
 
 #: Demand older than this no longer raises rewards.
 DEMAND_HORIZON_S = 600.0
 #: Recent tokens that double a model's rewards.
 DEMAND_SCALE_TOKENS = 1000.0
+#: Demand is summed per bucket of this many seconds: one row per model and bucket, whoever reports.
+DEMAND_BUCKET_S = 60
+#: Tokens one bucket counts at most (a sum that never nears 2^63, whatever the reports).
+BUCKET_MAX_TOKENS = 10**9
+BUCKET_MAX_REQUESTS = 10**7
+#: The most demand can raise rewards.
+MAX_MULTIPLIER = 1000.0
+#: Tokens per second one window can be credited for at most, and the seconds of slack a fresh lease starts with.
+MAX_TOKENS_PER_S = 2000.0
+CREDIT_SLACK_S = 10.0
+#: Receipts are remembered (so a repeated one counts once) this long, and at most this many at once.
+RECEIPT_HORIZON_S = 3600.0
+MAX_RECEIPTS_SEEN = 1_000_000
+#: Models a market offers at most; ledger rows in one reply at most.
+MAX_MODELS = 256
+#: Windows one coverage reply lists at most (a manifest has at most 4096).
+MAX_COVERAGE_WINDOWS = 16384
+MAX_LEDGER_ROWS = 1000
+
+_LEASE_ROW = 'SELECT node_id, lease_id, expires_at, holder_key FROM leases WHERE model = ? AND start = ? AND "end" = ?'
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS models (sha256 TEXT PRIMARY KEY, body TEXT NOT NULL, added REAL NOT NULL);
@@ -40,35 +63,67 @@ CREATE TABLE IF NOT EXISTS manifests (model TEXT PRIMARY KEY, body TEXT NOT NULL
 CREATE TABLE IF NOT EXISTS leases (
     model TEXT NOT NULL, start INTEGER NOT NULL, "end" INTEGER NOT NULL,
     node_id TEXT NOT NULL, lease_id TEXT NOT NULL, expires_at REAL NOT NULL,
-    endpoint TEXT, state TEXT NOT NULL, claimed_at REAL NOT NULL,
+    endpoint TEXT, state TEXT NOT NULL, claimed_at REAL NOT NULL, holder_key TEXT,
     PRIMARY KEY (model, start, "end"));
-CREATE TABLE IF NOT EXISTS demand (
-    id INTEGER PRIMARY KEY AUTOINCREMENT, ts REAL NOT NULL, model TEXT NOT NULL,
-    requests INTEGER NOT NULL, tokens INTEGER NOT NULL);
-CREATE INDEX IF NOT EXISTS demand_ts ON demand (model, ts);
-CREATE TABLE IF NOT EXISTS credits (
-    id INTEGER PRIMARY KEY AUTOINCREMENT, ts REAL NOT NULL, node_id TEXT NOT NULL, model TEXT NOT NULL,
-    start INTEGER NOT NULL, "end" INTEGER NOT NULL, tokens INTEGER NOT NULL, layer_tokens INTEGER NOT NULL,
-    earned REAL NOT NULL);
-CREATE INDEX IF NOT EXISTS credits_node ON credits (node_id);
+CREATE TABLE IF NOT EXISTS demand_buckets (
+    model TEXT NOT NULL, bucket INTEGER NOT NULL, requests INTEGER NOT NULL, tokens INTEGER NOT NULL,
+    PRIMARY KEY (model, bucket));
+CREATE TABLE IF NOT EXISTS lease_credits (
+    lease_id TEXT PRIMARY KEY, node_id TEXT NOT NULL, model TEXT NOT NULL, start INTEGER NOT NULL,
+    "end" INTEGER NOT NULL, tokens INTEGER NOT NULL, layer_tokens INTEGER NOT NULL, earned REAL NOT NULL,
+    ts REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS lease_credits_node ON lease_credits (node_id);
+CREATE TABLE IF NOT EXISTS receipts_seen (
+    entry TEXT NOT NULL, request TEXT NOT NULL, ts REAL NOT NULL, PRIMARY KEY (entry, request));
+CREATE INDEX IF NOT EXISTS receipts_seen_ts ON receipts_seen (ts);
+CREATE TABLE IF NOT EXISTS lease_confirmed (lease_id TEXT PRIMARY KEY, tokens INTEGER NOT NULL, ts REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 
 
 def demand_multiplier(recent_tokens: int) -> float:
-    """How much recent demand raises a model's rewards (pure): 1 at no demand, +1 per DEMAND_SCALE_TOKENS."""
-    return 1.0 + recent_tokens / DEMAND_SCALE_TOKENS
+    """How much recent demand raises a model's rewards (pure): 1 at no demand, +1 per DEMAND_SCALE_TOKENS, at most
+    MAX_MULTIPLIER."""
+    return min(1.0 + recent_tokens / DEMAND_SCALE_TOKENS, MAX_MULTIPLIER)
+
+
+def reward_of(weight: float, multiplier: float) -> float:
+    return min(weight * multiplier, MAX_REWARD)
 
 
 class MarketStore:
-    def __init__(self, path: Path | str, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, path: Path | str, *, clock: Callable[[], float] = time.time, max_tokens_per_s: float = MAX_TOKENS_PER_S
+    ) -> None:
         self.clock = clock
+        self.max_tokens_per_s = max_tokens_per_s
+        self._models: dict[str, ModelRecord] = {}  # parsed once: a published record never changes
         try:
             self.db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False, timeout=10)
             self.db.execute("PRAGMA journal_mode=WAL")
             self.db.execute("PRAGMA synchronous=NORMAL")
             self.db.executescript(_SCHEMA)
+            columns = {r[1] for r in self.db.execute("PRAGMA table_info(leases)")}
+            if "holder_key" not in columns:  # a database from before signed claims
+                self.db.execute("ALTER TABLE leases ADD COLUMN holder_key TEXT")
+            self._resume()
         except sqlite3.Error as exc:
             raise InputError(f"{path}: cannot open the market database ({exc})") from None
+
+    def _resume(self) -> None:
+        """After a downtime, give every lease that was live when the market stopped the time it had left.
+
+        Holders could not renew while the market was away; without this, a spare that polls first after a restart
+        would take a healthy holder's window and cut its streams.
+        """
+        row = self.db.execute("SELECT value FROM meta WHERE key = 'alive_at'").fetchone()
+        now = self.clock()
+        if row is not None and now > float(row[0]):
+            alive_at = float(row[0])
+            with self._write() as db:
+                db.execute(
+                    "UPDATE leases SET expires_at = expires_at + ? WHERE expires_at > ?", (now - alive_at, alive_at)
+                )
 
     def close(self) -> None:
         self.db.close()
@@ -78,33 +133,54 @@ class MarketStore:
         self.db.execute("BEGIN IMMEDIATE")
         try:
             yield self.db
+            # When the market was last alive (every write): a restart extends leases by the time it was away.
+            self.db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('alive_at', ?)", (str(self.clock()),))
         except BaseException:
             self.db.execute("ROLLBACK")
             raise
         self.db.execute("COMMIT")
 
+    def get_meta(self, key: str) -> str | None:
+        row = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return None if row is None else str(row[0])
+
+    def set_meta(self, key: str, value: str) -> None:
+        with self._write() as db:
+            db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
+
     # ------------------------------------------------------------------------------------------ models
 
     def put_model(self, model: ModelRecord) -> bool:
-        """Store or replace a model record; True if it is new."""
+        """Store a model record; True if it is new. A published record is immutable: the same record again is a
+        no-op, different content under the same sha256 is refused (409)."""
         with self._write() as db:
-            new = db.execute("SELECT 1 FROM models WHERE sha256 = ?", (model.sha256,)).fetchone() is None
+            row = db.execute("SELECT body FROM models WHERE sha256 = ?", (model.sha256,)).fetchone()
+            if row is not None:
+                if not ModelRecord.from_wire(json.loads(row[0])).same_content(model):
+                    raise MarketError(409, "model_immutable", f"model {model.sha256[:12]}… is published already")
+                return False
+            (count,) = db.execute("SELECT COUNT(*) FROM models").fetchone()
+            if count >= MAX_MODELS:
+                raise MarketError(409, "too_many_models", f"this market offers {MAX_MODELS} models at most")
             db.execute(
-                "INSERT INTO models (sha256, body, added) VALUES (?, ?, ?)"
-                " ON CONFLICT (sha256) DO UPDATE SET body = excluded.body",
+                "INSERT INTO models (sha256, body, added) VALUES (?, ?, ?)",
                 (model.sha256, json.dumps(model.to_wire()), self.clock()),
             )
-        return new
+        return True
 
     def models(self) -> list[ModelRecord]:
-        rows = self.db.execute("SELECT body FROM models ORDER BY added").fetchall()
-        return [ModelRecord.from_wire(json.loads(r[0])) for r in rows]
+        rows = self.db.execute("SELECT sha256 FROM models ORDER BY added LIMIT ?", (MAX_MODELS,)).fetchall()
+        return [self.model(r[0]) for r in rows]
 
     def model(self, sha256: str) -> ModelRecord:
+        cached = self._models.get(sha256)
+        if cached is not None:
+            return cached
         row = self.db.execute("SELECT body FROM models WHERE sha256 = ?", (sha256,)).fetchone()
         if row is None:
             raise MarketError(404, "unknown_model", f"no model {sha256[:12]}… on this market")
-        return ModelRecord.from_wire(json.loads(row[0]))
+        record = self._models[sha256] = ModelRecord.from_wire(json.loads(row[0]))
+        return record
 
     # ------------------------------------------------------------------------------------------ manifests
 
@@ -143,15 +219,23 @@ class MarketStore:
     # ------------------------------------------------------------------------------------------ coverage
 
     def coverage(self, model: str | None = None) -> dict[str, Any]:
-        """The coverage map (``GET /v1/coverage``): every manifest window, its reward and its live holder."""
+        """The coverage map (``GET /v1/coverage``): every manifest window, its reward and its live holder.
+
+        At most MAX_COVERAGE_WINDOWS windows in one reply (whole models, oldest first; ``truncated`` says when
+        some were left out, and ``?model=`` asks for one)."""
         now = self.clock()
         out = []
+        shown, truncated = 0, False
         models = [self.model(model)] if model is not None else self.models()
         for m in models:
             try:
                 manifest = self.manifest(m.sha256)
             except MarketError:
                 continue
+            if shown + len(manifest.windows) > MAX_COVERAGE_WINDOWS:
+                truncated = True
+                continue
+            shown += len(manifest.windows)
             mult = demand_multiplier(self._recent_tokens(m.sha256, now))
             leases = {
                 (r[0], r[1]): r
@@ -173,7 +257,7 @@ class MarketStore:
                         start=w.start,
                         end=w.end,
                         weight=w.weight,
-                        reward=w.weight * mult,
+                        reward=reward_of(w.weight, mult),
                         bytes=stage.bytes,
                         sha256=stage.sha256,
                         holder=lease[2] if lease else None,
@@ -192,7 +276,11 @@ class MarketStore:
                     "windows": [w.to_wire() for w in windows],
                 }
             )
-        return {"now": now, "models": out}
+        return {"now": now, "models": out, "truncated": truncated}
+
+    def window_of(self, model: str, start: int, end: int) -> tuple[ManifestRecord, int]:
+        """The model's manifest and the rank of window [start, end) in it (404 if there is none)."""
+        return self._window(model, start, end)
 
     def _window(self, model: str, start: int, end: int) -> tuple[ManifestRecord, int]:
         self.model(model)
@@ -204,31 +292,46 @@ class MarketStore:
 
     # ------------------------------------------------------------------------------------------ claims
 
-    def claim(self, req: ClaimRequest) -> Lease:
-        """Compare-and-set: grant the window if it has no live lease (or the caller already holds it)."""
+    def claim(self, req: ClaimRequest, holder_key: str | None = None) -> Lease:
+        """Compare-and-set: grant the window if it has no live lease, or renew the caller's own (``node_id`` is the
+        fingerprint of the key that signed the request, so nobody gets or changes another holder's lease)."""
         self._window(req.model, req.start, req.end)
         now = self.clock()
+        expires = now + req.lease_s
         with self._write() as db:
             row = db.execute(
-                'SELECT node_id, lease_id, expires_at FROM leases WHERE model = ? AND start = ? AND "end" = ?',
+                _LEASE_ROW,
                 (req.model, req.start, req.end),
             ).fetchone()
-            if row is not None and row[2] > now and row[0] != req.node_id:
-                raise MarketError(409, "window_taken", f"window [{req.start}, {req.end}) is held by node {row[0]}")
-            lease_id = row[1] if row is not None and row[2] > now else secrets.token_hex(12)
-            expires = now + req.lease_s
-            db.execute(
-                'INSERT OR REPLACE INTO leases (model, start, "end", node_id, lease_id, expires_at, endpoint, state,'
-                " claimed_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (req.model, req.start, req.end, req.node_id, lease_id, expires, req.endpoint, req.state, now),
-            )
+            if row is not None and row[2] > now:
+                if row[0] != req.node_id or (holder_key is not None and row[3] not in (None, holder_key)):
+                    raise MarketError(409, "window_taken", f"window [{req.start}, {req.end}) is held by node {row[0]}")
+                lease_id = row[1]
+                db.execute(
+                    "UPDATE leases SET expires_at = ?, endpoint = ?, state = ?"
+                    ' WHERE model = ? AND start = ? AND "end" = ?',
+                    (expires, req.endpoint, req.state, req.model, req.start, req.end),
+                )
+            else:
+                lease_id = secrets.token_hex(12)
+                db.execute(
+                    'INSERT OR REPLACE INTO leases (model, start, "end", node_id, lease_id, expires_at, endpoint,'
+                    " state, claimed_at, holder_key) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (req.model, req.start, req.end, req.node_id, lease_id, expires, req.endpoint, req.state, now,
+                     holder_key),
+                )  # fmt: skip
         return Lease(req.model, req.start, req.end, req.node_id, lease_id, expires)
 
-    def _check_lease(self, db: sqlite3.Connection, ref: LeaseRef | ClaimRequest | CreditReport, now: float) -> None:
+    def _check_lease(
+        self, db: sqlite3.Connection, ref: LeaseRef | ClaimRequest | CreditReport, now: float, key: str | None
+    ) -> None:
+        """The caller holds this lease: its node id and lease id match (and its full key, where both are known)."""
         row = db.execute(
-            'SELECT node_id, lease_id, expires_at FROM leases WHERE model = ? AND start = ? AND "end" = ?',
+            _LEASE_ROW,
             (ref.model, ref.start, ref.end),
         ).fetchone()
+        if row is not None and key is not None and row[3] is not None and row[3] != key:
+            row = (None, None, row[2], row[3])  # a key that merely shares the holder's fingerprint holds nothing
         window = f"[{ref.start}, {ref.end})"
         if row is None or (row[2] <= now and (row[0], row[1]) == (ref.node_id, ref.lease_id)):
             raise MarketError(409, "lease_expired", f"the lease on window {window} has expired; claim it again")
@@ -237,23 +340,23 @@ class MarketStore:
                 raise MarketError(409, "lease_expired", f"the lease on window {window} has expired; claim it again")
             raise MarketError(409, "foreign_lease", f"window {window} is held by another lease")
 
-    def renew(self, req: ClaimRequest) -> Lease:
+    def renew(self, req: ClaimRequest, holder_key: str | None = None) -> Lease:
         self._window(req.model, req.start, req.end)
         assert req.lease_id is not None
         now = self.clock()
         expires = now + req.lease_s
         with self._write() as db:
-            self._check_lease(db, req, now)
+            self._check_lease(db, req, now, holder_key)
             db.execute(
                 'UPDATE leases SET expires_at = ?, endpoint = ?, state = ? WHERE model = ? AND start = ? AND "end" = ?',
                 (expires, req.endpoint, req.state, req.model, req.start, req.end),
             )
         return Lease(req.model, req.start, req.end, req.node_id, req.lease_id, expires)
 
-    def release(self, ref: LeaseRef) -> None:
+    def release(self, ref: LeaseRef, holder_key: str | None = None) -> None:
         self._window(ref.model, ref.start, ref.end)
         with self._write() as db:
-            self._check_lease(db, ref, self.clock())
+            self._check_lease(db, ref, self.clock(), holder_key)
             db.execute(
                 'DELETE FROM leases WHERE model = ? AND start = ? AND "end" = ?', (ref.model, ref.start, ref.end)
             )
@@ -262,34 +365,50 @@ class MarketStore:
 
     def _recent_tokens(self, model: str, now: float) -> int:
         row = self.db.execute(
-            "SELECT COALESCE(SUM(tokens), 0) FROM demand WHERE model = ? AND ts > ?", (model, now - DEMAND_HORIZON_S)
+            "SELECT COALESCE(SUM(tokens), 0) FROM demand_buckets WHERE model = ? AND bucket >= ?",
+            (model, _bucket(now - DEMAND_HORIZON_S)),
         ).fetchone()
         return int(row[0])
 
-    def add_demand(self, report: DemandReport) -> None:
+    def holds_lease(self, node_id: str, model: str) -> bool:
+        row = self.db.execute(
+            "SELECT 1 FROM leases WHERE model = ? AND node_id = ? AND expires_at > ?", (model, node_id, self.clock())
+        ).fetchone()
+        return row is not None
+
+    def add_demand(self, report: DemandReport, node_id: str) -> None:
+        """Add a lease holder's report to the current bucket (sums clamped); drop buckets past the horizon."""
         self.model(report.model)
+        now = self.clock()
+        if not self.holds_lease(node_id, report.model):
+            raise MarketError(403, "not_a_holder", f"node {node_id} holds no window of model {report.model[:12]}…")
         with self._write() as db:
             db.execute(
-                "INSERT INTO demand (ts, model, requests, tokens) VALUES (?, ?, ?, ?)",
-                (self.clock(), report.model, report.requests, report.tokens),
+                "INSERT INTO demand_buckets (model, bucket, requests, tokens) VALUES (?, ?, ?, ?)"
+                " ON CONFLICT (model, bucket) DO UPDATE SET requests = MIN(requests + excluded.requests, ?),"
+                " tokens = MIN(tokens + excluded.tokens, ?)",
+                (report.model, _bucket(now), report.requests, report.tokens, BUCKET_MAX_REQUESTS, BUCKET_MAX_TOKENS),
             )
+            db.execute("DELETE FROM demand_buckets WHERE bucket < ?", (_bucket(now - DEMAND_HORIZON_S),))
 
     def demand(self) -> dict[str, Any]:
+        """Recent demand per model, with each window's reward (window lists stop at MAX_COVERAGE_WINDOWS in all)."""
         now = self.clock()
         out = []
+        shown = 0
         for m in self.models():
             row = self.db.execute(
-                "SELECT COALESCE(SUM(requests), 0), COALESCE(SUM(tokens), 0) FROM demand WHERE model = ? AND ts > ?",
-                (m.sha256, now - DEMAND_HORIZON_S),
+                "SELECT COALESCE(SUM(requests), 0), COALESCE(SUM(tokens), 0) FROM demand_buckets"
+                " WHERE model = ? AND bucket >= ?",
+                (m.sha256, _bucket(now - DEMAND_HORIZON_S)),
             ).fetchone()
+            mult = demand_multiplier(int(row[1]))
             rewards = []
-            try:
-                mult = demand_multiplier(int(row[1]))
-                rewards = [
-                    {"layers": [w.start, w.end], "reward": w.weight * mult} for w in self.manifest(m.sha256).windows
-                ]
-            except MarketError:
-                mult = demand_multiplier(int(row[1]))
+            with suppress(MarketError):  # a model without a manifest yet
+                windows = self.manifest(m.sha256).windows
+                if shown + len(windows) <= MAX_COVERAGE_WINDOWS:
+                    shown += len(windows)
+                    rewards = [{"layers": [w.start, w.end], "reward": reward_of(w.weight, mult)} for w in windows]
             out.append(
                 {
                     "model": m.sha256,
@@ -302,26 +421,85 @@ class MarketStore:
             )
         return {"horizon_s": DEMAND_HORIZON_S, "models": out}
 
-    def credit(self, report: CreditReport) -> dict[str, Any]:
-        """Credit a lease holder for tokens served: layer_tokens = tokens × window layers, earned = tokens × reward."""
+    def add_receipts(self, batch: ReceiptBatch) -> dict[str, Any]:
+        """An entry node's receipts: each new one (per entry and request id) confirms its tokens for every window
+        whose live holder it names. Replies with how many receipts were new."""
+        manifest = self.manifest(batch.model)
+        now = self.clock()
+        if not self.holds_lease(batch.node_id, batch.model):
+            raise MarketError(403, "not_a_holder", f"node {batch.node_id} holds no window of {batch.model[:12]}…")
+        new = 0
+        with self._write() as db:
+            db.execute("DELETE FROM receipts_seen WHERE ts < ?", (now - RECEIPT_HORIZON_S,))
+            (seen,) = db.execute("SELECT COUNT(*) FROM receipts_seen").fetchone()
+            if seen + len(batch.receipts) > MAX_RECEIPTS_SEEN:
+                raise MarketError(503, "busy", "too many receipts in the last hour; retry later")
+            leases = {
+                (r[0], r[1]): (r[2], r[3])
+                for r in db.execute(
+                    'SELECT start, "end", node_id, lease_id FROM leases WHERE model = ? AND expires_at > ?',
+                    (batch.model, now),
+                )
+            }
+            for receipt in batch.receipts:
+                fresh = db.execute(
+                    "INSERT OR IGNORE INTO receipts_seen (entry, request, ts) VALUES (?, ?, ?)",
+                    (batch.node_id, str(receipt.request), now),
+                ).rowcount
+                if not fresh:
+                    continue
+                new += 1
+                for rank, w in enumerate(manifest.windows):
+                    holder = leases.get((w.start, w.end))
+                    if holder is None or rank >= len(receipt.holders) or receipt.holders[rank] != holder[0]:
+                        continue  # the receipt names someone else (or nobody): it confirms nothing here
+                    db.execute(
+                        "INSERT INTO lease_confirmed (lease_id, tokens, ts) VALUES (?, MIN(?, ?), ?)"
+                        " ON CONFLICT (lease_id) DO UPDATE SET tokens = MIN(tokens + excluded.tokens, ?), ts = ?",
+                        (holder[1], receipt.tokens, MAX_LEASE_TOKENS, now, MAX_LEASE_TOKENS, now),
+                    )
+        return {"accepted": new}
+
+    def credit(self, report: CreditReport, holder_key: str | None = None) -> dict[str, Any]:
+        """Credit a lease holder: ``report.tokens`` is its cumulative count under this lease, so a repeated report
+        adds nothing. The count is cut to what entry nodes' receipts confirmed for this lease and to what one
+        window could serve since the claim (MAX_TOKENS_PER_S); each new token earns layers (layer_tokens) and the
+        window's reward now (earned). Replies with the lease's totals."""
         manifest, rank = self._window(report.model, report.start, report.end)
         now = self.clock()
-        reward = manifest.windows[rank].weight * demand_multiplier(self._recent_tokens(report.model, now))
-        layer_tokens = report.tokens * (report.end - report.start)
-        earned = report.tokens * reward
+        reward = reward_of(manifest.windows[rank].weight, demand_multiplier(self._recent_tokens(report.model, now)))
+        layers = report.end - report.start
         with self._write() as db:
-            self._check_lease(db, report, now)
+            self._check_lease(db, report, now, holder_key)
+            (claimed_at,) = db.execute(
+                'SELECT claimed_at FROM leases WHERE model = ? AND start = ? AND "end" = ?',
+                (report.model, report.start, report.end),
+            ).fetchone()
+            cap = int((max(0.0, now - claimed_at) + CREDIT_SLACK_S) * self.max_tokens_per_s)
+            confirmed = db.execute(
+                "SELECT tokens FROM lease_confirmed WHERE lease_id = ?", (report.lease_id,)
+            ).fetchone()
+            cap = min(cap, confirmed[0] if confirmed is not None else 0)
+            prior = db.execute(
+                "SELECT tokens, layer_tokens, earned FROM lease_credits WHERE lease_id = ?", (report.lease_id,)
+            ).fetchone()
+            tokens, layer_tokens, earned = prior if prior is not None else (0, 0, 0.0)
+            new = max(0, min(report.tokens, cap) - tokens)
+            tokens, layer_tokens, earned = tokens + new, layer_tokens + new * layers, earned + new * reward
             db.execute(
-                'INSERT INTO credits (ts, node_id, model, start, "end", tokens, layer_tokens, earned)'
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (now, report.node_id, report.model, report.start, report.end, report.tokens, layer_tokens, earned),
-            )
-        return {"node_id": report.node_id, "tokens": report.tokens, "layer_tokens": layer_tokens, "earned": earned}
+                'INSERT INTO lease_credits (lease_id, node_id, model, start, "end", tokens, layer_tokens, earned, ts)'
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (lease_id) DO UPDATE SET tokens = excluded.tokens,"
+                " layer_tokens = excluded.layer_tokens, earned = excluded.earned, ts = excluded.ts",
+                (report.lease_id, report.node_id, report.model, report.start, report.end, tokens, layer_tokens,
+                 earned, now),
+            )  # fmt: skip
+        return {"node_id": report.node_id, "tokens": tokens, "layer_tokens": layer_tokens, "earned": earned}
 
     def ledger(self) -> dict[str, Any]:
         rows = self.db.execute(
-            "SELECT node_id, SUM(tokens), SUM(layer_tokens), SUM(earned), MAX(ts) FROM credits"
-            " GROUP BY node_id ORDER BY SUM(earned) DESC, node_id"
+            "SELECT node_id, SUM(tokens), SUM(layer_tokens), SUM(earned), MAX(ts) FROM lease_credits"
+            " GROUP BY node_id ORDER BY SUM(earned) DESC, node_id LIMIT ?",
+            (MAX_LEDGER_ROWS,),
         ).fetchall()
         return {
             "nodes": [
@@ -329,3 +507,13 @@ class MarketStore:
                 for r in rows
             ]
         }
+
+    def holder_key(self, model: str, start: int, end: int) -> str | None:
+        row = self.db.execute(
+            'SELECT holder_key FROM leases WHERE model = ? AND start = ? AND "end" = ?', (model, start, end)
+        ).fetchone()
+        return None if row is None else row[0]
+
+
+def _bucket(ts: float) -> int:
+    return int(ts // DEMAND_BUCKET_S)

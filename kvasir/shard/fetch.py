@@ -175,6 +175,16 @@ def temp_paths(out: Path) -> tuple[Path, Path]:
     return out.parent / f".{out.name}.source", out.parent / f".{out.name}.source.json"
 
 
+async def refuse_unsafe_redirect(r: httpx.Response) -> None:
+    """An httpx response hook: follow a redirect only to https on the same host (a source cannot send a node to
+    probe other hosts or downgrade to plain http)."""
+    if not r.is_redirect:
+        return
+    target = r.request.url.join(r.headers.get("location", ""))
+    if target.scheme != "https" or target.host != r.request.url.host:
+        raise SourceError(f"{r.request.url}: refused a redirect to {str(target)[:200]} (only https on the same host)")
+
+
 async def fetch_window(
     url: str,
     start: int,
@@ -186,6 +196,7 @@ async def fetch_window(
     progress: Progress | None = None,
     client: httpx.AsyncClient | None = None,
     max_header_bytes: int = DEFAULT_LIMITS.max_header_bytes,
+    file_bytes: int | None = None,
 ) -> FetchResult:
     """Write the stage file of layers [start, end) of the GGUF at ``url`` to ``out``.
 
@@ -193,14 +204,20 @@ async def fetch_window(
     ``model_sha256``: the whole model's identity, recorded in the stage like ``kvasir slice`` does (default: the
     source's ETag when it is a sha256). ``progress(done, total)`` is called as bytes arrive.
     ``max_header_bytes``: the most header bytes to fetch and buffer (the market's ``header_bytes`` for the model).
+    ``file_bytes``: the model's size in the market's signed record; a source that says otherwise is refused before
+    anything is allocated for it.
     """
     began = time.monotonic()
     if not out.parent.is_dir():
         raise InputError(f"{out}: directory {out.parent} does not exist")
     own = client is None
-    client = client or httpx.AsyncClient(timeout=httpx.Timeout(30.0), follow_redirects=True)
+    client = client or httpx.AsyncClient(
+        timeout=httpx.Timeout(30.0), follow_redirects=True, event_hooks={"response": [refuse_unsafe_redirect]}
+    )
     try:
-        return await _fetch(client, url, start, end, out, sha256, model_sha256, progress, max_header_bytes, began)
+        return await _fetch(
+            client, url, start, end, out, sha256, model_sha256, progress, max_header_bytes, file_bytes, began
+        )
     finally:
         if own:
             await client.aclose()
@@ -216,6 +233,7 @@ async def _fetch(
     model_sha256: str | None,
     progress: Progress | None,
     max_header_bytes: int,
+    file_bytes: int | None,
     began: float,
 ) -> FetchResult:
     src = _Source(client, url)
@@ -229,6 +247,8 @@ async def _fetch(
     if src.size is None:
         raise SourceError(f"{url}: the server does not say the file's size (Content-Range */…)")
     size = src.size
+    if file_bytes is not None and size != file_bytes:
+        raise SourceError(f"{url}: the file has {size} bytes, the model's record says {file_bytes} (wrong file)")
     state = _Resume.load(record, size, src.etag) if sparse.exists() else None
     if state is None:
         state = _Resume(record, size, src.etag)

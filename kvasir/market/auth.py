@@ -1,0 +1,173 @@
+"""Who may write to the market: signed requests (operator and nodes) and signed model records.
+
+**Requests.** Every write carries four headers: ``x-kvasir-key`` (the signer's public key text), ``x-kvasir-time``
+(unix seconds, an integer), ``x-kvasir-nonce`` (16-64 characters of [0-9a-f]) and ``x-kvasir-signature`` (base64url
+Ed25519) over::
+
+    kvasir-market-request/v1\\n<METHOD>\\n<target>\\n<time>\\n<nonce>\\n<sha256 hex of the body>
+
+The market accepts a request whose time is within :data:`REQUEST_WINDOW_S` of its clock and whose nonce it has
+not seen in that window (:class:`NonceCache`, bounded), so a captured request cannot be replayed.
+
+**Records.** A model record carries the operator's ``signature`` (base64url Ed25519) over
+``kvasir-model/v1\\n`` + the record's canonical JSON (sorted keys, no spaces, without ``signature``). Nodes pin the
+operator's key and check it before they fetch or load anything the record names.
+
+Every function here is pure: time is passed in.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import json
+import re
+import secrets
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import attrs
+
+from kvasir.core.identity import Identity, PublicKey
+from kvasir.errors import InputError, MarketError
+
+REQUEST_DOMAIN = b"kvasir-market-request/v1\n"
+MODEL_DOMAIN = b"kvasir-model/v1\n"
+DELEGATION_DOMAIN = b"kvasir-market-delegation/v1\n"
+#: How far a request's time may be from the market's clock (both ways).
+REQUEST_WINDOW_S = 60
+#: Nonces remembered at once; a full cache refuses new requests (503) rather than forget a live nonce.
+MAX_NONCES = 200_000
+H_KEY, H_TIME, H_NONCE, H_SIG = "x-kvasir-key", "x-kvasir-time", "x-kvasir-nonce", "x-kvasir-signature"
+_NONCE = re.compile(r"[0-9a-f]{16,64}")
+_TIME = re.compile(r"[0-9]{1,12}")
+
+
+def b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
+
+
+def unb64(text: str, what: str, max_chars: int = 200) -> bytes:
+    if not isinstance(text, str) or not text.isascii() or len(text) > max_chars:
+        raise InputError(f"{what} is not base64url")
+    try:
+        return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+    except (binascii.Error, ValueError):
+        raise InputError(f"{what} is not base64url") from None
+
+
+# ---------------------------------------------------------------------------------------------- requests
+
+
+def request_message(method: str, target: str, when: int, nonce: str, body: bytes) -> bytes:
+    digest = hashlib.sha256(body).hexdigest()
+    return REQUEST_DOMAIN + f"{method}\n{target}\n{when}\n{nonce}\n{digest}".encode()
+
+
+def sign_request(identity: Identity, method: str, target: str, body: bytes, now: float) -> dict[str, str]:
+    """The headers that sign one request made at ``now``."""
+    when, nonce = int(now), secrets.token_hex(16)
+    sig = identity.sign(request_message(method, target, when, nonce, body))
+    return {H_KEY: identity.public.to_text(), H_TIME: str(when), H_NONCE: nonce, H_SIG: b64(sig)}
+
+
+@attrs.frozen
+class Signed:
+    """A request whose signature checked out: who signed it, and its nonce and time (for the replay cache)."""
+
+    key: PublicKey
+    nonce: str
+    when: int
+
+    @property
+    def node_id(self) -> str:
+        return self.key.fingerprint
+
+
+def verify_request(method: str, target: str, headers: Iterable[tuple[str, str]], body: bytes, now: float) -> Signed:
+    """The signer of a request, or MarketError 401 naming what is missing or wrong (pure: no replay check)."""
+    h: dict[str, str] = {}
+    for k, v in headers:
+        if k.lower() in (H_KEY, H_TIME, H_NONCE, H_SIG):
+            h[k.lower()] = v
+    if len(h) != 4:
+        raise MarketError(401, "unsigned", "this request must be signed (x-kvasir-key, -time, -nonce, -signature)")
+    try:
+        key = PublicKey.from_text(h[H_KEY])
+        sig = unb64(h[H_SIG], "x-kvasir-signature")
+    except InputError as exc:
+        raise MarketError(401, "bad_signature", str(exc)) from None
+    if not _TIME.fullmatch(h[H_TIME]) or not _NONCE.fullmatch(h[H_NONCE]):
+        raise MarketError(401, "bad_signature", "x-kvasir-time is unix seconds; x-kvasir-nonce is 16-64 hex digits")
+    when = int(h[H_TIME])
+    if abs(when - now) > REQUEST_WINDOW_S:
+        raise MarketError(401, "stale_request", f"request time {when} is more than {REQUEST_WINDOW_S} s off")
+    if not key.verify(sig, request_message(method, target, when, h[H_NONCE], body)):
+        raise MarketError(401, "bad_signature", "the request's signature does not match its key")
+    return Signed(key, h[H_NONCE], when)
+
+
+class NonceCache:
+    """Nonces seen within the request window; bounded (a full cache refuses, it never forgets a live nonce)."""
+
+    def __init__(self, window_s: float = REQUEST_WINDOW_S, max_entries: int = MAX_NONCES) -> None:
+        self.window_s = window_s
+        self.max_entries = max_entries
+        self._seen: dict[str, float] = {}  # nonce -> when it can be forgotten (insertion order ~ time order)
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def check(self, signed: Signed, now: float) -> None:
+        """Remember ``signed.nonce``; MarketError 401 if it was used already, 503 if the cache is full."""
+        self._expire(now)
+        if signed.nonce in self._seen:
+            raise MarketError(401, "replayed_request", "this request's nonce was used already")
+        if len(self._seen) >= self.max_entries:
+            raise MarketError(503, "busy", "too many signed requests in flight; retry shortly")
+        # Kept until the request's time leaves the window, whatever our clock said at arrival.
+        self._seen[signed.nonce] = max(now, signed.when) + self.window_s
+
+    def _expire(self, now: float) -> None:
+        # Oldest first (insertion order is nearly time order): stop at the first live one, so each call costs only
+        # what it removes. A nonce stored out of order is kept a little longer, which is the safe direction.
+        stale = []
+        for n, until in self._seen.items():
+            if until >= now:
+                break
+            stale.append(n)
+        for n in stale:
+            del self._seen[n]
+
+
+# ---------------------------------------------------------------------------------------------- records
+
+
+def canonical(wire: Mapping[str, Any], drop: str = "signature") -> bytes:
+    """A record's canonical JSON bytes: sorted keys, no spaces, without ``drop``."""
+    return json.dumps({k: v for k, v in wire.items() if k != drop}, sort_keys=True, separators=(",", ":")).encode()
+
+
+def sign_record(identity: Identity, domain: bytes, wire: Mapping[str, Any]) -> str:
+    return b64(identity.sign(domain + canonical(wire)))
+
+
+def signature_ok(key: PublicKey, message: bytes, signature: object) -> bool:
+    """Whether ``signature`` (base64url text, or anything a body may hold) is ``key``'s signature of ``message``."""
+    if not isinstance(signature, str):
+        return False
+    try:
+        sig = unb64(signature, "signature")
+    except InputError:
+        return False
+    return key.verify(sig, message)
+
+
+def record_signed_by(key: PublicKey, domain: bytes, wire: Mapping[str, Any], signature: str | None) -> bool:
+    return signature_ok(key, domain + canonical(wire), signature)
+
+
+def delegation_message(market: PublicKey) -> bytes:
+    """What the operator signs to say that ``market`` may issue window tickets for its models."""
+    return DELEGATION_DOMAIN + market.to_text().encode()
