@@ -1,6 +1,6 @@
 """Relay benchmark: prints a table of hop latency, throughput and relay memory.
 
-Run: ``python bench/relay.py`` (about 20-40 s). The relay runs in its own process (``python -m relay``) so its
+Run: ``python bench/relay.py`` (about 20-40 s). The relay runs in its own process (``python -m kvasir.relay``) so its
 RSS is its own; the clients run here, on loopback.
 """
 
@@ -23,7 +23,7 @@ if __name__ == "__main__" and sys.path[0] == str(REPO / "bench"):
     # Run as a script, this file's folder comes first on sys.path and "relay" would import this file.
     sys.path[0] = str(REPO)
 
-from relay import Role, make_edge_token, open_relay_link  # noqa: E402
+from kvasir.relay import Role, make_edge_token, open_relay_link  # noqa: E402
 
 SECRET = os.urandom(32)
 MESSAGE = os.urandom(16 * 1024)
@@ -205,7 +205,7 @@ def main() -> None:
     secret_file.write_text(SECRET.hex())
     argv = ["--listen", "127.0.0.1:0", "--secret-file", str(secret_file), "--max-conns-per-ip", "1000"]
     relay = subprocess.Popen(
-        [sys.executable, "-m", "relay", *argv],
+        [sys.executable, "-m", "kvasir.relay", *argv],
         stdout=subprocess.PIPE,
         text=True,
         cwd=REPO,

@@ -30,7 +30,7 @@ _COMMAND_MODULES = (
     "kvasir.commands.market",
     "kvasir.commands.fetch",
     "kvasir.commands.config",
-    "relay.cli",
+    "kvasir.relay.cli",
 )
 
 

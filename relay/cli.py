@@ -8,10 +8,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvasir.relay.errors import RelayConfigError
+
 from kvasir.core.identity import PublicKey
 from kvasir.errors import InputError
 from kvasir.util.addr import parse_hostport
-from relay.errors import RelayConfigError
 
 
 def add_parser(subparsers: Any) -> None:
@@ -102,8 +103,8 @@ def _parse_trusted_keys(args: argparse.Namespace) -> frozenset[PublicKey]:
 
 
 def build_config(args: argparse.Namespace) -> Any:
-    """The :class:`~relay.server.RelayConfig` the parsed arguments describe."""
-    from relay.server import DEFAULT_MAX_MESSAGE_BYTES, RelayConfig
+    """The :class:`~kvasir.relay.server.RelayConfig` the parsed arguments describe."""
+    from kvasir.relay.server import DEFAULT_MAX_MESSAGE_BYTES, RelayConfig
 
     host, port = parse_listen(args.listen)
     max_message = DEFAULT_MAX_MESSAGE_BYTES if args.max_message_bytes is None else args.max_message_bytes
@@ -126,8 +127,7 @@ def build_config(args: argparse.Namespace) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     import trio
-
-    from relay.server import serve_relay
+    from kvasir.relay.server import serve_relay
 
     config = build_config(args)
     scheme = "wss" if config.tls_cert else "ws"
@@ -143,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     if args.market is None:
         trio.run(functools.partial(serve_relay, config, task_status=Announce()))
         return 0
-    from kvasir.market.service import serve_market
+    from kvasir.market.server.service import serve_market
 
     mhost, mport = parse_listen(args.market, "--market")
 
@@ -164,4 +164,4 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit("run it as: kvasir relay ... (or python -m relay ...)")
+    sys.exit("run it as: kvasir relay ... (or python -m kvasir.relay ...)")

@@ -15,11 +15,10 @@ from contextlib import asynccontextmanager
 
 import trio
 import trio_websocket
+from kvasir.relay.errors import RelayConfigError, RelayConnectError, RelayLinkClosed
+from kvasir.relay.server import DEFAULT_MAX_MESSAGE_BYTES, EDGE_PATH_PREFIX
+from kvasir.relay.token import Role, is_valid_edge_id
 from trio_websocket import ConnectionClosed, HandshakeError, WebSocketConnection
-
-from relay.errors import RelayConfigError, RelayConnectError, RelayLinkClosed
-from relay.server import DEFAULT_MAX_MESSAGE_BYTES, EDGE_PATH_PREFIX
-from relay.token import Role, is_valid_edge_id
 
 __all__ = ["RelayLink", "edge_url", "open_relay_link"]
 

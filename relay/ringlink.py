@@ -15,15 +15,15 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 import trio
+from kvasir.relay.client import RelayLink, open_relay_link
+from kvasir.relay.errors import EdgeTokenError, RelayLinkClosed
+from kvasir.relay.grant import MAX_TOKEN_LIFETIME, EdgeGrant, make_token, read_grant, sign_grant
+from kvasir.relay.token import Role, make_edge_token
 
 from kvasir.core.identity import Identity
 from kvasir.errors import InputError
 from kvasir.ring.edges import RelayConnect, relay_edge_id
 from kvasir.ring.manifest import Manifest
-from relay.client import RelayLink, open_relay_link
-from relay.errors import EdgeTokenError, RelayLinkClosed
-from relay.grant import MAX_TOKEN_LIFETIME, EdgeGrant, make_token, read_grant, sign_grant
-from relay.token import Role, make_edge_token
 
 #: Lifetime of the v1 edge tokens a node of a keyless ring signs for itself.
 TOKEN_LIFETIME_S = 24 * 3600
@@ -75,7 +75,7 @@ def secret_connector(secret: bytes) -> RelayConnect:
 
 def grant_connector(identity: Identity, grants: Iterable[str], clock: Callable[[], float] = time.time) -> RelayConnect:
     """v2 (keyed rings): join with the operator's grant for the edge and role, under a fresh token signed by
-    ``identity`` that lives :data:`~relay.grant.MAX_TOKEN_LIFETIME` seconds, sent in the Authorization header."""
+    ``identity`` that lives :data:`~kvasir.relay.grant.MAX_TOKEN_LIFETIME` seconds, sent in the Authorization header."""
     by_edge: dict[tuple[str, Role], str] = {}
     for signed in grants:
         grant = read_grant(signed)

@@ -16,7 +16,7 @@ import hashlib
 import hmac
 import re
 
-from relay.errors import EdgeTokenError, EdgeTokenExpired
+from kvasir.relay.errors import EdgeTokenError, EdgeTokenExpired
 
 TOKEN_VERSION = "v1"
 _DOMAIN = "kvasir-edge-token/v1"

@@ -131,7 +131,9 @@ def test_serve_model_on_a_busy_port_is_one_line(
 
 
 def test_relay_on_a_busy_port_is_one_line(busy_port: int, tmp_path: Path) -> None:
-    out = _run(["-m", "relay", "--listen", f"127.0.0.1:{busy_port}", "--trust-key", "ed25519:" + "A" * 43], tmp_path)
+    out = _run(
+        ["-m", "kvasir.relay", "--listen", f"127.0.0.1:{busy_port}", "--trust-key", "ed25519:" + "A" * 43], tmp_path
+    )
     assert out.returncode == 2, out.stderr
     lines = out.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("relay: error: ") and "in use" in lines[0], out.stderr

@@ -99,3 +99,20 @@ def test_every_test_tool_is_pinned() -> None:
     assert all(re.fullmatch(r"[A-Za-z0-9_.\-]+==[A-Za-z0-9_.+!]+", pin) for pin in pins.values()), pins
     unpinned = [r for r in extra["test"] if "==" not in r and _name(r) not in pins]
     assert not unpinned, f"pin these in constraints/dev.txt: {unpinned}"
+
+
+def test_the_wheel_lists_every_package_and_installs_only_kvasir() -> None:
+    """pyproject's explicit package list (needed for package-dir) covers every package folder, and every name in it
+    is under ``kvasir``: relay/ and tui/ install as kvasir.relay and kvasir.tui, never as top-level names."""
+    import tomllib
+
+    setup = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {"kvasir": "kvasir", **{name: path for name, path in setup["package-dir"].items() if name}}
+    found = set()
+    for package, folder in folders.items():
+        for init in (REPO / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(REPO / folder)
+            found.add(".".join([package, *rel.parts]))
+    listed = set(setup["packages"])
+    assert listed == found, f"missing: {sorted(found - listed)}, stale: {sorted(listed - found)}"
+    assert all(name == "kvasir" or name.startswith("kvasir.") for name in listed)

@@ -18,11 +18,11 @@ import trio
 
 from kvasir.core.identity import Identity
 from kvasir.errors import InputError
-from kvasir.market.choice import choose_window
-from kvasir.market.enroll import manifest_from_coverage
+from kvasir.market.agent.choice import choose_window
+from kvasir.market.agent.enroll import manifest_from_coverage
 from kvasir.market.records import ClaimRequest, CoverageEntry, ModelRecord
-from kvasir.market.service import serve_market
-from kvasir.market.store import MarketStore, demand_multiplier
+from kvasir.market.server.service import serve_market
+from kvasir.market.server.store import MarketStore, demand_multiplier
 from tests.marketutil import SignAuth, signed_model
 
 SHA = "ab" * 32

@@ -16,11 +16,11 @@ import trio
 from kvasir.core.identity import Identity
 from kvasir.errors import MarketError
 from kvasir.market import auth
-from kvasir.market.client import MarketClient
-from kvasir.market.enroll import EnrollConfig, Enrollment, LeaseLost, manifest_from_coverage
+from kvasir.market.agent.client import MarketClient
+from kvasir.market.agent.enroll import EnrollConfig, Enrollment, LeaseLost, manifest_from_coverage
 from kvasir.market.records import MAX_REWARD, CoverageEntry, coverage_from_wire
-from kvasir.market.service import serve_market
-from kvasir.market.store import BUCKET_MAX_TOKENS, MAX_TOKENS_PER_S, MarketStore
+from kvasir.market.server.service import serve_market
+from kvasir.market.server.store import BUCKET_MAX_TOKENS, MAX_TOKENS_PER_S, MarketStore
 from kvasir.market.tickets import MAX_TICKET_S, TicketPolicy, WindowTicket, issue_ticket, parse_ticket, ticket_problem
 from kvasir.shard.fetch import SourceError, refuse_unsafe_redirect
 from tests.marketutil import SignAuth, signed_model
@@ -413,8 +413,8 @@ def test_market_status_prints_hostile_strings_literally() -> None:
 
 def test_coverage_replies_are_capped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """L7: one coverage reply lists whole models up to a window cap and says when it left some out."""
-    from kvasir.market import store as store_module
     from kvasir.market.records import ManifestRecord, ModelRecord
+    from kvasir.market.server import store as store_module
     from tests.test_market import OTHER
 
     monkeypatch.setattr(store_module, "MAX_COVERAGE_WINDOWS", 4)

@@ -345,7 +345,7 @@ async def test_a_bad_first_frame_is_answered_with_an_error(autojump_clock: trio.
 async def test_status_round_trips_through_the_control_socket_and_the_tui(
     autojump_clock: trio.testing.MockClock, tmp_path: Any
 ) -> None:
-    from tui.model import NodeModel
+    from kvasir.tui.model import NodeModel
 
     async with ring() as (nodes, _), trio.open_nursery() as nursery:
         await generate(nodes[0], PROMPT, 3)
@@ -496,7 +496,7 @@ def test_the_recorded_tui_session_follows_the_status_schema() -> None:
     import json
     from pathlib import Path
 
-    from tui.model import NodeModel
+    from kvasir.tui.model import NodeModel
 
     lines = (Path(__file__).parent / "data" / "tui_session.jsonl").read_text().splitlines()
     statuses = [m["msg"]["status"] for m in map(json.loads, lines) if m["msg"].get("type") == "status"]

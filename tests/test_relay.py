@@ -18,11 +18,7 @@ from typing import Any
 import pytest
 import trio
 import trio_websocket
-from trio_websocket import ConnectionClosed
-
-from kvasir.core.identity import Identity, PublicKey
-from kvasir.errors import InputError, ProtocolError, RingError
-from relay import (
+from kvasir.relay import (
     CloseCode,
     EdgeTokenError,
     EdgeTokenExpired,
@@ -37,7 +33,11 @@ from relay import (
     open_relay_link,
     verify_edge_token,
 )
-from relay import cli as relay_cli
+from kvasir.relay import cli as relay_cli
+from trio_websocket import ConnectionClosed
+
+from kvasir.core.identity import Identity, PublicKey
+from kvasir.errors import InputError, ProtocolError, RingError
 
 KEY_TEXT = Identity.generate().public.to_text()
 SECRET = bytes(range(32))

@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 import trio
+from kvasir.relay import CloseCode, Relay, RelayConfig, RelayConnectError, RelayLinkClosed, Role, open_relay_link
+from kvasir.relay.grant import EdgeGrant, make_token, sign_grant
 
 from kvasir.core.identity import Identity
 from kvasir.util.addrgroup import address_group as _address_group
-from relay import CloseCode, Relay, RelayConfig, RelayConnectError, RelayLinkClosed, Role, open_relay_link
-from relay.grant import EdgeGrant, make_token, sign_grant
 
 RING = hashlib.sha256(b"ring manifest").hexdigest()
 UP, DOWN = Role.UPSTREAM, Role.DOWNSTREAM

@@ -16,14 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kvasir.tui.app import KvasirTUI
+from kvasir.tui.model import NodeModel, Segment, fill_gaps, sanitize
+from kvasir.tui.screens import Sampling, parse_sampling
+from kvasir.tui.source import Message, ReplaySource, SocketSource
+from kvasir.tui.widgets import CoverageMap, RingView, render_coverage
 from textual.widgets import Markdown
 
 from tests.ringutil import ring_generate, running_ring
-from tui.app import KvasirTUI
-from tui.model import NodeModel, Segment, fill_gaps, sanitize
-from tui.screens import Sampling, parse_sampling
-from tui.source import Message, ReplaySource, SocketSource
-from tui.widgets import CoverageMap, RingView, render_coverage
 
 SESSION = Path(__file__).parent / "data" / "tui_session.jsonl"
 PROMPT = "Tell me about the ring"

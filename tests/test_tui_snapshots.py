@@ -11,9 +11,8 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from kvasir.tui.screenshots import replay_app, show
 from textual.pilot import Pilot
-
-from tui.screenshots import replay_app, show
 
 SnapCompare = Callable[..., bool]
 

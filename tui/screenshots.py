@@ -1,6 +1,6 @@
 """SVG screenshots of each screen from a recorded session (docs/tui-*.svg; the snapshot tests use ``show``).
 
-``python -m tui.screenshots [SESSION.jsonl] [OUT_DIR]`` (defaults: tests/data/tui_session.jsonl, docs/), 100×30.
+``python -m kvasir.tui.screenshots [SESSION.jsonl] [OUT_DIR]`` (defaults: tests/data/tui_session.jsonl, docs/), 100×30.
 """
 
 from __future__ import annotations
@@ -9,10 +9,9 @@ import asyncio
 import sys
 from pathlib import Path
 
+from kvasir.tui.app import KvasirTUI
+from kvasir.tui.source import ReplaySource
 from textual.pilot import Pilot
-
-from tui.app import KvasirTUI
-from tui.source import ReplaySource
 
 REPO = Path(__file__).resolve().parent.parent
 SESSION = REPO / "tests" / "data" / "tui_session.jsonl"

@@ -66,7 +66,7 @@ def add_parser(sub: Any) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     from kvasir.core.identity import PublicKey, load_or_create_identity
-    from kvasir.market.service import serve_market
+    from kvasir.market.server.service import serve_market
 
     host, port = parse_hostport(args.listen, "--listen")
     identity = load_or_create_identity(args.identity or default_identity_path())
@@ -88,8 +88,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def run_publish(args: argparse.Namespace) -> int:
-    from kvasir.market.client import MarketClient
-    from kvasir.market.publish import manifest_record, model_record, parse_windows, planner_windows
+    from kvasir.market.agent.client import MarketClient
+    from kvasir.market.agent.publish import manifest_record, model_record, parse_windows, planner_windows
     from kvasir.shard.cache import default_cache_dir
 
     if args.devices is not None:
@@ -97,7 +97,7 @@ def run_publish(args: argparse.Namespace) -> int:
     else:
         windows, origin = parse_windows(args.windows, args.weights), "explicit"
     from kvasir.core.identity import load_or_create_identity
-    from kvasir.market.publish import publish_signed
+    from kvasir.market.agent.publish import publish_signed
 
     identity = load_or_create_identity(args.identity or default_identity_path())
     record = model_record(args.model, windows, args.source, default_cache_dir(), args.name).signed(identity)
@@ -112,7 +112,7 @@ def run_publish(args: argparse.Namespace) -> int:
 
 
 def run_status(args: argparse.Namespace) -> int:
-    from kvasir.market.client import MarketClient
+    from kvasir.market.agent.client import MarketClient
 
     async def fetch() -> dict[str, Any]:
         async with MarketClient(args.url) as market:

@@ -23,12 +23,12 @@ from kvasir.control.server import serve_control
 from kvasir.core.identity import load_or_create_identity
 from kvasir.core.schedule import PREFILL_CHUNK
 from kvasir.errors import InputError
+from kvasir.relay.ringlink import relay_connector
 from kvasir.ring.manifest import Manifest, load_manifest
 from kvasir.ring.node import Node, NodeConfig, open_node
 from kvasir.shard.cache import default_cache_dir, stage_files
 from kvasir.stage.engine import Stage, StageConfig
 from kvasir.wire import BoundaryDType
-from relay.ringlink import relay_connector
 
 log = logging.getLogger("kvasir.node")
 
@@ -195,7 +195,7 @@ async def serve_node(manifest: Manifest, rank: int, config: StageConfig, args: a
 
 def run_enrolled(args: argparse.Namespace) -> int:
     from kvasir.commands.market import parse_hostport
-    from kvasir.market.enroll import EnrollConfig
+    from kvasir.market.agent.enroll import EnrollConfig
 
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
@@ -241,7 +241,7 @@ def enroll_keys(args: argparse.Namespace) -> dict[str, Any]:
 
 async def serve_enrolled(config: Any, args: argparse.Namespace) -> None:
     """Run an enrolling node until SIGINT/SIGTERM; then credit, release the lease and stop."""
-    from kvasir.market.enroll import Enrollment
+    from kvasir.market.agent.enroll import Enrollment
 
     async def on_node(node: Node, nursery: trio.Nursery) -> None:
         control = args.control or node_socket_path(node.rank, node.manifest.rank(node.rank).port)

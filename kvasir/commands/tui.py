@@ -31,9 +31,9 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("--max-tokens must be at least 1")
     if not 0.1 <= args.interval <= 10:
         raise InputError("--interval must be between 0.1 and 10 seconds")
-    from tui.app import KvasirTUI
-    from tui.screens import Sampling
-    from tui.source import SocketSource
+    from kvasir.tui.app import KvasirTUI
+    from kvasir.tui.screens import Sampling
+    from kvasir.tui.source import SocketSource
 
     sampling = Sampling(
         temperature=args.temperature,

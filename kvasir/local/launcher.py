@@ -22,10 +22,10 @@ from kvasir.control.paths import node_socket_path
 from kvasir.core.config import without_config
 from kvasir.core.identity import create_identity
 from kvasir.errors import RingError
+from kvasir.relay.ringlink import grant_relay_edges
 from kvasir.ring.manifest import Manifest, RankEntry
 from kvasir.shard.cache import model_sha256, stage_files
 from kvasir.util.files import atomic_output
-from relay.ringlink import grant_relay_edges
 
 #: How long ``ring up --relay``'s edge grants last; the nodes' own tokens still live ten minutes at most.
 GRANT_LIFETIME_S = 30 * 24 * 3600

@@ -1,4 +1,4 @@
-"""Command-line plumbing shared by ``kvasir`` and ``python -m relay``: errors as one line, trio entry points.
+"""Command-line plumbing shared by ``kvasir`` and ``python -m kvasir.relay``: errors as one line, trio entry points.
 
 A command that fails on purpose (a :class:`~kvasir.errors.KvasirError`) or meets the operating system (an
 ``OSError``: address in use, permission denied, no such file) prints one line on stderr and exits 2, also when the

@@ -8,7 +8,7 @@ from pathlib import Path
 from kvasir.core.identity import Identity, PublicKey
 from kvasir.errors import InputError
 from kvasir.market import auth
-from kvasir.market.client import MarketClient
+from kvasir.market.agent.client import MarketClient
 from kvasir.market.records import ManifestRecord, ModelRecord, StageHash, WindowSpec
 from kvasir.shard.cache import file_sha256, model_sha256, stage_files
 from kvasir.shard.gguf_file import describe

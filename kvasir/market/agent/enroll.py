@@ -2,7 +2,7 @@
 
 One :class:`Enrollment` owns one nursery (``run``). The loop:
 
-1. poll the coverage map; :func:`~kvasir.market.choice.choose_window` picks the best reward per byte among
+1. poll the coverage map; :func:`~kvasir.market.agent.choice.choose_window` picks the best reward per byte among
    uncovered windows that fit the memory budget (ties: a seeded random draw);
 2. claim it (state ``fetching``, a lease); a lost race (409) means choose again. Claiming *before* the download
    means two nodes never download the same window at once, and a node that dies mid-download loses the window
@@ -40,8 +40,8 @@ import trio
 from kvasir.core.identity import Identity, PublicKey
 from kvasir.errors import InputError, KvasirError, MarketError
 from kvasir.market import auth
-from kvasir.market.choice import choose_window
-from kvasir.market.client import MarketClient
+from kvasir.market.agent.choice import choose_window
+from kvasir.market.agent.client import MarketClient
 from kvasir.market.records import (
     MAX_RECEIPTS,
     MAX_REPORT_REQUESTS,
@@ -57,6 +57,7 @@ from kvasir.market.records import (
     ReceiptBatch,
 )
 from kvasir.market.tickets import TicketPolicy
+from kvasir.relay.ringlink import relay_connector
 from kvasir.ring.manifest import Manifest, RankEntry
 from kvasir.ring.node import Node, NodeConfig, open_node
 from kvasir.ring.status import MarketWindow
@@ -64,7 +65,6 @@ from kvasir.shard.fetch import FetchResult, fetch_window, verify_stage
 from kvasir.stage.engine import Stage, StageConfig
 from kvasir.util.addr import format_hostport, parse_hostport
 from kvasir.util.progress import byte_bar
-from relay.ringlink import relay_connector
 
 log = logging.getLogger("kvasir.enroll")
 

@@ -35,7 +35,7 @@ from kvasir.market.records import (
     ReceiptBatch,
     sha256_field,
 )
-from kvasir.market.store import MarketStore
+from kvasir.market.server.store import MarketStore
 from kvasir.market.tickets import MAX_TICKET_S, WindowTicket, issue_ticket
 from kvasir.net.http import ApiLimits, HttpConnection, HttpError, HttpRequest, serve_http
 

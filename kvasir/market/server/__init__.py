@@ -1,0 +1,1 @@
+"""The market's server half: the SQLite store and the HTTP service. It never imports the node agent."""
