@@ -7,7 +7,6 @@ import functools
 import sys
 
 from kvasir.relay import cli
-
 from kvasir.util.cli import run_main
 
 

@@ -8,10 +8,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvasir.relay.errors import RelayConfigError
-
 from kvasir.core.identity import PublicKey
 from kvasir.errors import InputError
+from kvasir.relay.errors import RelayConfigError
 from kvasir.util.addr import parse_hostport
 
 
@@ -127,6 +126,7 @@ def build_config(args: argparse.Namespace) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     import trio
+
     from kvasir.relay.server import serve_relay
 
     config = build_config(args)

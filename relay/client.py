@@ -15,10 +15,11 @@ from contextlib import asynccontextmanager
 
 import trio
 import trio_websocket
+from trio_websocket import ConnectionClosed, HandshakeError, WebSocketConnection
+
 from kvasir.relay.errors import RelayConfigError, RelayConnectError, RelayLinkClosed
 from kvasir.relay.server import DEFAULT_MAX_MESSAGE_BYTES, EDGE_PATH_PREFIX
 from kvasir.relay.token import Role, is_valid_edge_id
-from trio_websocket import ConnectionClosed, HandshakeError, WebSocketConnection
 
 __all__ = ["RelayLink", "edge_url", "open_relay_link"]
 

@@ -22,11 +22,11 @@ import hashlib
 import re
 
 import attrs
-from kvasir.relay.errors import EdgeTokenError, EdgeTokenExpired
-from kvasir.relay.token import Role, is_valid_edge_id
 
 from kvasir.core.identity import Identity, PublicKey
 from kvasir.errors import InputError
+from kvasir.relay.errors import EdgeTokenError, EdgeTokenExpired
+from kvasir.relay.token import Role, is_valid_edge_id
 
 TOKEN_VERSION_V2 = "v2"
 MAX_TOKEN_LIFETIME = 600  # seconds: a stolen token is worth ten minutes at most

@@ -15,14 +15,14 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 import trio
+
+from kvasir.core.identity import Identity
+from kvasir.errors import InputError
 from kvasir.relay.client import RelayLink, open_relay_link
 from kvasir.relay.errors import EdgeTokenError, RelayLinkClosed
 from kvasir.relay.grant import MAX_TOKEN_LIFETIME, EdgeGrant, make_token, read_grant, sign_grant
 from kvasir.relay.token import Role, make_edge_token
-
-from kvasir.core.identity import Identity
-from kvasir.errors import InputError
-from kvasir.ring.edges import RelayConnect, relay_edge_id
+from kvasir.ring.edges import RelayConnect, relay_edge_id, uses_edge_grants
 from kvasir.ring.manifest import Manifest
 
 #: Lifetime of the v1 edge tokens a node of a keyless ring signs for itself.
@@ -98,7 +98,7 @@ def relay_connector(manifest: Manifest, rank: int, identity: Identity | None) ->
     """What admits rank ``rank`` to its relay edges: v2 grants in a keyed ring, else the v1 secret; None when the
     manifest has neither (then a relayed link fails with a clear error in ``RingEdges.for_node``)."""
     entry = manifest.rank(rank)
-    if manifest.secured:
+    if uses_edge_grants(manifest):
         if not entry.grants:
             return None
         if identity is None or identity.public != entry.key:

@@ -25,13 +25,13 @@ from typing import Any
 import attrs
 import trio
 import trio_websocket
+from trio_websocket import ConnectionClosed, WebSocketConnection
+
+from kvasir.core.identity import PublicKey
 from kvasir.relay.codes import CloseCode
 from kvasir.relay.errors import EdgeTokenError, EdgeTokenExpired, RelayConfigError
 from kvasir.relay.grant import verify_token
 from kvasir.relay.token import MIN_SECRET_BYTES, Role, is_valid_edge_id, verify_edge_token
-from trio_websocket import ConnectionClosed, WebSocketConnection
-
-from kvasir.core.identity import PublicKey
 from kvasir.util.addrgroup import address_group
 
 __all__ = [

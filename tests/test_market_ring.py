@@ -116,6 +116,10 @@ def test_empty_nodes_enroll_serve_earn_and_heal(tiny_model: Callable[..., Path],
 
         got = wait_for(lambda: ring_generate(tmp_path / "big.sock", PROMPT, 12), 60, "a ring reply")
         assert got["tokens"] == want
+        for name in nodes:  # every link authenticated by key and window ticket, and encrypted (protocol v2)
+            with ControlClient(tmp_path / f"{name}.sock", 10) as c:
+                links = c.status()["links"]
+            assert links["predecessor"]["secure"] and links["successor"]["secure"], (name, links)
 
         def credited() -> list[dict[str, object]] | None:
             nodes_ = httpx.get(f"{url}/v1/ledger", timeout=10).json()["nodes"]

@@ -18,6 +18,11 @@ from typing import Any
 import pytest
 import trio
 import trio_websocket
+from trio_websocket import ConnectionClosed
+
+import kvasir.relay.cli as relay_cli
+from kvasir.core.identity import Identity, PublicKey
+from kvasir.errors import InputError, ProtocolError, RingError
 from kvasir.relay import (
     CloseCode,
     EdgeTokenError,
@@ -33,11 +38,6 @@ from kvasir.relay import (
     open_relay_link,
     verify_edge_token,
 )
-from kvasir.relay import cli as relay_cli
-from trio_websocket import ConnectionClosed
-
-from kvasir.core.identity import Identity, PublicKey
-from kvasir.errors import InputError, ProtocolError, RingError
 
 KEY_TEXT = Identity.generate().public.to_text()
 SECRET = bytes(range(32))

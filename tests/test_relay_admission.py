@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 import trio
-from kvasir.relay import CloseCode, Relay, RelayConfig, RelayConnectError, RelayLinkClosed, Role, open_relay_link
-from kvasir.relay.grant import EdgeGrant, make_token, sign_grant
 
 from kvasir.core.identity import Identity
+from kvasir.relay import CloseCode, Relay, RelayConfig, RelayConnectError, RelayLinkClosed, Role, open_relay_link
+from kvasir.relay.grant import EdgeGrant, make_token, sign_grant
 from kvasir.util.addrgroup import address_group as _address_group
 
 RING = hashlib.sha256(b"ring manifest").hexdigest()

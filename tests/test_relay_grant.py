@@ -5,11 +5,11 @@ from __future__ import annotations
 import hashlib
 
 import pytest
+
+from kvasir.core.identity import Identity
 from kvasir.relay.errors import EdgeTokenError, EdgeTokenExpired
 from kvasir.relay.grant import MAX_TOKEN_LIFETIME, EdgeGrant, make_token, sign_grant, verify_token
 from kvasir.relay.token import Role
-
-from kvasir.core.identity import Identity
 
 RING = hashlib.sha256(b"manifest").hexdigest()
 NOW = 1_800_000_000

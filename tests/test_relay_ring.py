@@ -9,11 +9,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from kvasir.relay.ringlink import grant_relay_edges
 
 from kvasir.control.client import ControlClient
 from kvasir.core.identity import create_identity
 from kvasir.local.launcher import LocalRing
+from kvasir.relay.ringlink import grant_relay_edges
 from kvasir.ring.manifest import Manifest, RankEntry, load_manifest
 from kvasir.shard.cache import model_sha256, stage_files
 from tests.netns import PHONE_IP, PUB_IP, carrier_nat, listening_tcp, netns_unavailable

@@ -11,12 +11,12 @@ from typing import Any
 import attrs
 import pytest
 import trio
-from kvasir.relay import Relay, RelayConfig, RelayConnectError, Role, open_relay_link
-from kvasir.relay.grant import MAX_TOKEN_LIFETIME, EdgeGrant, make_token, read_grant, sign_grant
-from kvasir.relay.ringlink import grant_connector, grant_relay_edges, relay_connector
 
 from kvasir.core.identity import Identity
 from kvasir.errors import InputError
+from kvasir.relay import Relay, RelayConfig, RelayConnectError, Role, open_relay_link
+from kvasir.relay.grant import MAX_TOKEN_LIFETIME, EdgeGrant, make_token, read_grant, sign_grant
+from kvasir.relay.ringlink import grant_connector, grant_relay_edges, relay_connector
 from kvasir.ring.edges import RingEdges, relay_edge_id
 from kvasir.ring.manifest import Manifest, RankEntry, parse_manifest
 

@@ -10,7 +10,6 @@ from typing import Any
 
 import attrs
 import pytest
-from kvasir.tui.screens import MAX_TOKENS, parse_sampling
 
 from kvasir.api.schema import ApiError, parse_generation
 from kvasir.control.ops import CancelOp, GenerateOp, StatusOp, WatchOp, parse_op
@@ -19,6 +18,7 @@ from kvasir.core.schema import SchemaError, register_record, structure, unstruct
 from kvasir.errors import InputError
 from kvasir.market.records import ClaimRequest, CoverageEntry, ModelRecord
 from kvasir.ring.manifest import Manifest, RankEntry, parse_manifest
+from kvasir.tui.screens import MAX_TOKENS, parse_sampling
 from kvasir.util.addr import format_hostport, parse_hostport
 from kvasir.wire import MAX_NEW_TOKENS, MAX_PROMPT_TOKENS
 

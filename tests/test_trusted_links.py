@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from kvasir.control.client import ControlClient
 from kvasir.core.identity import Identity
 from kvasir.errors import InputError
 from kvasir.ring.manifest import Manifest
@@ -198,6 +199,9 @@ def test_real_ring_refuses_strangers_and_keeps_its_answer(tiny_model: Callable[.
         assert first.startswith(MAGIC + b"\x01") and len(first) == 36
         result = ring_generate(ring.sockets[0], "The capital of France is", 10)
         assert result["tokens"] == expected
+        with ControlClient(ring.sockets[1], 10) as c:
+            links = c.status()["links"]
+        assert links["predecessor"]["secure"] and links["successor"]["secure"]
 
 
 # ------------------------------------------------------------------------------------------ less in clear

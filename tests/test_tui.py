@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from textual.widgets import Markdown
+
 from kvasir.tui.app import KvasirTUI
 from kvasir.tui.model import NodeModel, Segment, fill_gaps, sanitize
 from kvasir.tui.screens import Sampling, parse_sampling
 from kvasir.tui.source import Message, ReplaySource, SocketSource
 from kvasir.tui.widgets import CoverageMap, RingView, render_coverage
-from textual.widgets import Markdown
-
 from tests.ringutil import ring_generate, running_ring
 
 SESSION = Path(__file__).parent / "data" / "tui_session.jsonl"

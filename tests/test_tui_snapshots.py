@@ -11,8 +11,9 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from kvasir.tui.screenshots import replay_app, show
 from textual.pilot import Pilot
+
+from kvasir.tui.screenshots import replay_app, show
 
 SnapCompare = Callable[..., bool]
 

@@ -14,10 +14,6 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
-from kvasir.tui.model import NodeModel, sanitize
-from kvasir.tui.screens import HelpScreen, Sampling, SettingsScreen
-from kvasir.tui.source import Message, Source, SourceError
-from kvasir.tui.widgets import CoverageMap, LinkRow, NodePanel, RingView, TokenStream
 from textual import on
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding, BindingType
@@ -25,6 +21,11 @@ from textual.containers import Vertical, VerticalScroll
 from textual.css.query import NoMatches
 from textual.screen import Screen
 from textual.widgets import Footer, Input, Markdown, Static, TabbedContent, TabPane
+
+from kvasir.tui.model import NodeModel, sanitize
+from kvasir.tui.screens import HelpScreen, Sampling, SettingsScreen
+from kvasir.tui.source import Message, Source, SourceError
+from kvasir.tui.widgets import CoverageMap, LinkRow, NodePanel, RingView, TokenStream
 
 REFRESH_HZ = 10
 #: Queued watch messages beyond this are dropped (oldest events first) so a flood cannot grow memory.

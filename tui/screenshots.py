@@ -9,9 +9,10 @@ import asyncio
 import sys
 from pathlib import Path
 
+from textual.pilot import Pilot
+
 from kvasir.tui.app import KvasirTUI
 from kvasir.tui.source import ReplaySource
-from textual.pilot import Pilot
 
 REPO = Path(__file__).resolve().parent.parent
 SESSION = REPO / "tests" / "data" / "tui_session.jsonl"

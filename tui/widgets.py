@@ -5,12 +5,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvasir.tui.model import LinkView, NodeModel, RequestView, Segment, human_bytes, sanitize
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Horizontal
 from textual.widget import Widget
 from textual.widgets import Label, Sparkline, Static
+
+from kvasir.tui.model import LinkView, NodeModel, RequestView, Segment, human_bytes, sanitize
 
 #: Holder colours, in order of first appearance on the map (uncovered layers are drawn apart, in red hatching).
 PALETTE = ("#4f8fea", "#3fb950", "#d29922", "#a371f7", "#39c5cf", "#db61a2", "#8ddb3a", "#f0883e")

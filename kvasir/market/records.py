@@ -98,6 +98,13 @@ def _window_end(instance: Any, _: attrs.Attribute[int], end: Any) -> None:
         raise FieldError("layers", f"[{start}, {end}] is not a non-empty window")
 
 
+def _key_text(_: object, __: attrs.Attribute[Any], v: Any) -> None:
+    try:
+        PublicKey.from_text(v)
+    except InputError as exc:
+        raise FieldError("holder_key", str(exc)) from None
+
+
 def _endpoint(_: object, __: attrs.Attribute[Any], v: Any) -> None:
     """``host:port`` of a direct link, or ``relay:<ws-url>`` for a node reached through a relay edge."""
     if v is None:
@@ -390,6 +397,8 @@ class CoverageEntry(_Body):
     lease_expires: float | None = attrs.field(default=None, validator=_optional(_number(0, 1e12)))
     state: LeaseState | None = attrs.field(default=None, validator=_optional(_state))
     endpoint: str | None = attrs.field(default=None, validator=_endpoint)
+    #: The holder's whole public key (``ed25519:…``): a neighbour dials it with the key pinned (protocol v2).
+    holder_key: str | None = attrs.field(default=None, validator=_optional(_key_text))
 
     @property
     def covered(self) -> bool:
@@ -425,8 +434,9 @@ def coverage_from_wire(data: Any, skipped: list[str] | None = None) -> list[Cove
     return out
 
 
-for _cls in (StageHash, WindowSpec, LeaseRef, CreditReport, CoverageEntry):
+for _cls in (StageHash, WindowSpec, LeaseRef, CreditReport):
     register_record(_cls, window=True)
+register_record(CoverageEntry, window=True, omit_if_none=("holder_key",))
 register_record(Lease, window=True, omit_if_none=("ticket",))
 register_record(ClaimRequest, window=True, omit_if_none=("lease_id",))
 register_record(ModelRecord, rename={"n_layers": "layers"}, omit_if_none=("signature",))

@@ -37,9 +37,15 @@ class RelayConnect(Protocol):
     def __call__(self, url: str, edge_id: str, *, upstream: bool) -> AbstractAsyncContextManager[RelayChannel]: ...
 
 
+def uses_edge_grants(manifest: Manifest) -> bool:
+    """Relay admission by operator-signed grants (v2): a keyed ring without a ring secret. A market ring is keyed
+    as its holders appear but keeps its secret for the relay, and its edge ids must not change as keys arrive."""
+    return manifest.secured and not manifest.secret
+
+
 def relay_edge_id(manifest: Manifest, rank: int) -> str:
     """The relay edge into ``rank`` (from its predecessor)."""
-    if manifest.secured:
+    if uses_edge_grants(manifest):  # v2 admission: the operator's grants name the ring id
         prefix = manifest.ring_id[:12]
     else:
         prefix = hashlib.sha256((manifest.secret or manifest.model_sha256).encode()).hexdigest()[:12]
@@ -64,12 +70,12 @@ class RingEdges:
         pred_relayed = url is not None and (relay_override is not None or me.link == "relay")
         succ_relayed = url is not None and (relay_override is not None or succ.link == "relay")
         if pred_relayed or succ_relayed:
-            if manifest.secured and not me.grants:
+            if uses_edge_grants(manifest) and not me.grants:
                 raise InputError(
                     f"rank {rank}'s relayed links need the operator's edge grants in the manifest "
                     "([[rank]] grants; `kvasir ring up --relay` signs them)"
                 )
-            if not manifest.secured and not manifest.secret:
+            if not uses_edge_grants(manifest) and not manifest.secret:
                 raise InputError(
                     'relayed links of a keyless ring need a secret in the manifest ([model] secret = "hex…")'
                 )

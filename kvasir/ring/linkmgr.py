@@ -35,7 +35,15 @@ from kvasir.ring.edges import RelayChannel, RingEdges
 from kvasir.ring.links import Link, MessageLink, StreamLink, handshake, link_error
 from kvasir.ring.manifest import Manifest, RankEntry
 from kvasir.ring.msgstream import MessageStream
-from kvasir.ring.secure import Credentials, KeyPolicy, LinkAuthError, accept_secure, dial_secure
+from kvasir.ring.secure import (
+    AnyPolicy,
+    Credentials,
+    KeyPolicy,
+    LinkAuthError,
+    PeerPolicy,
+    accept_secure,
+    dial_secure,
+)
 from kvasir.ring.status import LinkStatus
 from kvasir.util.addrgroup import address_group
 from kvasir.util.backoff import Backoff
@@ -143,6 +151,8 @@ class LinkManager:
         transport: Transport | None = None,
         rng: random.Random | None = None,
         credentials: Credentials | None = None,
+        peer_policy: Callable[[], PeerPolicy | None] | None = None,
+        ticket: Callable[[], bytes] | None = None,
     ) -> None:
         self.hello = hello
         self.rank = hello.rank
@@ -158,6 +168,8 @@ class LinkManager:
         self._rng = rng or random.Random()
         #: This node's key and certificate: set, every link runs protocol v2 (authenticated, encrypted).
         self.credentials = credentials
+        self._peer_policy = peer_policy
+        self._ticket = ticket or (lambda: b"")
         self._pending: dict[str, int] = {}  # unauthenticated handshakes per address group
         self.predecessor_key: PublicKey | None = None
         self.max_frame_bytes = MAX_FRAME_BYTES
@@ -235,10 +247,13 @@ class LinkManager:
             link, key = secured
             await self._run_predecessor(link, peer, key)
 
-    def _predecessor_policy(self) -> KeyPolicy:
+    def _predecessor_policy(self) -> PeerPolicy:
+        """The manifest's key for the previous rank, or (market rings) a valid ticket for a neighbour window."""
         m = self._manifest()
         key = m.ranks[(self.rank - 1) % m.size].key
-        return KeyPolicy(frozenset() if key is None else frozenset({key}))
+        by_key = KeyPolicy(frozenset() if key is None else frozenset({key}))
+        market = self._peer_policy() if self._peer_policy is not None else None
+        return by_key if market is None else AnyPolicy((by_key, market))
 
     async def _secure_accepted(self, stream: trio.abc.Stream, peer: str) -> tuple[Link, PublicKey | None] | None:
         """The predecessor's link, after the v2 handshake when this node has credentials; None if it failed."""
@@ -252,7 +267,9 @@ class LinkManager:
             log.warning("rank %d refused a predecessor from %s: %s", self.rank, peer, exc or "handshake timed out")
             await trio.aclose_forcefully(stream)
             return None
-        return StreamLink(tls, peer), key
+        link = StreamLink(tls, peer)
+        link.stats.secure = True
+        return link, key
 
     async def _relay_link(self, channel: RelayChannel, edge: str, *, upstream: bool) -> tuple[Link, PublicKey | None]:
         """A link over a relay edge: plain messages (v1), or TLS end to end inside them (v2)."""
@@ -265,11 +282,16 @@ class LinkManager:
         with trio.fail_after(SECURE_HANDSHAKE_TIMEOUT):
             if upstream:
                 expected = self._manifest().successor(self.rank).key
-                assert expected is not None  # credentials are only given for a keyed manifest
-                tls = await dial_secure(stream, self.credentials, expected)
-                return StreamLink(tls, peer, kind="relay"), expected
+                if expected is None:
+                    raise SuccessorUnreachable(f"waiting for rank {(self.rank + 1) % self._manifest().size}'s key")
+                tls = await dial_secure(stream, self.credentials, expected, self._ticket())
+                link = StreamLink(tls, peer, kind="relay")
+                link.stats.secure = True
+                return link, expected
             tls, key, _ = await accept_secure(stream, self.credentials, self._predecessor_policy())
-            return StreamLink(tls, peer, kind="relay"), key
+            link = StreamLink(tls, peer, kind="relay")
+            link.stats.secure = True
+            return link, key
 
     async def _keep_relay_predecessor(self) -> None:
         """Predecessor edge through the relay: dial out as the downstream end, redial with backoff."""
@@ -375,14 +397,17 @@ class LinkManager:
                 f"waiting for rank {target.rank} at {target.address} ({exc.strerror or exc})"
             ) from None
         if self.credentials is not None:
-            assert target.key is not None  # credentials are only given for a keyed manifest
+            if target.key is None:  # a market ring whose map does not show the holder's key yet
+                await trio.aclose_forcefully(stream)
+                raise SuccessorUnreachable(f"waiting for rank {target.rank}'s key")
             try:
                 with trio.fail_after(SECURE_HANDSHAKE_TIMEOUT):
-                    stream = await dial_secure(stream, self.credentials, target.key)
+                    stream = await dial_secure(stream, self.credentials, target.key, self._ticket())
             except BaseException:
                 await trio.aclose_forcefully(stream)
                 raise
         link = StreamLink(stream, target.address)
+        link.stats.secure = self.credentials is not None
         try:
             yield link
         finally:

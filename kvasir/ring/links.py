@@ -44,6 +44,8 @@ class LinkStats:
     #: Last measured round-trip of a KEEPALIVE echo, seconds (None until measured).
     rtt: float | None = None
     connected_at: float = attrs.field(factory=time.monotonic)
+    #: Authenticated by key and encrypted (protocol v2).
+    secure: bool = False
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -55,6 +57,7 @@ class LinkStats:
             "bytes_in": self.bytes_in,
             "rtt_ms": None if self.rtt is None else round(self.rtt * 1e3, 3),
             "up_s": round(time.monotonic() - self.connected_at, 1),
+            "secure": self.secure,
         }
 
 

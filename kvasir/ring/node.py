@@ -44,7 +44,7 @@ from kvasir.ring.requests import (
     start_needs_tokens,
     uses_penalties,
 )
-from kvasir.ring.secure import Credentials
+from kvasir.ring.secure import Credentials, PeerPolicy
 from kvasir.ring.status import MarketWindow, NodeStatus, RankStatus
 from kvasir.stage.vocab import TextStream
 from kvasir.wire import (
@@ -82,6 +82,11 @@ class NodeConfig:
     #: This node's key pair. Required when the manifest names the ranks' keys: links then run protocol v2
     #: (authenticated by those keys, encrypted); the node id is then the key's fingerprint.
     identity: Identity | None = None
+    #: Market rings: who else may neighbour this node (a market ticket check), asked at each handshake; with it the
+    #: links run protocol v2 even before every rank's key is known.
+    peer_policy: Callable[[], PeerPolicy | None] | None = None
+    #: Market rings: this node's current window ticket, presented when it dials its successor.
+    ticket: Callable[[], bytes] | None = None
     #: Prompt tokens per prefill boundary: smaller chunks let stages overlap sooner. Keep it equal to the reference's
     #: (``kvasir generate``) for bit-identical results: llama.cpp's numbers depend on the batching.
     prefill_chunk: int = PREFILL_CHUNK
@@ -200,6 +205,8 @@ class Node:
             transport=transport,
             rng=rng,
             credentials=credentials,
+            peer_policy=config.peer_policy,
+            ticket=config.ticket,
         )
 
     @property
@@ -602,6 +609,10 @@ def _rss_bytes() -> int:
 
 def _credentials(config: NodeConfig, m: Manifest) -> Credentials | None:
     """The node's TLS credentials for a keyed (v2) ring, None for a keyless one; InputError if they do not fit."""
+    if config.peer_policy is not None:  # a market ring: tickets stand where a manifest names keys
+        if config.identity is None:
+            raise InputError("a market ring's node needs its identity")
+        return Credentials.of(config.identity)
     if not m.secured:
         if config.identity is not None:
             log.warning("the manifest names no node keys: links are unauthenticated and in clear (protocol v1)")

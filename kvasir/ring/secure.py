@@ -85,6 +85,17 @@ class KeyPolicy:
 
 
 @attrs.frozen
+class AnyPolicy:
+    """Accepts a peer that any of ``policies`` accepts (a manifest's key, or a market ticket)."""
+
+    policies: tuple[PeerPolicy, ...]
+
+    def problem(self, key: PublicKey, ticket: bytes) -> str | None:
+        problems = [p.problem(key, ticket) for p in self.policies]
+        return None if any(p is None for p in problems) else "; ".join(p for p in problems if p)
+
+
+@attrs.frozen
 class Credentials:
     """An identity with its TLS certificate, files kept only as long as an SSLContext needs to load them."""
 

@@ -52,6 +52,8 @@ class LinkStatus:
     bytes_in: int = 0
     rtt_ms: float | None = None
     up_s: float | None = None
+    #: The link runs protocol v2: the peer's key was authenticated and the frames travel inside TLS 1.3.
+    secure: bool = False
 
     @classmethod
     def of(cls, state: str, stats: LinkStats | None) -> LinkStatus:
@@ -77,6 +79,7 @@ class LinkStatus:
             "bytes_in": self.bytes_in,
             "rtt_ms": self.rtt_ms,
             "up_s": self.up_s,
+            "secure": self.secure,
         }
 
     @classmethod
@@ -93,6 +96,7 @@ class LinkStatus:
             bytes_in=_int(obj, "bytes_in"),
             rtt_ms=_float_or_none(obj.get("rtt_ms")),
             up_s=_float_or_none(obj.get("up_s")),
+            secure=obj.get("secure") is True,
         )
 
 

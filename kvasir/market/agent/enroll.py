@@ -57,7 +57,7 @@ from kvasir.market.records import (
     ReceiptBatch,
 )
 from kvasir.market.tickets import TicketPolicy
-from kvasir.relay.ringlink import relay_connector
+from kvasir.relay.ringlink import secret_connector
 from kvasir.ring.manifest import Manifest, RankEntry
 from kvasir.ring.node import Node, NodeConfig, open_node
 from kvasir.ring.status import MarketWindow
@@ -139,19 +139,27 @@ def manifest_from_coverage(
     relay: str | None = None,
     secret: str | None = None,
     host_ok: Callable[[str], bool] = lambda _: True,
+    own_key: PublicKey | None = None,
 ) -> Manifest:
     """The rank manifest a node runs with, built from its model's coverage map (pure).
 
     Its own rank gets ``host:port``; other ranks the endpoint of their serving holder, or an unknown address
     (0.0.0.0:0) the node waits on until a holder appears. An endpoint whose host ``host_ok`` refuses, or that does
-    not parse, counts as unknown.
+    not parse, counts as unknown. Ranks carry their holder's key when the map shows it (``own_key`` for this
+    node's own rank), which the links pin (protocol v2).
     """
     ranks = []
     for w in sorted(windows, key=lambda e: e.rank):
         link = "relay" if relay is not None else "direct"
         h, p = UNKNOWN_HOST, UNKNOWN_PORT
+        key = None
+        if w.serving and w.holder_key is not None:
+            try:
+                key = PublicKey.from_text(w.holder_key)
+            except InputError:
+                key = None
         if w.rank == rank:
-            h, p = host, port
+            h, p, key = host, port, own_key
         elif w.serving and w.endpoint is not None and not w.endpoint.startswith("relay:"):
             try:
                 eh, ep = parse_hostport(w.endpoint, what="endpoint")
@@ -159,7 +167,7 @@ def manifest_from_coverage(
                 eh, ep = UNKNOWN_HOST, UNKNOWN_PORT
             if host_ok(eh):
                 h, p = eh, ep
-        ranks.append(RankEntry(w.rank, w.start, w.end, h, p, None, link))
+        ranks.append(RankEntry(w.rank, w.start, w.end, h, p, None, link, key))
     first = windows[0]
     return Manifest(
         model_sha256=first.model,
@@ -271,6 +279,11 @@ class Enrollment:
         if auth.signature_ok(self.operator_key, auth.delegation_message(market), info.get("delegation")):
             self.ticket_issuer = market
 
+    def _ticket(self) -> bytes:
+        """This node's current window ticket (renewed with its lease), for the neighbour it dials."""
+        lease = self.lease
+        return b"" if lease is None or lease.ticket is None else lease.ticket.encode()
+
     def ticket_policy(self) -> TicketPolicy | None:
         """Who may neighbour this node's window: holders of the adjacent windows with the market's tickets."""
         window, issuer = self.window, self.ticket_issuer
@@ -356,13 +369,18 @@ class Enrollment:
                     relay=cfg.relay,
                     secret=cfg.ring_secret,
                     host_ok=cfg.host_ok,
+                    own_key=cfg.identity.public,
                 )
                 node_config = NodeConfig(
                     manifest,
                     window.rank,
                     node_id=cfg.node_id,
                     relay=cfg.relay,
-                    relay_connect=relay_connector(manifest, window.rank, None),
+                    # Market rings reach the relay with the ring secret (v1 edge tokens); their links still run v2.
+                    relay_connect=secret_connector(bytes.fromhex(cfg.ring_secret)) if cfg.ring_secret else None,
+                    identity=cfg.identity,
+                    peer_policy=self.ticket_policy,
+                    ticket=self._ticket,
                     **cfg.node_options,
                 )
                 async with (
@@ -510,7 +528,7 @@ class Enrollment:
             try:
                 coverage = await self.market.coverage(window.model)
             except (MarketError, KvasirError) as exc:
-                log.info("node %s: coverage poll failed: %s", cfg.node_id, exc)
+                log.warning("node %s: coverage poll failed: %s", cfg.node_id, exc)
                 continue
             self.market_view = tuple(
                 MarketWindow(c.rank, (c.start, c.end), c.holder if c.serving else None, c.reward, c.state)
@@ -529,6 +547,7 @@ class Enrollment:
                     relay=cfg.relay,
                     secret=cfg.ring_secret,
                     host_ok=cfg.host_ok,
+                    own_key=cfg.identity.public,
                 )
             )
 

@@ -240,7 +240,7 @@ class MarketStore:
             leases = {
                 (r[0], r[1]): r
                 for r in self.db.execute(
-                    'SELECT start, "end", node_id, expires_at, state, endpoint FROM leases'
+                    'SELECT start, "end", node_id, expires_at, state, endpoint, holder_key FROM leases'
                     " WHERE model = ? AND expires_at > ?",
                     (m.sha256, now),
                 )
@@ -264,6 +264,7 @@ class MarketStore:
                         lease_expires=lease[3] if lease else None,
                         state=lease[4] if lease else None,
                         endpoint=lease[5] if lease else None,
+                        holder_key=lease[6] if lease else None,
                     )
                 )
             out.append(
