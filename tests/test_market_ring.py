@@ -185,7 +185,9 @@ def test_enrollment_through_a_relay_with_the_market_inside_it(tiny_model: Callab
         url = relay.wait_line(r"market on (http://\S+)").group(1)
         _seed_and_publish(ps, model, url)
         nodes = {
-            name: _node(url, name, tmp_path, budget, "--relay", relay_url, "--ring-secret", secret)
+            name: _node(
+                url, name, tmp_path, budget, "--relay", relay_url, "--ring-secret-file", str(tmp_path / "relay.secret")
+            )
             for name, budget in BUDGETS.items()
         }
         ps.extend(nodes.values())

@@ -9,6 +9,7 @@ import argparse
 import functools
 import json
 import logging
+import os
 import signal
 from pathlib import Path
 from typing import Any
@@ -82,7 +83,13 @@ def add_parser(sub: Any) -> None:
     m.add_argument("--lease", type=float, default=30.0, metavar="S", help="lease time (default 30 s)")
     m.add_argument("--poll", type=float, default=2.0, metavar="S", help="coverage poll interval (default 2 s)")
     m.add_argument("--seed", type=int, default=None, help="seed of the tie-breaking draw")
-    m.add_argument("--ring-secret", default=None, metavar="HEX", help="ring secret for relayed links")
+    m.add_argument(
+        "--ring-secret-file",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="file holding the relay's ring secret in hex (or set KVASIR_RING_SECRET; never on a command line)",
+    )
     m.add_argument("--stage-dir", type=Path, default=None, help="where fetched stages go (default the cache)")
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(run=run)
@@ -91,6 +98,21 @@ def add_parser(sub: Any) -> None:
 def api_access(args: argparse.Namespace) -> ApiAccess:
     """Who may use the API: the keys of ``--api-key-file``, or anyone (a loopback API by default)."""
     return ApiAccess() if args.api_key_file is None else ApiAccess.from_key_file(args.api_key_file)
+
+
+def read_ring_secret(path: Path | None) -> str | None:
+    """The relay's ring secret (hex) from a file or ``KVASIR_RING_SECRET``: never argv, which other users can read."""
+    if path is None:
+        return os.environ.get("KVASIR_RING_SECRET") or None
+    try:
+        text = path.read_text(encoding="ascii").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"cannot read the ring secret file {path}: {exc}") from None
+    try:
+        bytes.fromhex(text)
+    except ValueError:
+        raise InputError(f"the ring secret file {path} does not hold hex") from None
+    return text
 
 
 def parse_size(text: str) -> int:
@@ -202,8 +224,11 @@ def run_enrolled(args: argparse.Namespace) -> int:
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
     host, port = parse_hostport(args.listen, "--listen")
-    if args.relay and not args.ring_secret:
-        raise InputError("--relay with --market needs --ring-secret (the relay's ring secret)")
+    ring_secret = read_ring_secret(args.ring_secret_file)
+    if args.relay and not ring_secret:
+        raise InputError(
+            "--relay with --market needs the relay's ring secret (--ring-secret-file or KVASIR_RING_SECRET)"
+        )
     config = EnrollConfig(
         market_url=args.market,
         budget_bytes=parse_size(args.memory_budget),
@@ -215,7 +240,7 @@ def run_enrolled(args: argparse.Namespace) -> int:
         poll_s=args.poll,
         seed=args.seed,
         relay=args.relay,
-        ring_secret=args.ring_secret,
+        ring_secret=ring_secret,
         **enroll_keys(args),
         stage_config=functools.partial(
             StageConfig, n_ctx=args.ctx, n_seq_max=args.seqs, n_threads=args.threads, n_gpu_layers=args.gpu_layers
