@@ -286,16 +286,13 @@ class Relay:
                 waiting.cancel_scope.cancel()
         if request is None:
             return
-        admission = self._admit(request)
-        if isinstance(admission, _Close) or (over_cap and admission is not None):
-            # v2: refused at the upgrade, before any WebSocket message can be sent to us.
-            refusal = (
-                admission
-                if isinstance(admission, _Close)
-                else self._reject(CloseCode.TOO_MANY_CONNECTIONS, "too many connections")
-            )
+        # Refused at the upgrade, before any WebSocket message can be sent to us: over a cap, or no valid token.
+        admission = (
+            self._reject(CloseCode.TOO_MANY_CONNECTIONS, "too many connections") if over_cap else self._admit(request)
+        )
+        if isinstance(admission, _Close):
             with trio.move_on_after(config.close_timeout, shield=True), contextlib.suppress(ConnectionClosed):
-                await request.reject(_HTTP_STATUS.get(CloseCode(refusal.code), 403), body=refusal.reason.encode())
+                await request.reject(_HTTP_STATUS.get(CloseCode(admission.code), 403), body=admission.reason.encode())
             return
         try:
             conn = await request.accept()
@@ -304,10 +301,7 @@ class Relay:
         member: _Member | None = None
         close: _Close | None = _Close(CloseCode.GOING_AWAY, "relay shutting down")
         try:
-            if over_cap:
-                close = self._reject(CloseCode.TOO_MANY_CONNECTIONS, "too many connections from this address")
-            else:
-                close, member = await self._session(conn, request.path, stream, admission)
+            close, member = await self._session(conn, stream, admission)
         finally:
             # Shielded so that a relay shutting down still says why; bounded so a dead peer cannot hold it.
             with trio.move_on_after(config.close_timeout, shield=True):
@@ -320,19 +314,20 @@ class Relay:
         self._rejections[int(code)] += 1
         return _Close(code, reason)
 
-    def _admit(self, request: trio_websocket.WebSocketRequest) -> _Admission | _Close | None:
-        """Check a v2 token (``Authorization: Bearer v2.…``) at the upgrade; None: no v2 token (v1 path)."""
+    def _admit(self, request: trio_websocket.WebSocketRequest) -> _Admission | _Close:
+        """Check the edge token at the upgrade, before any WebSocket message can be read: a v2 token
+        (``Authorization: Bearer v2.…``), or a v1 token in the URL query when this relay has a ring secret."""
+        url = urllib.parse.urlsplit(request.path)
+        edge_id = url.path.removeprefix(EDGE_PATH_PREFIX)
+        if not url.path.startswith(EDGE_PATH_PREFIX) or not is_valid_edge_id(edge_id):
+            return self._reject(CloseCode.BAD_PATH, "path must be /v1/edge/{edge_id}")
         bearer = [v for k, v in request.headers if k.lower() == b"authorization"]
         if not bearer:
             if self.config.secret is None:
                 return self._reject(CloseCode.NO_TOKEN, "missing Authorization: Bearer edge token")
-            return None
+            return self._admit_v1(self.config.secret, url.query, edge_id)
         if len(bearer) > 1 or not bearer[0].startswith(b"Bearer "):
             return self._reject(CloseCode.BAD_TOKEN, "one Authorization: Bearer header")
-        path = urllib.parse.urlsplit(request.path).path
-        edge_id = path.removeprefix(EDGE_PATH_PREFIX)
-        if not path.startswith(EDGE_PATH_PREFIX) or not is_valid_edge_id(edge_id):
-            return self._reject(CloseCode.BAD_PATH, "path must be /v1/edge/{edge_id}")
         token = bearer[0][len(b"Bearer ") :].decode("latin-1")
         now = int(self.config.clock())
         try:
@@ -344,21 +339,32 @@ class Relay:
             return self._reject(CloseCode.BAD_TOKEN, "edge token not valid for this edge")
         return _Admission(f"{grant.ring}/{edge_id}", grant.role, grant.holder)
 
-    async def _session(
-        self, conn: WebSocketConnection, target: str, stream: _WatchedStream, admission: _Admission | None
-    ) -> tuple[_Close | None, _Member | None]:
-        """Admit one connection to its edge and serve it; return how to close it."""
-        config = self.config
-        url = urllib.parse.urlsplit(target)
-        edge_id = url.path.removeprefix(EDGE_PATH_PREFIX)
-        if not url.path.startswith(EDGE_PATH_PREFIX) or not is_valid_edge_id(edge_id):
-            return self._reject(CloseCode.BAD_PATH, "path must be /v1/edge/{edge_id}"), None
-        tokens = urllib.parse.parse_qs(url.query, keep_blank_values=True).get("token", [])
-        if admission is None and not tokens:
-            return self._reject(CloseCode.NO_TOKEN, "missing token query parameter"), None
+    def _admit_v1(self, secret: bytes, query: str, edge_id: str) -> _Admission | _Close:
+        """A v1 token is bound to one role: find which, so the preamble byte can only confirm it."""
+        tokens = urllib.parse.parse_qs(query, keep_blank_values=True).get("token", [])
+        if not tokens:
+            return self._reject(CloseCode.NO_TOKEN, "missing token query parameter")
         if len(tokens) > 1:
-            return self._reject(CloseCode.BAD_TOKEN, "more than one token"), None
+            return self._reject(CloseCode.BAD_TOKEN, "more than one token")
+        expired = False
+        for role in Role:
+            try:
+                verify_edge_token(secret, tokens[0], edge_id, role, int(self.config.clock()))
+            except EdgeTokenExpired:
+                expired = True
+                continue
+            except EdgeTokenError:
+                continue
+            return _Admission(edge_id, role, None)
+        if expired:
+            return self._reject(CloseCode.TOKEN_EXPIRED, "edge token expired")
+        return self._reject(CloseCode.BAD_TOKEN, "edge token not valid for this edge")
 
+    async def _session(
+        self, conn: WebSocketConnection, stream: _WatchedStream, admission: _Admission
+    ) -> tuple[_Close | None, _Member | None]:
+        """Serve one connection its token admitted: read its role byte, join its edge; return how to close it."""
+        config = self.config
         preamble: bytes | str | None = None
         with trio.move_on_after(config.preamble_timeout):
             try:
@@ -372,22 +378,12 @@ class Relay:
         if preamble[0] not in (Role.UPSTREAM, Role.DOWNSTREAM):
             return self._reject(CloseCode.BAD_ROLE, f"unknown role byte 0x{preamble[0]:02x}"), None
         role = Role(preamble[0])
-        if admission is not None:
-            if role is not admission.role:
-                return self._reject(CloseCode.BAD_ROLE, "role byte differs from the token's role"), None
-            edge_key = admission.edge_key
-        else:
-            assert config.secret is not None  # _admit lets no v1 connection through without one
-            try:
-                verify_edge_token(config.secret, tokens[0], edge_id, role, int(config.clock()))
-            except EdgeTokenExpired:
-                return self._reject(CloseCode.TOKEN_EXPIRED, "edge token expired"), None
-            except EdgeTokenError:
-                return self._reject(CloseCode.BAD_TOKEN, "edge token not valid for this edge and role"), None
-            edge_key = edge_id
+        if role is not admission.role:
+            return self._reject(CloseCode.BAD_ROLE, "role byte differs from the token's role"), None
+        edge_key = admission.edge_key
 
         edge = self._edges.get(edge_key)
-        holder = None if admission is None else admission.holder
+        holder = admission.holder
         if edge is not None and role in edge.members:
             if holder is None or edge.members[role].holder != holder:
                 return self._reject(CloseCode.ROLE_TAKEN, f"{role.name.lower()} end already joined"), None

@@ -38,6 +38,7 @@ from kvasir.relay import (
     open_relay_link,
     verify_edge_token,
 )
+from kvasir.relay.client import _close_leaked_streams
 
 KEY_TEXT = Identity.generate().public.to_text()
 SECRET = bytes(range(32))
@@ -272,22 +273,16 @@ async def test_distinct_edges_are_isolated(start_relay: StartRelay) -> None:
 
 
 @pytest.mark.parametrize(
-    ("target", "preamble", "code"),
+    ("target", "code"),
     [
-        ("/v1/edge/e", b"\x01", CloseCode.NO_TOKEN),
-        ("/v1/nope/e?token=x", b"\x01", CloseCode.BAD_PATH),
-        ("/v1/edge/a%2Fb?token=x", b"\x01", CloseCode.BAD_PATH),
-        ("/v1/edge/e?token=garbage", b"\x01", CloseCode.BAD_TOKEN),
-        (f"/v1/edge/e?token={tok('e', UP)}&token={tok('e', UP)}", b"\x01", CloseCode.BAD_TOKEN),
-        (f"/v1/edge/e?token={tok('e', UP)}", b"\x03", CloseCode.BAD_ROLE),
-        (f"/v1/edge/e?token={tok('e', UP)}", b"\x00", CloseCode.BAD_ROLE),
-        (f"/v1/edge/e?token={tok('e', UP)}", b"\x01\x00", CloseCode.BAD_PREAMBLE),
-        (f"/v1/edge/e?token={tok('e', UP)}", b"", CloseCode.BAD_PREAMBLE),
-        (f"/v1/edge/e?token={tok('e', UP)}", "\x01", CloseCode.BAD_PREAMBLE),
-        (f"/v1/edge/e?token={tok('e', DOWN)}", b"\x01", CloseCode.BAD_TOKEN),  # token for the other role
-        (f"/v1/edge/e?token={tok('f', UP)}", b"\x01", CloseCode.BAD_TOKEN),  # token for another edge
-        (f"/v1/edge/e?token={tok('e', UP, secret=b'y' * 32)}", b"\x01", CloseCode.BAD_TOKEN),
-        (f"/v1/edge/e?token={tok('e', UP, expires_at=1000)}", b"\x01", CloseCode.TOKEN_EXPIRED),
+        ("/v1/edge/e", CloseCode.NO_TOKEN),
+        ("/v1/nope/e?token=x", CloseCode.BAD_PATH),
+        ("/v1/edge/a%2Fb?token=x", CloseCode.BAD_PATH),
+        ("/v1/edge/e?token=garbage", CloseCode.BAD_TOKEN),
+        (f"/v1/edge/e?token={tok('e', UP)}&token={tok('e', UP)}", CloseCode.BAD_TOKEN),
+        (f"/v1/edge/e?token={tok('f', UP)}", CloseCode.BAD_TOKEN),  # token for another edge
+        (f"/v1/edge/e?token={tok('e', UP, secret=b'y' * 32)}", CloseCode.BAD_TOKEN),
+        (f"/v1/edge/e?token={tok('e', UP, expires_at=1000)}", CloseCode.TOKEN_EXPIRED),
     ],
     ids=[
         "no-token",
@@ -295,16 +290,35 @@ async def test_distinct_edges_are_isolated(start_relay: StartRelay) -> None:
         "bad-edge-id",
         "garbage-token",
         "two-tokens",
-        "role-3",
-        "role-0",
-        "long-preamble",
-        "empty-preamble",
-        "text-preamble",
-        "wrong-role-token",
         "wrong-edge-token",
         "wrong-secret",
         "expired",
     ],
+)
+async def test_refused_at_the_upgrade(start_relay: StartRelay, target: str, code: int) -> None:
+    """No valid token, no WebSocket: the relay answers the upgrade with an HTTP status and reads no message."""
+    with trio.fail_after(10):
+        relay, url = await start_relay()
+        with pytest.raises(trio_websocket.ConnectionRejected) as info:
+            async with raw_websocket(url + target):
+                pass
+        await _close_leaked_streams(info.value)
+        assert info.value.status_code in (401, 403, 404)
+        await settled(relay, open_edges=0, connections=0)
+        assert relay.statistics().rejections_by_code == {code: 1}
+
+
+@pytest.mark.parametrize(
+    ("target", "preamble", "code"),
+    [
+        (f"/v1/edge/e?token={tok('e', UP)}", b"\x03", CloseCode.BAD_ROLE),
+        (f"/v1/edge/e?token={tok('e', UP)}", b"\x00", CloseCode.BAD_ROLE),
+        (f"/v1/edge/e?token={tok('e', UP)}", b"\x01\x00", CloseCode.BAD_PREAMBLE),
+        (f"/v1/edge/e?token={tok('e', UP)}", b"", CloseCode.BAD_PREAMBLE),
+        (f"/v1/edge/e?token={tok('e', UP)}", "\x01", CloseCode.BAD_PREAMBLE),
+        (f"/v1/edge/e?token={tok('e', DOWN)}", b"\x01", CloseCode.BAD_ROLE),  # token for the other role
+    ],
+    ids=["role-3", "role-0", "long-preamble", "empty-preamble", "text-preamble", "wrong-role-token"],
 )
 async def test_rejections(start_relay: StartRelay, target: str, preamble: bytes | str, code: int) -> None:
     with trio.fail_after(10):
@@ -318,8 +332,9 @@ async def test_rejections(start_relay: StartRelay, target: str, preamble: bytes 
 async def test_token_expiry_uses_the_relay_clock(start_relay: StartRelay) -> None:
     with trio.fail_after(10):
         _, url = await start_relay(clock=lambda: 5000.0)
-        async with open_relay_link(url, "e", UP, tok("e", UP, expires_at=5000)) as link:
-            assert await closed_code(link.receive_message) == CloseCode.TOKEN_EXPIRED
+        with pytest.raises(RelayConnectError):  # refused at the upgrade
+            async with open_relay_link(url, "e", UP, tok("e", UP, expires_at=5000)):
+                pass
         async with (
             open_relay_link(url, "e", UP, tok("e", UP, expires_at=5001)) as up,
             open_relay_link(url, "e", DOWN, tok("e", DOWN, expires_at=5001)) as down,
@@ -407,8 +422,9 @@ async def test_connection_cap_per_address(start_relay: StartRelay) -> None:
             open_relay_link(url, "e", UP, tok("e", UP)) as up,
             open_relay_link(url, "e", DOWN, tok("e", DOWN)) as down,
         ):
-            async with open_relay_link(url, "f", UP, tok("f", UP)) as third:
-                assert await closed_code(third.receive_message) == CloseCode.TOO_MANY_CONNECTIONS
+            with pytest.raises(RelayConnectError):  # refused at the upgrade (HTTP 429)
+                async with open_relay_link(url, "f", UP, tok("f", UP)):
+                    pass
             await up.send_message(b"unaffected")
             assert await down.receive_message() == b"unaffected"
         await settled(relay, connections=0)
