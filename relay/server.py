@@ -158,7 +158,7 @@ class _Admission:
 
     edge_key: str  # the registry key: ring and edge id, so two rings never share an edge
     role: Role
-    holder: PublicKey
+    holder: PublicKey | None  # None: a v1 token, which names no key
 
 
 @attrs.define(eq=False)
