@@ -108,6 +108,11 @@ def build_config(args: argparse.Namespace) -> Any:
     host, port = parse_listen(args.listen)
     max_message = DEFAULT_MAX_MESSAGE_BYTES if args.max_message_bytes is None else args.max_message_bytes
     secret, trusted = _parse_secret(args), _parse_trusted_keys(args)
+    if getattr(args, "market", None) is not None:
+        from kvasir.market.server.service import machine_identity
+
+        # The market beside this relay signs its rings' relay edge grants with this machine's key: trust it.
+        trusted |= {machine_identity().public}
     if secret is None and not trusted:
         raise RelayConfigError("name the operator keys to trust (--trust-key, --trusted-keys-file) or --secret-file")
     return RelayConfig(
@@ -143,13 +148,17 @@ def run(args: argparse.Namespace) -> int:
     if args.market is None:
         trio.run(functools.partial(serve_relay, config, task_status=Announce()))
         return 0
-    from kvasir.market.server.service import serve_market
+    from kvasir.market.server.service import machine_identity, serve_market
 
     mhost, mport = parse_listen(args.market, "--market")
 
+    market_identity = machine_identity()  # the key build_config made this relay trust
+
     async def relay_and_market() -> None:
         async with trio.open_nursery() as nursery:
-            bound = await nursery.start(serve_market, Path(args.db), mhost, mport)
+            bound = await nursery.start(
+                functools.partial(serve_market, Path(args.db), mhost, mport, identity=market_identity)
+            )
             print(f"kvasir relay: market on http://{mhost}:{bound} (db {args.db})", flush=True)
             relay_port = await nursery.start(functools.partial(serve_relay, config))
             Announce().started(relay_port)

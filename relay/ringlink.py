@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import ssl
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 import trio
 
 from kvasir.core.identity import Identity
-from kvasir.errors import InputError
+from kvasir.errors import InputError, RingError
 from kvasir.relay.client import RelayLink, open_relay_link
 from kvasir.relay.errors import EdgeTokenError, RelayLinkClosed
 from kvasir.relay.grant import MAX_TOKEN_LIFETIME, EdgeGrant, make_token, read_grant, sign_grant
@@ -90,6 +90,27 @@ def grant_connector(identity: Identity, grants: Iterable[str], clock: Callable[[
             raise InputError(f"no edge grant for {edge_id} as {role.name.lower()} in the manifest")
         token = make_token(identity, signed, int(clock()) + MAX_TOKEN_LIFETIME)
         return _open_edge(url, edge_id, role, token, bearer=True)
+
+    return connect
+
+
+def market_grant_connector(
+    identity: Identity, grants: Callable[[], Sequence[str]], clock: Callable[[], float] = time.time
+) -> RelayConnect:
+    """Market rings: join the edge that the market's current grant for the role names (the market, which signs the
+    grants and renews them with the lease, also names the edges), under a fresh token signed by ``identity``."""
+
+    def connect(url: str, edge_id: str, *, upstream: bool) -> AbstractAsyncContextManager[EdgeChannel]:
+        role = _role(upstream)
+        for signed in grants():
+            try:
+                grant = read_grant(signed)
+            except EdgeTokenError:
+                continue
+            if grant.role == role and grant.holder == identity.public:
+                token = make_token(identity, signed, int(clock()) + MAX_TOKEN_LIFETIME)
+                return _open_edge(url, grant.edge, role, token, bearer=True)
+        raise RingError(f"the market has given this node no relay edge grant as {role.name.lower()} yet")
 
     return connect
 

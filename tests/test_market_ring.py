@@ -163,18 +163,15 @@ def _try(sock: Path) -> dict[str, object] | None:
 
 
 def test_enrollment_through_a_relay_with_the_market_inside_it(tiny_model: Callable[..., Path], tmp_path: Path) -> None:
-    """`kvasir relay --market`: one process bridges every ring edge and runs the market; nodes dial out only."""
+    """`kvasir relay --market`: one process bridges every ring edge and runs the market; nodes dial out only. No
+    secret anywhere: the market signs each holder's relay edge grants, and the relay trusts the market's key."""
     model = tiny_model("llama", "q8_0")
     want = whole_model_tokens(model, PROMPT, 12)
-    secret = "cd" * 16
-    (tmp_path / "relay.secret").write_text(secret)
     with procs() as ps:
         relay = Proc(
             "relay",
             "--listen",
             "127.0.0.1:0",
-            "--secret-file",
-            str(tmp_path / "relay.secret"),
             "--market",
             "127.0.0.1:0",
             "--db",
@@ -184,12 +181,7 @@ def test_enrollment_through_a_relay_with_the_market_inside_it(tiny_model: Callab
         relay_url = relay.wait_line(r"listening on (ws://\S+)").group(1)
         url = relay.wait_line(r"market on (http://\S+)").group(1)
         _seed_and_publish(ps, model, url)
-        nodes = {
-            name: _node(
-                url, name, tmp_path, budget, "--relay", relay_url, "--ring-secret-file", str(tmp_path / "relay.secret")
-            )
-            for name, budget in BUDGETS.items()
-        }
+        nodes = {name: _node(url, name, tmp_path, budget, "--relay", relay_url) for name, budget in BUDGETS.items()}
         ps.extend(nodes.values())
         for p in nodes.values():
             _enrolled(p)

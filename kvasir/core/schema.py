@@ -145,14 +145,15 @@ def register_record(
     window: bool = False,
     forbid_extra: bool = False,
     omit_if_none: tuple[str, ...] = (),
+    omit_if_empty: tuple[str, ...] = (),
     rename: Mapping[str, str] | None = None,
     key_order: tuple[str, ...] | None = None,
 ) -> None:
     """Teach the converter one record class.
 
     ``window``: the ``start``/``end`` attributes travel as ``"layers": [start, end]``. ``omit_if_none``: attributes
-    left out of the output while None. ``rename``: attribute -> key. ``key_order``: the output's key order, where a
-    wire format fixes one (keys not listed follow in attribute order).
+    left out of the output while None; ``omit_if_empty``: while empty. ``rename``: attribute -> key.
+    ``key_order``: the output's key order, where a wire format fixes one (keys not listed follow in attribute order).
     """
     names = rename or {}
     _WIRE_KEYS.update(names)
@@ -176,7 +177,7 @@ def register_record(
         raw = unstructure_fn(obj)
         out: Json = {}
         for key, value in raw.items():
-            if key in omit_if_none and value is None:
+            if (key in omit_if_none and value is None) or (key in omit_if_empty and not value):
                 continue
             if window and key in ("start", "end"):
                 if key == "start":

@@ -105,6 +105,11 @@ def _key_text(_: object, __: attrs.Attribute[Any], v: Any) -> None:
         raise FieldError("holder_key", str(exc)) from None
 
 
+def _grants(_: object, __: attrs.Attribute[Any], v: Any) -> None:
+    if len(v) > 2 or not all(isinstance(g, str) and 0 < len(g) <= 2048 and g.isascii() for g in v):
+        raise FieldError("grants", "at most two ASCII edge grants of at most 2048 characters")
+
+
 def _endpoint(_: object, __: attrs.Attribute[Any], v: Any) -> None:
     """``host:port`` of a direct link, or ``relay:<ws-url>`` for a node reached through a relay edge."""
     if v is None:
@@ -310,6 +315,9 @@ class Lease(_Body):
     expires_at: float = attrs.field(validator=_number(0, 1e12))
     #: The window ticket (kvasir.market.tickets) the market signed for the holder; neighbours check it.
     ticket: str | None = attrs.field(default=None, validator=_optional(_ticket))
+    #: Relay edge grants (kvasir.relay.grant) the market signed for the holder's two edges: relay admission without a
+    #: secret every node shares.
+    grants: tuple[str, ...] = attrs.field(default=(), validator=_grants)
 
 
 # ---------------------------------------------------------------------------------------------- demand, credits
@@ -437,7 +445,7 @@ def coverage_from_wire(data: Any, skipped: list[str] | None = None) -> list[Cove
 for _cls in (StageHash, WindowSpec, LeaseRef, CreditReport):
     register_record(_cls, window=True)
 register_record(CoverageEntry, window=True, omit_if_none=("holder_key",))
-register_record(Lease, window=True, omit_if_none=("ticket",))
+register_record(Lease, window=True, omit_if_none=("ticket",), omit_if_empty=("grants",))
 register_record(ClaimRequest, window=True, omit_if_none=("lease_id",))
 register_record(ModelRecord, rename={"n_layers": "layers"}, omit_if_none=("signature",))
 register_record(ManifestRecord, key_order=("model", "origin", "windows"))

@@ -57,7 +57,8 @@ from kvasir.market.records import (
     ReceiptBatch,
 )
 from kvasir.market.tickets import TicketPolicy
-from kvasir.relay.ringlink import secret_connector
+from kvasir.relay.ringlink import market_grant_connector, secret_connector
+from kvasir.ring.edges import RelayConnect
 from kvasir.ring.manifest import Manifest, RankEntry
 from kvasir.ring.node import Node, NodeConfig, open_node
 from kvasir.ring.status import MarketWindow
@@ -279,6 +280,14 @@ class Enrollment:
         if auth.signature_ok(self.operator_key, auth.delegation_message(market), info.get("delegation")):
             self.ticket_issuer = market
 
+    def _relay_connect(self) -> RelayConnect | None:
+        """How this node joins its relay edges: with the edge grants the market signs with each lease renewal, or
+        (a relay that still takes v1 tokens) with the ring secret."""
+        cfg = self.config
+        if cfg.ring_secret:
+            return secret_connector(bytes.fromhex(cfg.ring_secret))
+        return market_grant_connector(cfg.identity, lambda: () if self.lease is None else self.lease.grants)
+
     def _ticket(self) -> bytes:
         """This node's current window ticket (renewed with its lease), for the neighbour it dials."""
         lease = self.lease
@@ -376,8 +385,7 @@ class Enrollment:
                     window.rank,
                     node_id=cfg.node_id,
                     relay=cfg.relay,
-                    # Market rings reach the relay with the ring secret (v1 edge tokens); their links still run v2.
-                    relay_connect=secret_connector(bytes.fromhex(cfg.ring_secret)) if cfg.ring_secret else None,
+                    relay_connect=self._relay_connect(),
                     identity=cfg.identity,
                     peer_policy=self.ticket_policy,
                     ticket=self._ticket,

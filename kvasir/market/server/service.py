@@ -10,6 +10,7 @@ renewals, releases, demand and credit reports by the node whose ``node_id`` is i
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
 import re
@@ -38,6 +39,8 @@ from kvasir.market.records import (
 from kvasir.market.server.store import MarketStore
 from kvasir.market.tickets import MAX_TICKET_S, WindowTicket, issue_ticket
 from kvasir.net.http import ApiLimits, HttpConnection, HttpError, HttpRequest, serve_http
+from kvasir.relay.grant import EdgeGrant, sign_grant
+from kvasir.relay.token import Role
 
 log = logging.getLogger("kvasir.market")
 T = TypeVar("T")
@@ -74,12 +77,21 @@ class MarketService:
         return signed
 
     def _ticketed(self, lease: Lease, holder: PublicKey) -> Lease:
-        """The lease with a fresh window ticket; its relay edge is the one into the holder's window (downstream)."""
-        _, rank = self.store.window_of(lease.model, lease.start, lease.end)
+        """The lease with a fresh window ticket (its relay edge: the one into the holder's window), and relay edge
+        grants for the holder's two edges: downstream on the edge into its window, upstream on the next one."""
+        manifest, rank = self.store.window_of(lease.model, lease.start, lease.end)
         not_after = int(min(lease.expires_at, self.store.clock() + MAX_TICKET_S))
         edge = relay_edge_id(lease.model, rank)
         ticket = WindowTicket(lease.model, lease.start, lease.end, holder, not_after, self.identity.public, edge)
-        return attrs.evolve(lease, ticket=issue_ticket(self.identity, ticket))
+        ring = market_ring_id(lease.model)
+        grants = tuple(
+            sign_grant(self.identity, EdgeGrant(ring, e, role, holder, int(lease.expires_at), self.identity.public))
+            for e, role in (
+                (edge, Role.DOWNSTREAM),
+                (relay_edge_id(lease.model, (rank + 1) % len(manifest.windows)), Role.UPSTREAM),
+            )
+        )
+        return attrs.evolve(lease, ticket=issue_ticket(self.identity, ticket), grants=grants)
 
     async def _db(self, fn: Callable[..., T], *args: Any) -> T:
         return await trio.to_thread.run_sync(functools.partial(fn, *args), limiter=self.limiter)
@@ -204,6 +216,11 @@ def _body(request: HttpRequest) -> Any:
         raise InputError(f"request body is not JSON ({exc})") from None
     except RecursionError:
         raise InputError("request body is nested too deeply") from None
+
+
+def market_ring_id(model: str) -> str:
+    """The ring id in a market ring's edge grants: one ring per model on a market."""
+    return hashlib.sha256(b"kvasir-market-ring/v1\n" + model.encode()).hexdigest()
 
 
 def relay_edge_id(model: str, rank: int) -> str:
