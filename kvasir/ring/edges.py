@@ -69,7 +69,7 @@ class RingEdges:
         me, succ = manifest.rank(rank), manifest.successor(rank)
         pred_relayed = url is not None and (relay_override is not None or me.link == "relay")
         succ_relayed = url is not None and (relay_override is not None or succ.link == "relay")
-        if pred_relayed or succ_relayed:
+        if (pred_relayed or succ_relayed) and connect is None:  # a given connector knows how it is admitted
             if uses_edge_grants(manifest) and not me.grants:
                 raise InputError(
                     f"rank {rank}'s relayed links need the operator's edge grants in the manifest "
