@@ -12,7 +12,7 @@ prints:
   bandwidth from its profile), and the ratios;
 - whether the ring's tokens equal the whole model's in one process (greedy, bit-exact);
 - per node: peak RSS and the file pages it maps (its stage file, shared libraries) against the bytes of its window
-  and of the whole model; each node runs under a memory cap of its window + 400 MB.
+  and of the whole model; each node runs under a memory cap of its window + 256 MB.
 
     sudo python3 bench/fleet.py [--quick] [--scenarios gemma-lan,qwen122b-mixed12] [--tokens 32] [--repeats 3]
 
@@ -41,26 +41,27 @@ from kvasir.demo import demo_model_path
 from kvasir.planner.devices import Device
 from kvasir.planner.estimate import TOKEN_FRAME_BYTES, boundary_bytes, estimate
 from kvasir.planner.profile import profile_from_gguf
+from kvasir.ring.launcher import LocalRing, start_ring
 from kvasir.shard.cache import default_cache_dir, even_splits, stage_files
 from kvasir.stage.engine import Stage, StageConfig
 from kvasir.stage.pipeline import LocalPipeline
-from kvasir.testing.fleet import PROFILES, FleetNode, fleet, memory_of, start_fleet_ring
+from kvasir.testing.fleet import PROFILES, Fleet, FleetNode, fleet, memory_of, start_fleet_ring
 from kvasir.testing.tinymodels import tiny_model_cached
 from kvasir.wire import SamplingParams
 
 PROMPT = "Write a short story about a ring of devices that pass hidden states to each other:"
 #: Runtime memory a node needs besides its window (Python, llama.cpp, buffers): the cgroup cap is window + this.
-RUNTIME_ALLOWANCE = 400 << 20
+RUNTIME_ALLOWANCE = 256 << 20
 
 #: The Qwen3.5-122B-A10B shape: the real qwen35moe architecture, all 49 blocks (full attention every 4th, Gated
 #: DeltaNet otherwise, routed MoE plus a shared expert in every block), tiny width and random weights.
 QWEN122B_SHAPE: dict[str, Any] = {
     "n_layer": 49,
-    "n_embd": 64,
+    "n_embd": 256,
     "n_head": 4,
     "n_head_kv": 2,
     "full_attention_interval": 4,
-    "n_expert": 8,
+    "n_expert": 16,
     "n_expert_used": 2,
 }
 
@@ -96,9 +97,12 @@ def uniform(name: str, model: str, n: int, profile: str) -> Scenario:
 SCENARIOS: dict[str, Scenario] = {
     s.name: s
     for s in (
-        *(uniform(f"gemma-3x-{p}", "gemma", 3, p) for p in ("none", "lan", "wifi", "lte", "wan")),
+        *(uniform(f"gemma-3x-{p}", "gemma", 3, p) for p in ("loopback", "none", "lan", "wifi", "lte", "wan")),
+        uniform("qwen122b-12x-loopback", "qwen122b", 12, "loopback"),
         uniform("qwen122b-12x-none", "qwen122b", 12, "none"),
         Scenario("qwen122b-mixed12", "qwen122b", MIXED12),
+        # The same links, no CPU caps: what the caps cost.
+        Scenario("qwen122b-mixed12-fullcpu", "qwen122b", tuple((n, k, p, 1.0) for n, k, p, _ in MIXED12)),
     )
 }
 QUICK = ("qwen122b-mixed12",)
@@ -141,6 +145,32 @@ def timed_request(sock: Path, tokens: int) -> tuple[list[int], float]:
     return ids, (t_last - t_first) * 1e3 / max(1, len(ids) - 1)
 
 
+def measure(
+    ring: LocalRing, ref: Reference, tokens: int, repeats: int, window_bytes: Sequence[int]
+) -> tuple[list[float], list[float], bool, list[tuple[int | None, int | None, int]]]:
+    """Decode ms/token per run, each rank's compute ms per decoded token (median), whether every run's tokens equal
+    the reference's, and each rank's memory."""
+    ring.wait_ready(timeout=300)
+    socks = ring.sockets
+    timed_request(socks[0], 4)  # warm up: page-ins, TCP windows
+    b0 = busy(socks)
+    timed_request(socks[0], 1)  # prefill and one token: subtracted from each run's busy time
+    prefill = [b - a for a, b in zip(b0, busy(socks), strict=True)]
+    runs: list[float] = []
+    per_token: list[list[float]] = []
+    exact = True
+    for _ in range(repeats):
+        before = busy(socks)
+        ids, ms = timed_request(socks[0], tokens)
+        after = busy(socks)
+        exact &= ids == ref.tokens[: len(ids)] and len(ids) == min(tokens, len(ref.tokens))
+        runs.append(ms)
+        steps = max(1, len(ids) - 1)
+        per_token.append([(b - a - p) * 1e3 / steps for a, b, p in zip(before, after, prefill, strict=True)])
+    memory = [(*memory_of(p.pid), window_bytes[k]) for k, p in enumerate(ring.processes)]
+    return runs, [statistics.median(col) for col in zip(*per_token, strict=True)], exact, memory
+
+
 @attrs.frozen
 class Result:
     scenario: Scenario
@@ -151,6 +181,7 @@ class Result:
     planner_ms: float
     exact: bool
     memory: list[tuple[int | None, int | None, int]]  # peak RSS, file-backed RSS, window bytes
+    cap_hits: list[int | None]  # memory.failcnt per node
     model_bytes: int
     windows: list[tuple[int, int]]
 
@@ -161,31 +192,21 @@ def run_scenario(sc: Scenario, model: Path, ref: Reference, cache: Path, tokens:
     paths = stage_files(model, windows, cache)
     window_bytes = [p.stat().st_size for p in paths]
     nodes = [
-        FleetNode(name, kind, PROFILES[p], cpu, window_bytes[k] + RUNTIME_ALLOWANCE)
+        FleetNode(name, kind, PROFILES.get(p, PROFILES["none"]), cpu, window_bytes[k] + RUNTIME_ALLOWANCE)
         for k, (name, kind, p, cpu) in enumerate(sc.devices)
     ]
     run_dir = Path(tempfile.mkdtemp(prefix=f"kvasir-fleet-{sc.name}-"))
-    with fleet(nodes, run_dir) as f:
-        ring = start_fleet_ring(f, model, windows, cache, run_dir)
-        ring.wait_ready(timeout=300)
-        socks = ring.sockets
-        timed_request(socks[0], 4)  # warm up: page-ins, TCP windows
-        b0 = busy(socks)
-        timed_request(socks[0], 1)
-        prefill = [b - a for a, b in zip(b0, busy(socks), strict=True)]
-        runs: list[float] = []
-        per_token: list[list[float]] = []
-        exact = True
-        for _ in range(repeats):
-            before = busy(socks)
-            ids, ms = timed_request(socks[0], tokens)
-            after = busy(socks)
-            exact &= ids == ref.tokens[: len(ids)] and len(ids) == min(tokens, len(ref.tokens))
-            runs.append(ms)
-            steps = max(1, len(ids) - 1)
-            per_token.append([(b - a - p) * 1e3 / steps for a, b, p in zip(before, after, prefill, strict=True)])
-        memory = [(*memory_of(p.pid), window_bytes[k]) for k, p in enumerate(ring.processes)]
-    compute = [statistics.median(col) for col in zip(*per_token, strict=True)]
+    f: Fleet | None = None
+    with contextlib.ExitStack() as stack:
+        if all(p == "loopback" for _, _, p, _ in sc.devices):
+            # The baseline: the same ring on 127.0.0.1 with no namespaces, shaping or caps (kvasir's own launcher).
+            ring = start_ring(model, windows, cache, run_dir=run_dir, threads=1, ctx=512, seqs=1)
+        else:
+            f = stack.enter_context(fleet(nodes, run_dir))
+            ring = start_fleet_ring(f, model, windows, cache, run_dir)
+        stack.callback(ring.stop)
+        runs, compute, exact, memory = measure(ring, ref, tokens, repeats, window_bytes)
+        cap_hits: list[int | None] = [f.memory_cap_hits(k) if f else None for k in range(len(nodes))]
     n = len(nodes)
     payload = boundary_bytes(prof)
     link = 0.0
@@ -202,6 +223,15 @@ def run_scenario(sc: Scenario, model: Path, ref: Reference, cache: Path, tokens:
         for nd in nodes
     ]
     planner = estimate(prof, [(d, a, b) for d, (a, b) in zip(devices, windows, strict=True)]).ms_per_token
+    # The same devices as a file, for `kvasir plan --model MODEL --devices FILE` (which may choose other windows).
+    (run_dir / "devices.toml").write_text(
+        "".join(
+            f'[[device]]\nname = "{d.name}"\nkind = "{d.kind}"\nmemory_gb = {d.memory_gb}\n'
+            f"mem_bandwidth_gbs = {d.mem_bandwidth_gbs:.4f}\nlink_latency_ms = {d.link_latency_ms}\n"
+            f"link_bandwidth_mbps = {d.link_bandwidth_mbps}\n\n"
+            for d in devices
+        )
+    )
     return Result(
         sc,
         runs,
@@ -211,6 +241,7 @@ def run_scenario(sc: Scenario, model: Path, ref: Reference, cache: Path, tokens:
         planner,
         exact,
         memory,
+        cap_hits,
         model.stat().st_size,
         windows,
     )
@@ -258,13 +289,14 @@ def report(console: Console, results: Sequence[Result], refs: dict[str, Referenc
     for r in results:
         mt = Table(title=f"{r.scenario.name}: per node (whole model file {mb(r.model_bytes)} MB)")
         for col in ("rank", "device", "link", "cpu share", "layers", "compute ms/token", "window MB", "peak RSS MB",
-                    "mapped file MB", "cap MB"):  # fmt: skip
+                    "mapped file MB", "cap MB", "cap hits"):  # fmt: skip
             mt.add_column(col, justify="right")
         for k, ((name, _kind, prof, cpu), (rss, cg, wb), (a, b)) in enumerate(
             zip(r.scenario.devices, r.memory, r.windows, strict=True)
         ):
+            hits = r.cap_hits[k]
             mt.add_row(str(k), name, prof, f"{cpu:.2f}", f"{a}:{b}", f"{r.compute_ms[k]:.2f}", mb(wb), mb(rss), mb(cg),
-                       mb(wb + RUNTIME_ALLOWANCE))  # fmt: skip
+                       mb(wb + RUNTIME_ALLOWANCE), "–" if hits is None else str(hits))  # fmt: skip
         console.print(mt)
 
 

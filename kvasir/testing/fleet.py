@@ -182,6 +182,14 @@ class Fleet:
         self.processes.append(proc)
         return proc
 
+    def memory_cap_hits(self, k: int) -> int | None:
+        """How often node k's memory use reached its cap (memory.failcnt; 0: it never needed more)."""
+        for g in self.cgroups[k]:
+            f = g / "memory.failcnt"
+            if f.exists():
+                return int(f.read_text())
+        return None
+
 
 def _subnet(tag: str) -> int:
     return 100 + int(tag, 16) % 100
