@@ -38,6 +38,7 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -277,36 +278,56 @@ def fleet(nodes: Sequence[FleetNode], run_dir: Path, *, seed: int = 0) -> Iterat
             _run("ip", "-n", ns, "route", "add", f"10.{net}.0.0/16", "dev", "kv0")
         yield f
     finally:
-        for p in f.processes:
-            if p.poll() is None:
-                p.terminate()
-        deadline = time.monotonic() + 10
-        for p in f.processes:
+        with _uninterrupted():
+            _teardown(f, made_ns, made_cg)
+
+
+@contextlib.contextmanager
+def _uninterrupted() -> Iterator[None]:
+    """Ignore SIGINT and SIGTERM while tearing down: a second Ctrl-C (a terminal sends one to every process of the
+    group, `timeout` forwards another) must not cut the cleanup short and leave namespaces or cgroups behind."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def _teardown(f: Fleet, made_ns: Sequence[str], made_cg: Sequence[Path]) -> None:
+    for p in f.processes:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + 10
+    for p in f.processes:
+        try:
+            p.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    if f.forwarder is not None:
+        f.forwarder.terminate()
+        try:
+            f.forwarder.wait(5)
+        except subprocess.TimeoutExpired:
+            f.forwarder.kill()
+            f.forwarder.wait()
+        if f.forwarder.stdout is not None:
+            f.forwarder.stdout.close()
+    for ns in made_ns:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    for g in made_cg:  # children first
+        for _ in range(50):  # a killed task leaves its cgroup a moment after wait() returns
             try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        if f.forwarder is not None:
-            f.forwarder.terminate()
-            try:
-                f.forwarder.wait(5)
-            except subprocess.TimeoutExpired:
-                f.forwarder.kill()
-                f.forwarder.wait()
-            if f.forwarder.stdout is not None:
-                f.forwarder.stdout.close()
-        for ns in made_ns:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-        for g in made_cg:  # children first
-            for _ in range(50):  # a killed task leaves its cgroup a moment after wait() returns
-                try:
-                    g.rmdir()
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError:
-                    time.sleep(0.1)
+                g.rmdir()
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                time.sleep(0.1)
 
 
 def start_fleet_ring(
