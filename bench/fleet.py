@@ -45,7 +45,7 @@ from kvasir.ring.launcher import LocalRing, start_ring
 from kvasir.shard.cache import default_cache_dir, even_splits, stage_files
 from kvasir.stage.engine import Stage, StageConfig
 from kvasir.stage.pipeline import LocalPipeline
-from kvasir.testing.fleet import PROFILES, Fleet, FleetNode, fleet, memory_of, start_fleet_ring
+from kvasir.testing.fleet import PROFILES, Fleet, FleetNode, fleet, link_stats, memory_of, start_fleet_ring
 from kvasir.testing.tinymodels import tiny_model_cached
 from kvasir.wire import SamplingParams
 
@@ -183,6 +183,7 @@ class Result:
     memory: list[tuple[int | None, int | None, int]]  # peak RSS, file-backed RSS, window bytes
     cap_hits: list[int | None]  # memory.failcnt per node
     model_bytes: int
+    packets: tuple[int, int]  # forwarded, dropped by the loss emulation
     windows: list[tuple[int, int]]
 
 
@@ -207,6 +208,7 @@ def run_scenario(sc: Scenario, model: Path, ref: Reference, cache: Path, tokens:
         stack.callback(ring.stop)
         runs, compute, exact, memory = measure(ring, ref, tokens, repeats, window_bytes)
         cap_hits: list[int | None] = [f.memory_cap_hits(k) if f else None for k in range(len(nodes))]
+    packets, dropped = link_stats(run_dir)
     n = len(nodes)
     payload = boundary_bytes(prof)
     link = 0.0
@@ -243,6 +245,7 @@ def run_scenario(sc: Scenario, model: Path, ref: Reference, cache: Path, tokens:
         memory,
         cap_hits,
         model.stat().st_size,
+        (packets, dropped),
         windows,
     )
 
@@ -267,6 +270,7 @@ def report(console: Console, results: Sequence[Result], refs: dict[str, Referenc
         "measured/floor",
         "measured/planner",
         "tokens = whole model",
+        "packets lost",
     ):
         t.add_column(col, justify="right")
     for r in results:
@@ -282,6 +286,7 @@ def report(console: Console, results: Sequence[Result], refs: dict[str, Referenc
             f"{m / r.floor_ms:.2f}x",
             f"{m / r.planner_ms:.2f}x",
             "yes" if r.exact else "NO",
+            f"{r.packets[1]} / {r.packets[0]}" if r.packets[0] else "–",
         )
     console.print(t)
     for name, ref in refs.items():

@@ -369,6 +369,18 @@ def start_fleet_ring(
     return LocalRing(manifest, run_dir, procs, socks, None)
 
 
+def link_stats(run_dir: Path) -> tuple[int, int]:
+    """(packets, dropped) over every link direction of the fleets run in ``run_dir`` (the forwarders' last words)."""
+    packets = dropped = 0
+    for log in run_dir.glob("forwarder-*.log"):
+        lines = log.read_text().strip().splitlines()
+        with contextlib.suppress(ValueError, IndexError):
+            for d in json.loads(lines[-1]).values():
+                packets += d["packets"]
+                dropped += d["dropped"]
+    return packets, dropped
+
+
 def memory_of(pid: int) -> tuple[int | None, int | None]:
     """(peak RSS, file-backed RSS now) of a process: VmHWM, the most resident memory it ever had, and RssFile, the
     mapped file pages it holds (its stage file's weights, which llama.cpp maps, plus shared libraries)."""
