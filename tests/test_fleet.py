@@ -86,6 +86,12 @@ def _ring_run(model: Path, cache: Path, tmp: Path, link: LinkProfile, tokens: in
     with fleet(nodes, tmp) as f:
         ring = start_fleet_ring(f, model, [(0, 2), (2, 4)], cache, tmp)
         ring.wait_ready(timeout=120)
+        cpu, mem = f.cgroups[1]
+        assert (cpu / "cpu.cfs_quota_us").read_text().strip() == "1000"  # half a core: 1 ms of every 2
+        assert (cpu / "cpu.cfs_period_us").read_text().strip() == "2000"
+        assert int((mem / "memory.limit_in_bytes").read_text()) == 1 << 30
+        for g in (cpu, mem):
+            assert str(ring.processes[1].pid) in (g / "cgroup.procs").read_text().split()
         _decode(ring.sockets[0], 2)  # warm up
         out = _decode(ring.sockets[0], tokens)
         tag = f.tag
