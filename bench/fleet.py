@@ -38,10 +38,10 @@ from rich.table import Table
 
 from kvasir.control.client import ControlClient
 from kvasir.demo import demo_model_path
+from kvasir.local.launcher import LocalRing, start_ring
 from kvasir.planner.devices import Device
 from kvasir.planner.estimate import TOKEN_FRAME_BYTES, boundary_bytes, estimate
 from kvasir.planner.profile import profile_from_gguf
-from kvasir.ring.launcher import LocalRing, start_ring
 from kvasir.shard.cache import default_cache_dir, even_splits, stage_files
 from kvasir.stage.engine import Stage, StageConfig
 from kvasir.stage.pipeline import LocalPipeline

@@ -48,7 +48,7 @@ from typing import Any, Final
 import attrs
 
 from kvasir.errors import KvasirError
-from kvasir.ring.launcher import LocalRing
+from kvasir.local.launcher import LocalRing
 from kvasir.ring.manifest import Manifest, RankEntry
 from kvasir.shard.cache import model_sha256, stage_files
 
@@ -341,7 +341,7 @@ def start_fleet_ring(
     ctx: int = 512,
     seqs: int = 1,
 ) -> LocalRing:
-    """One ``kvasir node`` per window, rank k on fleet node k, as :func:`kvasir.ring.launcher.start_ring` does on
+    """One ``kvasir node`` per window, rank k on fleet node k, as :func:`kvasir.local.launcher.start_ring` does on
     loopback (same manifest, same command line), each node listening on its own namespace's address."""
     if len(windows) != len(f.nodes):
         raise FleetError(f"{len(windows)} windows for {len(f.nodes)} fleet nodes")
@@ -356,7 +356,7 @@ def start_fleet_ring(
     manifest_path = run_dir / "ring.toml"
     manifest.write(manifest_path)
     env = dict(os.environ)
-    env.setdefault("GOMP_SPINCOUNT", "30000")  # as the launcher does (kvasir/ring/launcher.py)
+    env.setdefault("GOMP_SPINCOUNT", "30000")  # as the launcher does (kvasir/local/launcher.py)
     procs, socks = [], []
     for k in range(len(windows)):
         sock = run_dir / f"rank{k}.sock"
