@@ -193,6 +193,8 @@ def test_slow_link_device_is_left_out_with_a_reason() -> None:
     assert manifest.windows[0].hop_ms == 0.0  # a ring of one
     (unused,) = manifest.unused
     assert unused.device.name == "phone" and "not needed" in unused.reason
+    # Equally fast memory is not called slower (the link is what keeps it out).
+    assert "memory no faster (100 GB/s) than box (100 GB/s" in unused.reason
 
 
 def test_tiny_device_is_reported_as_too_small() -> None:

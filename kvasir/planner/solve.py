@@ -244,8 +244,9 @@ def _unused_reason(
     ]
     if roomy:
         faster = max(roomy, key=lambda d: d.mem_bandwidth_gbs)
+        than = "slower memory" if faster.mem_bandwidth_gbs > device.mem_bandwidth_gbs else "memory no faster"
         return (
-            f"not needed: slower memory ({device.mem_bandwidth_gbs:g} GB/s) than {faster.name} "
+            f"not needed: {than} ({device.mem_bandwidth_gbs:g} GB/s) than {faster.name} "
             f"({faster.mem_bandwidth_gbs:g} GB/s, which has room); {link}"
         )
     return f"not needed: the ring is faster without it ({link})"
