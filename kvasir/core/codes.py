@@ -17,3 +17,4 @@ class ErrorCode(enum.IntEnum):
     INTERNAL = 9
     SHUTTING_DOWN = 10
     LINK_LOST = 11  # the sender lost its link to a neighbour with the request in flight: it cannot go on
+    REPLAY_MISMATCH = 12  # a replayed frame differs from the one received before at that position (never silent)

@@ -145,6 +145,7 @@ class LinkManager:
         on_frame: Callable[[Frame], Awaitable[None]],
         on_link_error: Callable[[], None] = lambda: None,
         on_link_lost: Callable[[Side], Awaitable[None]] | None = None,
+        on_successor_up: Callable[[Callable[[Frame], Awaitable[None]], Hello], Awaitable[None]] | None = None,
         keepalive_interval: float = 1.0,
         idle_timeout: float | None = None,
         link_wait: float = 30.0,
@@ -161,6 +162,7 @@ class LinkManager:
         self._on_frame = on_frame
         self._on_link_error = on_link_error
         self._on_link_lost = on_link_lost
+        self._on_successor_up = on_successor_up
         self.keepalive_interval = keepalive_interval
         self.idle_timeout = idle_timeout if idle_timeout is not None else 3 * keepalive_interval
         self.link_wait = link_wait
@@ -450,17 +452,22 @@ class LinkManager:
             await trio.sleep(backoff.next(at_least=at_least))
 
     async def _run_successor(self, link: Link, hello: Hello, state: str) -> None:
-        self.successor, self.successor_hello = link, hello
-        self._succ_ready.set()
-        self.successor_state = state
         try:
+            if self._on_successor_up is not None:
+                # The replay goes first: frames waiting for this link (send() blocks until _succ_ready) follow it.
+                self.successor_state = f"replaying to rank {hello.rank}"
+                await self._on_successor_up(link.send, hello)
+            self.successor, self.successor_hello = link, hello
+            self._succ_ready.set()
+            self.successor_state = state
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._keepalive, link, True)
                 await self._read_successor(link)
                 nursery.cancel_scope.cancel()
         finally:
             self.successor = None
-            self._succ_ready = trio.Event()
+            if self._succ_ready.is_set():  # a replay that failed never set it: its waiters keep waiting on it
+                self._succ_ready = trio.Event()
             if self._on_link_lost is not None:
                 with trio.CancelScope(shield=True):
                     await self._on_link_lost(Side.SUCCESSOR)

@@ -15,9 +15,11 @@ compute in a worker thread. ``async with open_node(config, stage) as node:`` run
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import random
 import secrets
+from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -26,6 +28,7 @@ import attrs
 import trio
 
 from kvasir.core.identity import Identity
+from kvasir.core.sampling import MAX_SEED
 from kvasir.core.schedule import PREFILL_CHUNK
 from kvasir.core.stops import find_stop
 from kvasir.errors import InputError, InvalidRequest, KvasirError, ProtocolError, RequestRefused, RingError
@@ -45,7 +48,7 @@ from kvasir.ring.requests import (
     uses_penalties,
 )
 from kvasir.ring.secure import Credentials, PeerPolicy
-from kvasir.ring.status import MarketWindow, NodeStatus, RankStatus
+from kvasir.ring.status import FailoverStatus, MarketWindow, NodeStatus, RankStatus
 from kvasir.stage.vocab import TextStream
 from kvasir.wire import (
     Boundary,
@@ -66,9 +69,12 @@ from kvasir.wire import (
 
 log = logging.getLogger("kvasir.node")
 
-#: After losing its successor, how long a node waits for the error that comes round the ring before failing a request
-#: on its own (the node after the break sends it at once; this covers a ring broken in two places).
+#: After giving up on its successor, how long a node waits for the error that comes round the ring before failing a
+#: request on its own (the node after the break sends it; this covers a ring broken in two places).
 LINK_LOST_GRACE_S = 5.0
+#: Ring-circling frames (END, CANCEL, ERROR) a node keeps to replay to a successor that comes back: one of them may
+#: have died with the old holder, and the nodes behind it would wait for it until their stall timers.
+TERMINAL_MEMORY = 1024
 
 #: What a node shows of the market it enrolled through (None: started from a manifest).
 MarketView = Callable[[], Sequence[MarketWindow] | None]
@@ -90,8 +96,12 @@ class NodeConfig:
     #: Prompt tokens per prefill boundary: smaller chunks let stages overlap sooner. Keep it equal to the reference's
     #: (``kvasir generate``) for bit-identical results: llama.cpp's numbers depend on the batching.
     prefill_chunk: int = PREFILL_CHUNK
-    #: How long a frame waits for a missing successor link before its request fails.
+    #: How long a frame waits for a missing successor link before its request fails (at least ``failover_wait``).
     link_wait: float = 30.0
+    #: How long a node whose neighbour's link broke keeps the requests in flight for that window to come back (the
+    #: same node relinking, ``ring up`` restarting it, a standby, a market claimant): it then replays them into it.
+    #: Past this the requests fail with LINK_LOST on every node.
+    failover_wait: float = 15.0
     #: A request with no progress for this long is failed at its entry node.
     stall_timeout: float = 120.0
     keepalive_interval: float = 1.0
@@ -182,6 +192,11 @@ class Node:
         self._market_view = market_view
         self.started_at = trio.current_time()
         self.requests = RequestTable(stage, self.hub, config.rank)
+        self.failover = FailoverStatus()
+        self._terminal: deque[tuple[float, Frame]] = deque(maxlen=TERMINAL_MEMORY)
+        #: Link generations: a failover timer acts only if no newer link came (and went) since it started.
+        self._pred_gen = self._succ_gen = 0
+        self._succ_lost_at: float | None = None
         self.links = LinkManager(
             hello=Hello(
                 node_id=config.node_id,
@@ -199,6 +214,7 @@ class Node:
             on_frame=self._on_frame,
             on_link_error=self._count_error,
             on_link_lost=self._link_lost,
+            on_successor_up=self._replay,
             keepalive_interval=config.keepalive_interval,
             idle_timeout=config.idle_timeout,
             link_wait=config.link_wait,
@@ -240,26 +256,93 @@ class Node:
                 await self._originate_error(state, ErrorCode.SHUTTING_DOWN, f"node rank {self.rank} is shutting down")
 
     async def _link_lost(self, side: Side) -> None:
-        """A live link ended: the frames in transit on it are gone, so no request in flight here can go on. Fail them
-        now (not after the stall timer): errors travel on from the node after the break round to the node before it,
-        so every live node frees them and the entry node answers its client."""
-        message = f"rank {self.rank} lost its {side.value} link"
+        """A live link ended, and frames in transit on it with it. The requests in flight stay: the window behind the
+        break is expected back (the same node relinking, a restart, a standby, a claimant), and its predecessor then
+        replays them into it (:meth:`_replay`). Only if it stays away for ``failover_wait`` do they fail, on every
+        node: the node after the break sends LINK_LOST round the ring to the node before it."""
+        if side is Side.PREDECESSOR:
+            self._pred_gen += 1
+            self._nursery.start_soon(self._fail_if_predecessor_stays_away, self._pred_gen)
+        else:
+            self._succ_gen += 1
+            self._succ_lost_at = trio.current_time()
+            for state in list(self.requests):
+                if not state.done:
+                    self._nursery.start_soon(self._fail_if_successor_stays_away, state, self._succ_gen)
+
+    async def _fail_if_predecessor_stays_away(self, generation: int) -> None:
+        await trio.sleep(self.config.failover_wait)
+        if generation != self._pred_gen or self.links.predecessor is not None:
+            return
+        message = f"rank {self.rank} lost its predecessor link for {self.config.failover_wait:.0f} s"
         for state in list(self.requests):
-            if state.done:
-                continue
-            if side is Side.PREDECESSOR:
+            if not state.done:
                 with trio.move_on_after(2):
                     await self._originate_error(state, ErrorCode.LINK_LOST, message)
-            else:
-                # Nothing can be sent forward. The node after the break reports it round the ring to us, and a
-                # leaving successor's own SHUTTING_DOWN comes round too (it says why): wait for those first.
-                self._nursery.start_soon(self._fail_unless_ended, state, message)
 
-    async def _fail_unless_ended(self, state: RequestState, message: str) -> None:
-        await trio.sleep(LINK_LOST_GRACE_S)
-        if not state.done:
-            self.requests.errors += 1
-            await self.requests.finish(state, "error", message, ErrorCode.LINK_LOST)
+    async def _fail_if_successor_stays_away(self, state: RequestState, generation: int) -> None:
+        # Nothing can be sent forward; the node after the break reports the loss round the ring to us (and a leaving
+        # successor's own SHUTTING_DOWN comes round too, saying why): wait for those first.
+        await trio.sleep(self.config.failover_wait + LINK_LOST_GRACE_S)
+        if state.done or generation != self._succ_gen or self.links.successor is not None:
+            return
+        self.requests.errors += 1
+        message = f"rank {self.rank} lost its successor link"
+        await self.requests.finish(state, "error", message, ErrorCode.LINK_LOST)
+
+    async def _replay(self, send: Callable[[Frame], Any], hello: Hello) -> None:
+        """The successor link is (re)made: before anything else goes over it, resend every request in flight here
+        as this node sent it (START, then each boundary or token with its original schedule), then the recent
+        ring-circling frames. A new holder of the window rebuilds each request's state from them exactly; a holder
+        that kept its state recognises what it has seen (checking it is identical) and drops it."""
+        started = trio.current_time()
+        successor = (self.rank + 1) % self.manifest.size
+        horizon = started - (self.config.failover_wait + self.config.link_wait)
+        states = [s for s in self.requests if not s.done and (s.sent or s.start.entry_rank == successor)]
+        terminal = [frame for at, frame in self._terminal if at >= horizon]
+        if not states and not terminal:
+            self._succ_lost_at = None
+            return
+        frames = nbytes = 0
+        for state in states:
+            log_ = list(state.sent)
+            if state.start.entry_rank == successor:
+                # Its entry is the successor: if that node restarted, this START tells it the request's client is gone.
+                log_.insert(0, state.start.withheld())
+            for frame in log_:
+                await send(frame)
+                frames += 1
+                nbytes += _frame_bytes(frame)
+        for frame in terminal:
+            await send(frame)
+        done = trio.current_time()
+        stall = None if self._succ_lost_at is None else round(done - self._succ_lost_at, 3)
+        self._succ_lost_at = None
+        f = self.failover
+        self.failover = attrs.evolve(
+            f,
+            replays=f.replays + 1,
+            requests=f.requests + len(states),
+            frames=f.frames + frames,
+            bytes=f.bytes + nbytes,
+            last_stall_s=stall,
+            last_window=(hello.window_start, hello.window_end),
+        )
+        log.info(
+            "rank %d: replayed %d request(s), %d frame(s), %d bytes to rank %d (%s) in %.3f s; stalled %s s",
+            self.rank, len(states), frames, nbytes, hello.rank, hello.node_id, done - started, stall,
+        )  # fmt: skip
+        self.hub.publish(
+            {
+                "type": "failover",
+                "rank": hello.rank,
+                "window": [hello.window_start, hello.window_end],
+                "requests": len(states),
+                "frames": frames,
+                "bytes": nbytes,
+                "stall_s": stall,
+            }
+        )
 
     def _count_error(self) -> None:
         self.requests.errors += 1
@@ -267,6 +350,18 @@ class Node:
     # ------------------------------------------------------------------------------------------ sending
 
     async def _send(self, frame: Frame) -> None:
+        await self.links.send(frame)
+
+    async def _send_data(self, state: RequestState, frame: Frame) -> None:
+        """Send a request's START, boundary or token, keeping it in the request's replay log first."""
+        if not state.done:
+            state.sent.append(frame)
+            state.sent_bytes += _frame_bytes(frame)
+        await self.links.send(frame)
+
+    async def _send_terminal(self, frame: End | Cancel | Error) -> None:
+        """Send a ring-circling END, CANCEL or ERROR, remembered for a replay (it may die with the successor)."""
+        self._terminal.append((trio.current_time(), frame))
         await self.links.send(frame)
 
     def _boundary(self, request_id: int, pos: int, hidden: Any, *, final: bool, latest_token: int = -1) -> Boundary:
@@ -324,8 +419,17 @@ class Node:
                 await self.requests.finish(state, "error", str(exc), ErrorCode.STAGE_FAILED)
 
     async def _on_start(self, start: StartRequest) -> None:
-        if start.entry_node_id == self.config.node_id:
-            return  # our own START came back around the ring
+        known = self.requests.get(start.request_id) is not None or self.requests.ended(start.request_id)
+        if start.entry_rank == self.rank:
+            # A START reaches its entry rank only in a replay. Unknown here: this node restarted, and the client it
+            # was streaming to went with the old process. Free the request round the ring.
+            if not known:
+                message = f"request {start.request_id:x} entered at rank {self.rank}, which restarted: its client left"
+                await self._send_terminal(Error.truncating(ErrorCode.LINK_LOST, message, self.rank, start.request_id))
+            return
+        if known:  # a replay of a request this node has (or had): what it holds stands
+            self.failover = attrs.evolve(self.failover, duplicates=self.failover.duplicates + 1)
+            return
         if self.first and not start.prompt:  # rank 0 embeds the prompt: a sender withheld what it must not
             reason = "rank 0 got a START without the prompt's token ids"
             await self._send(Error.truncating(ErrorCode.BAD_REQUEST, reason, self.rank, start.request_id))
@@ -339,7 +443,7 @@ class Node:
             await self._send(Error.truncating(ErrorCode.STAGE_FAILED, str(exc), self.rank, start.request_id))
             return
         if self._forwards(start.entry_rank):
-            await self._send(self._outgoing_start(start))
+            await self._send_data(state, self._outgoing_start(start))
         if self.first:
             self._spawn_prefill(state)
 
@@ -365,9 +469,11 @@ class Node:
                     return
                 final = i + chunk >= len(prompt)
                 state.touched = trio.current_time()
-                await self._send(self._boundary(state.request_id, i, hidden, final=final))
+                await self._send_data(state, self._boundary(state.request_id, i, hidden, final=final))
         except KvasirError as exc:
             await self._originate_error(state, ErrorCode.STAGE_FAILED, str(exc))
+        finally:
+            state.prefilled.set()
 
     async def _compute(self, state: RequestState, pos: int, **inputs: Any) -> Any:
         """Run the stage on one chunk of a request; None if the request ended meanwhile."""
@@ -381,20 +487,23 @@ class Node:
         state = self.requests.get(frame.request_id)
         if state is None or state.done:
             return  # finished or cancelled while this frame was in flight
+        if await self._seen_before(state, frame.first_position, _boundary_digest(frame)):
+            return
         if frame.first_position >= state.prompt_len and frame.latest_token >= 0:
             self.requests.see(state, frame.first_position - state.prompt_len, frame.latest_token)
         try:
             if not self.last:
                 hidden = await self._compute(state, frame.first_position, hidden=frame.to_array())
                 if hidden is not None:
-                    await self._send(
+                    await self._send_data(
+                        state,
                         self._boundary(
                             frame.request_id,
                             frame.first_position,
                             hidden,
                             final=frame.final,
                             latest_token=frame.latest_token,
-                        )
+                        ),
                     )
                 return
             token = await self._compute_and_sample(state, frame)
@@ -436,21 +545,40 @@ class Node:
         elif state.generated >= start.max_tokens:
             await self._end(state, EndReason.MAX_TOKENS, latest=token)
         else:
-            await self._send(Token(start.request_id, state.prompt_len + index, token))
+            await self._send_data(state, Token(start.request_id, state.prompt_len + index, token))
 
     async def _on_token(self, frame: Token) -> None:
         state = self.requests.get(frame.request_id)
         if state is None or state.done:
             return
+        await state.prefilled.wait()  # a replay into a rebuilt rank 0 brings the tokens while it still prefills
+        if await self._seen_before(state, frame.position, frame.token_id.to_bytes(4, "little")):
+            return
         self.requests.see(state, frame.position - state.prompt_len, frame.token_id)
         try:
             hidden = await self._compute(state, frame.position, tokens=[frame.token_id])
             if hidden is not None:
-                await self._send(
-                    self._boundary(frame.request_id, frame.position, hidden, final=True, latest_token=frame.token_id)
+                await self._send_data(
+                    state,
+                    self._boundary(frame.request_id, frame.position, hidden, final=True, latest_token=frame.token_id),
                 )
         except KvasirError as exc:
             await self._originate_error(state, ErrorCode.STAGE_FAILED, str(exc))
+
+    async def _seen_before(self, state: RequestState, position: int, digest: bytes) -> bool:
+        """Whether a frame for ``position`` of ``state`` arrived before (a replay): then it must be identical (else the
+        request fails with REPLAY_MISMATCH: a replay never silently diverges) and is dropped."""
+        previous = state.received.get(position)
+        if previous is None:
+            state.received[position] = digest
+            return False
+        if previous == digest:
+            self.failover = attrs.evolve(self.failover, duplicates=self.failover.duplicates + 1)
+        else:
+            message = f"rank {self.rank}: a replayed frame at position {position} differs from the one received before"
+            log.error("request %x: %s", state.request_id, message)
+            await self._originate_error(state, ErrorCode.REPLAY_MISMATCH, message)
+        return True
 
     async def _on_end(self, frame: End) -> None:
         state = self.requests.get(frame.request_id)
@@ -459,14 +587,14 @@ class Node:
                 self.requests.see(state, frame.generated_tokens - 1, frame.latest_token)
             await self.requests.finish(state, REASONS[frame.reason])
         if self._forwards(frame.origin_rank):
-            await self._send(frame)
+            await self._send_terminal(frame)
 
     async def _on_cancel(self, frame: Cancel) -> None:
         state = self.requests.get(frame.request_id)
         if state is not None:
             await self.requests.finish(state, "cancelled")
         if self._forwards(frame.origin_rank):
-            await self._send(frame)
+            await self._send_terminal(frame)
 
     async def _on_error(self, frame: Error) -> None:
         if frame.request_id == 0:
@@ -476,20 +604,20 @@ class Node:
         if state is not None:
             await self.requests.finish(state, "error", frame.message, frame.code)
         if self._forwards(frame.origin_rank):
-            await self._send(frame)
+            await self._send_terminal(frame)
 
     # ------------------------------------------------------------------------------------------ endings
 
     async def _end(self, state: RequestState, reason: EndReason, latest: int) -> None:
         frame = End(state.request_id, reason, state.prompt_len, state.generated, self.rank, latest)
         await self.requests.finish(state, REASONS[reason])
-        await self._send(frame)
+        await self._send_terminal(frame)
 
     async def _originate_error(self, state: RequestState, code: ErrorCode, message: str) -> None:
         self.requests.errors += 1
         await self.requests.finish(state, "error", message, code)
         try:
-            await self._send(Error.truncating(code, message, self.rank, state.request_id))
+            await self._send_terminal(Error.truncating(code, message, self.rank, state.request_id))
         except RingError as exc:
             log.warning("rank %d: could not report an error for request %x: %s", self.rank, state.request_id, exc)
 
@@ -504,6 +632,9 @@ class Node:
             raise InputError("empty prompt")
         if max_tokens < 1:
             raise InputError("max_tokens must be at least 1")
+        if params.temperature != 0.0 and params.seed is None:
+            # Fixed here, at the entry: a last rank rebuilt after a failure replays the same draws.
+            params = attrs.evolve(params, seed=secrets.randbelow(MAX_SEED + 1))
         try:
             start = StartRequest(
                 request_id=secrets.randbits(63) | 1,
@@ -521,7 +652,7 @@ class Node:
             state = self._register(start, entry)
             handle = RequestHandle(start.request_id, len(prompt), entry.receive)
             try:
-                await self._send(self._outgoing_start(start))
+                await self._send_data(state, self._outgoing_start(start))
                 if self.first:
                     self._spawn_prefill(state)
                 yield handle
@@ -540,7 +671,7 @@ class Node:
 
         async def tell_ring() -> None:
             try:
-                await self._send(Cancel(request_id, self.rank))
+                await self._send_terminal(Cancel(request_id, self.rank))
             except RingError as exc:
                 log.warning("rank %d: cancel of %x not sent: %s", self.rank, request_id, exc)
 
@@ -591,7 +722,27 @@ class Node:
             requests=self.requests.counters(),
             rss_bytes=_rss_bytes(),
             market=None if view is None else tuple(view),
+            failover=attrs.evolve(self.failover, log_bytes=self.requests.replay_bytes),
         )
+
+
+def _frame_bytes(frame: Frame) -> int:
+    """What a frame holds in a replay log, roughly: its payload (boundaries) or token ids, plus a fixed overhead."""
+    match frame:
+        case Boundary():
+            return len(frame.payload) + 64
+        case StartRequest():
+            return 4 * len(frame.prompt) + 256
+        case _:
+            return 64
+
+
+def _boundary_digest(frame: Boundary) -> bytes:
+    """What identifies a boundary's content: a replayed one must give the same digest."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"{frame.dtype.value}:{frame.n_tokens}:{frame.final}:{frame.latest_token}:".encode())
+    h.update(frame.payload)
+    return h.digest()
 
 
 def _rss_bytes() -> int:

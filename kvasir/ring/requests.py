@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
@@ -15,7 +16,7 @@ from kvasir.errors import InputError, InvalidRequest, RequestRefused
 from kvasir.ring.compute import RingStage, TokenSampler
 from kvasir.ring.events import EventHub
 from kvasir.ring.status import RequestCounters
-from kvasir.wire import EndReason, ErrorCode, StartRequest
+from kvasir.wire import EndReason, ErrorCode, Frame, StartRequest
 
 log = logging.getLogger("kvasir.node")
 
@@ -126,6 +127,16 @@ class RequestState:
     lock: trio.Lock = attrs.field(factory=trio.Lock)
     #: When a frame of this request last passed this node (trio's clock); the stale-request reaper reads it.
     touched: float = attrs.field(factory=trio.current_time)
+    #: The replay log: every data frame this node sent its successor for this request (its START, then its boundaries
+    #: or, at the last rank, its tokens), in order, with their original chunk and step schedule. When the successor's
+    #: window comes back after a failure, these rebuild its state exactly. Freed when the request ends here.
+    sent: list[Frame] = attrs.field(factory=list)
+    sent_bytes: int = 0
+    #: What arrived from the predecessor, by position: a digest of each boundary (or, at rank 0, the token id). A
+    #: replayed frame for a position seen before must match it (then it is dropped); a difference is an error.
+    received: dict[int, bytes] = attrs.field(factory=dict)
+    #: Rank 0: set once its prompt is prefilled (a replay can bring the tokens before a rebuilt prefill is done).
+    prefilled: trio.Event = attrs.field(factory=trio.Event)
 
     @property
     def request_id(self) -> int:
@@ -158,6 +169,9 @@ def uses_penalties(params: SamplingParams) -> bool:
     return params.temperature != 0.0 and params.repeat_penalty != 1.0 and params.repeat_last_n != 0
 
 
+#: How many ended requests a node remembers (ids only), to tell a replayed START from a new one.
+ENDED_MEMORY = 4096
+
 REASONS = {
     EndReason.EOG: "eog",
     EndReason.MAX_TOKENS: "max_tokens",
@@ -181,6 +195,8 @@ class RequestTable:
         self.rank = rank
         n = stage.config.n_seq_max
         self._states: dict[int, RequestState] = {}
+        #: Requests that ended here lately, so that a replayed START of one is not taken for a new request.
+        self._ended: OrderedDict[int, None] = OrderedDict()
         self._seqs = SeqPool(n)
         #: Client requests entering at this node wait here for a sequence instead of being refused.
         self.admission = trio.Semaphore(n)
@@ -191,6 +207,15 @@ class RequestTable:
 
     def get(self, request_id: int) -> RequestState | None:
         return self._states.get(request_id)
+
+    def ended(self, request_id: int) -> bool:
+        """Whether ``request_id`` ended here lately (the last :data:`ENDED_MEMORY` requests)."""
+        return request_id in self._ended
+
+    @property
+    def replay_bytes(self) -> int:
+        """Bytes the replay logs of the requests in flight hold."""
+        return sum(state.sent_bytes for state in self._states.values())
 
     def __len__(self) -> int:
         return len(self._states)
@@ -285,6 +310,13 @@ class RequestTable:
             return
         state.done = True
         self._states.pop(state.request_id, None)
+        self._ended[state.request_id] = None
+        while len(self._ended) > ENDED_MEMORY:
+            self._ended.popitem(last=False)
+        state.sent.clear()  # the replay log: nothing will need it now
+        state.sent_bytes = 0
+        state.received.clear()
+        state.prefilled.set()  # anything waiting for the prefill sees the request done
         try:
             # Wait out a compute of this request before its sequence is reused. Shielded: a caller that gives up
             # (a client's cancel with a deadline, a shutdown) must not leak the sequence; the wait is one compute.

@@ -138,6 +138,53 @@ class RequestCounters:
 
 
 @attrs.frozen
+class FailoverStatus:
+    """What this node did when its successor's window came back after a failure (docs/architecture.md § Failover).
+
+    ``replays``: successor links (re)made with requests in flight, each followed by a replay; ``requests``/``frames``/
+    ``bytes``: what those replays resent; ``duplicates``: replayed frames this node received for positions it had
+    already seen (each checked equal, then dropped); ``last_stall_s``: how long the successor was away the last time,
+    from losing its link to the end of the replay; ``log_bytes``: what the replay logs hold now.
+    """
+
+    replays: int = 0
+    requests: int = 0
+    frames: int = 0
+    bytes: int = 0
+    duplicates: int = 0
+    last_stall_s: float | None = None
+    last_window: tuple[int, int] | None = None
+    log_bytes: int = 0
+
+    def to_wire(self) -> Json:
+        return {
+            "replays": self.replays,
+            "requests": self.requests,
+            "frames": self.frames,
+            "bytes": self.bytes,
+            "duplicates": self.duplicates,
+            "last_stall_s": self.last_stall_s,
+            "last_window": None if self.last_window is None else list(self.last_window),
+            "log_bytes": self.log_bytes,
+        }
+
+    @classmethod
+    def from_wire(cls, obj: Mapping[str, Any]) -> FailoverStatus:
+        obj = _obj(obj)
+        window = obj.get("last_window")
+        return cls(
+            replays=_int(obj, "replays"),
+            requests=_int(obj, "requests"),
+            frames=_int(obj, "frames"),
+            bytes=_int(obj, "bytes"),
+            duplicates=_int(obj, "duplicates"),
+            last_stall_s=_float_or_none(obj.get("last_stall_s")),
+            last_window=None if window is None else _pair(window),
+            log_bytes=_int(obj, "log_bytes"),
+        )
+
+
+@attrs.frozen
 class MarketWindow:
     """One window of the market's coverage map (a self-enrolled node's view of its ring)."""
 
@@ -190,6 +237,7 @@ class NodeStatus:
     rss_bytes: int | None = None
     #: The market's coverage map of this ring; None for a node started from a manifest.
     market: tuple[MarketWindow, ...] | None = None
+    failover: FailoverStatus = FailoverStatus()
 
     @property
     def layer_tokens(self) -> int:
@@ -214,6 +262,7 @@ class NodeStatus:
             "contribution": {"tokens": self.requests.tokens, "layer_tokens": self.layer_tokens},
             "memory": {} if self.rss_bytes is None else {"rss_bytes": self.rss_bytes},
             "market": None if self.market is None else [w.to_wire() for w in self.market],
+            "failover": self.failover.to_wire(),
         }
 
     @classmethod
@@ -244,4 +293,5 @@ class NodeStatus:
             requests=RequestCounters.from_wire(obj.get("requests") or {}),
             rss_bytes=None if rss is None else int(rss),
             market=None if market is None else tuple(MarketWindow.from_wire(w) for w in market),
+            failover=FailoverStatus.from_wire(obj.get("failover") or {}),
         )
