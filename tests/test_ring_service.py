@@ -188,6 +188,31 @@ def test_supervisor_leaves_running_ranks_alone(tmp_path: Path) -> None:
     assert proc.returncode == -signal.SIGTERM
 
 
+def test_supervisor_kills_a_node_that_stopped_answering_and_restarts_it(tmp_path: Path) -> None:
+    """A node that answered once and then misses hang_strikes probes in a row (a SIGSTOP, a deadlock) is killed and,
+    at the next check, restarted; one that never answered yet (still loading) is left alone."""
+    cmd = [sys.executable, "-c", "import time; time.sleep(60)"]
+    procs = [subprocess.Popen(cmd), subprocess.Popen(cmd)]
+    ring = LocalRing(
+        Manifest(model_sha256="0" * 64, n_layers=2, ranks=()), tmp_path, list(procs), [], None, commands=[(cmd, {})] * 2
+    )
+    answers = {0: [True, False, False, False], 1: [False] * 4}  # rank 1 never answered: loading, not hung
+    sup = Supervisor(ring, hang_strikes=3, probe_interval_s=1.0, probe=lambda rank: answers[rank].pop(0))
+    try:
+        assert sup.check(now=0.0) == []
+        assert sup.check(now=1.0) == [] and sup.check(now=2.0) == []
+        assert sup.check(now=2.5) == []  # between probes: nothing asked
+        notes = sup.check(now=3.0)
+        assert notes == ["rank 0 stopped answering (3 probes); killed it"]
+        assert procs[0].returncode == -signal.SIGKILL and procs[1].poll() is None
+        sup.probe = lambda rank: True
+        notes = sup.check(now=3.5)
+        assert notes[0].startswith("rank 0 exited with code -9; restarted as pid")
+        assert ring.processes[0] is not procs[0] and ring.processes[1] is procs[1]
+    finally:
+        ring.stop()
+
+
 def test_default_threads_share_the_cores() -> None:
     cores = len(os.sched_getaffinity(0))
     for n in (1, 2, 3, 8, 64):

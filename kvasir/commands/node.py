@@ -69,6 +69,13 @@ def add_parser(sub: Any) -> None:
         default="f32",
         help="encoding of the boundaries this node sends (f32 is bit-exact; default)",
     )
+    p.add_argument(
+        "--failover-wait",
+        type=float,
+        default=15.0,
+        metavar="S",
+        help="how long requests wait for a lost neighbour's window to come back before failing (default 15 s)",
+    )
     m = p.add_argument_group("self-enrollment (instead of --manifest/--rank)")
     m.add_argument("--market", metavar="URL", help="claim a window from this market and join its ring")
     m.add_argument(
@@ -148,6 +155,8 @@ def run(args: argparse.Namespace) -> int:
     keys = ["identity", "relay", "memory_budget", "threads", "gpu_layers", "api_key_file"]
     given_window = any(getattr(args, a) is not None for a in ("manifest", "rank", "model", "stage"))
     fill_from_config(args, keys if given_window else [*keys, "market"])
+    if not 0 < args.failover_wait <= 3600:
+        raise InputError(f"--failover-wait must be in (0, 3600] seconds, got {args.failover_wait}")
     if args.market is not None:
         if args.manifest is not None or args.rank is not None or args.model is not None or args.stage is not None:
             raise InputError("--market starts an empty node: drop --manifest, --rank, --model and --stage")
@@ -187,6 +196,8 @@ async def serve_node(manifest: Manifest, rank: int, config: StageConfig, args: a
             relay_connect=relay_connector(manifest, rank, identity),
             identity=identity,
             boundary_dtype=BoundaryDType[args.boundary_dtype.upper()],
+            failover_wait=args.failover_wait,
+            link_wait=max(30.0, args.failover_wait + 5.0),
         )
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with open_node(node_config, stage) as node, trio.open_nursery() as nursery:
@@ -244,6 +255,8 @@ def run_enrolled(args: argparse.Namespace) -> int:
         node_options={
             "prefill_chunk": args.prefill_chunk,
             "boundary_dtype": BoundaryDType[args.boundary_dtype.upper()],
+            "failover_wait": args.failover_wait,
+            "link_wait": max(30.0, args.failover_wait + 5.0),
         },
     )
     trio.run(serve_enrolled, config, args)

@@ -57,11 +57,29 @@ class LocalRing:
     commands: list[tuple[list[str], dict[str, str]]] = attrs.field(factory=list)
     #: The processes die with the one that started them (see :func:`spawn`).
     tied: bool = False
+    #: The relay's command line and environment, to restart it on the same port.
+    relay_command: tuple[list[str], dict[str, str]] | None = None
 
     def restart(self, rank: int) -> None:
         """Start rank ``rank`` again (after it died or was stopped), logging to the same file."""
         cmd, env = self.commands[rank]
         self.processes[rank] = spawn(cmd, env, self.run_dir / f"rank{rank}.log", append=True, tied=self.tied)
+
+    def restart_relay(self) -> None:
+        assert self.relay_command is not None
+        cmd, env = self.relay_command
+        self.relay = spawn(cmd, env, self.run_dir / "relay.log", append=True, tied=self.tied)
+
+    def answers(self, rank: int, timeout: float = 2.0) -> bool:
+        """Whether rank ``rank``'s node answers a status request on its control socket within ``timeout``."""
+        if rank >= len(self.sockets):
+            return False
+        try:
+            with ControlClient(self.sockets[rank], timeout=timeout) as c:
+                c.status()
+            return True
+        except (RingError, OSError):
+            return False
 
     def log_tail(self, rank: int, lines: int = 20) -> str:
         try:
@@ -108,33 +126,76 @@ class LocalRing:
                 p.wait()
 
 
+#: Restart-count key of the relay in :attr:`Supervisor.restarts`.
+RELAY = -1
+
+
 @attrs.define
 class Supervisor:
-    """Restarts the ring's nodes when they die, until one dies too often (a crash loop is not worth hiding).
+    """Restarts the ring's nodes (and its relay) when they die, and kills a node that stopped answering (hung: a
+    SIGSTOP, a deadlock) so that it is restarted too; until one dies too often (a crash loop is not worth hiding).
 
-    ``check`` is called periodically by the owner of the ring (``kvasir ring up``); it returns one line per restart.
+    A restarted node takes its window back and its predecessor replays the requests in flight into it
+    (docs/architecture.md § Failover). ``check`` is called periodically by the owner of the ring (``kvasir ring
+    up``); it returns one line per action. ``probe(rank)`` says whether a node answers (default: its control socket).
     """
 
     ring: LocalRing
     max_restarts: int = 5
     window_s: float = 60.0
+    #: A node that answered once and then misses this many probes in a row is killed (and then restarted).
+    hang_strikes: int = 3
+    probe_interval_s: float = 1.0
+    probe: Callable[[int], bool] | None = None
     restarts: dict[int, list[float]] = attrs.field(factory=dict)
+    strikes: dict[int, int] = attrs.field(factory=dict)
+    #: Ranks that answered since their last (re)start: only those can be hung (one still loading is not).
+    answered: set[int] = attrs.field(factory=set)
+    last_probe: float = -1e9
+
+    def _count_restart(self, key: int, now: float, what: str) -> None:
+        recent = [t for t in self.restarts.get(key, []) if now - t < self.window_s]
+        if len(recent) >= self.max_restarts:
+            tail = self.ring.log_tail(key) if key != RELAY else ""
+            raise RingError(f"{what} after {len(recent)} restarts in {self.window_s:.0f} s:\n{tail}")
+        self.restarts[key] = [*recent, now]
 
     def check(self, now: float | None = None) -> list[str]:
         now = time.monotonic() if now is None else now
-        if self.ring.relay is not None and (code := self.ring.relay.poll()) is not None:
-            raise RingError(f"the relay exited with code {code}; every link went through it")
         notes = []
+        if self.ring.relay is not None and (code := self.ring.relay.poll()) is not None:
+            self._count_restart(RELAY, now, f"the relay exited with code {code}")
+            self.ring.restart_relay()
+            assert self.ring.relay is not None
+            notes.append(f"the relay exited with code {code}; restarted as pid {self.ring.relay.pid}")
         for rank, code in self.ring.dead():
-            recent = [t for t in self.restarts.get(rank, []) if now - t < self.window_s]
-            if len(recent) >= self.max_restarts:
-                raise RingError(
-                    f"rank {rank} exited with code {code} after {len(recent)} restarts in {self.window_s:.0f} s:\n"
-                    f"{self.ring.log_tail(rank)}"
-                )
-            self.restarts[rank] = [*recent, now]
+            self._count_restart(rank, now, f"rank {rank} exited with code {code}")
             self.ring.restart(rank)
+            self.answered.discard(rank)
+            self.strikes.pop(rank, None)
             notes.append(f"rank {rank} exited with code {code}; restarted as pid {self.ring.processes[rank].pid}")
+        if now - self.last_probe >= self.probe_interval_s:
+            self.last_probe = now
+            notes += self._probe_all()
+        return notes
+
+    def _probe_all(self) -> list[str]:
+        probe = self.probe or self.ring.answers
+        notes = []
+        for rank, proc in enumerate(self.ring.processes):
+            if proc.poll() is not None:
+                continue
+            if probe(rank):
+                self.answered.add(rank)
+                self.strikes.pop(rank, None)
+                continue
+            if rank not in self.answered:
+                continue
+            self.strikes[rank] = self.strikes.get(rank, 0) + 1
+            if self.strikes[rank] >= self.hang_strikes:
+                proc.kill()  # SIGKILL works on a stopped process too; the next check restarts it
+                proc.wait()
+                notes.append(f"rank {rank} stopped answering ({self.strikes[rank]} probes); killed it")
         return notes
 
 
@@ -237,6 +298,7 @@ def _launch(
                 tmp.chmod(0o600)
             relay_cmd += ["--secret-file", str(secret_file)]
         ring.relay = spawn(relay_cmd, env, run_dir / "relay.log", tied=tied)
+        ring.relay_command = (relay_cmd, env)
         ring.relay_url = f"ws://{host}:{relay_port}"
         wait_listening(host, relay_port, ring.relay, timeout=30)
         extra_args = [*extra_args, "--relay", ring.relay_url]

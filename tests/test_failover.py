@@ -1,0 +1,125 @@
+"""Failover on real rings: node processes on loopback running llama.cpp stages, a supervisor that restarts the dead
+and kills the hung (as ``kvasir ring up`` does), and SIGKILL/SIGSTOP mid-answer. The text must not change."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvasir.control.client import ControlClient
+from kvasir.local.launcher import LocalRing, Supervisor
+from tests.ringutil import running_ring
+
+PROMPT = "The old lighthouse keeper climbed the stairs each night and"
+WINDOWS = [(0, 6), (6, 12), (12, 18)]
+MAX_TOKENS = 64
+FAULT_AT = 16
+
+
+@contextlib.contextmanager
+def supervised(ring: LocalRing) -> Iterator[list[str]]:
+    """Run a Supervisor over ``ring`` in a thread (as ``kvasir ring up`` does); yields its notes."""
+    notes: list[str] = []
+    stop = threading.Event()
+    sup = Supervisor(ring, probe_interval_s=0.5)
+
+    def loop() -> None:
+        while not stop.is_set():
+            notes.extend(sup.check())
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=loop, daemon=True)
+    thread.start()
+    try:
+        yield notes
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+
+
+def stream(sock: Path, fault: Any = None, **params: Any) -> tuple[list[int], dict[str, Any]]:
+    tokens: list[int] = []
+    with ControlClient(sock, timeout=120) as c:
+        for msg in c.generate(prompt=PROMPT, max_tokens=MAX_TOKENS, **params):
+            if msg.get("type") == "token" and msg["token"] >= 0:
+                tokens.append(msg["token"])
+                if len(tokens) == FAULT_AT and fault is not None:
+                    fault()
+            elif msg.get("type") == "end":
+                return tokens, msg
+    raise AssertionError("no end message")
+
+
+def failover_status(ring: LocalRing, rank: int) -> dict[str, Any]:
+    with ControlClient(ring.sockets[rank], timeout=30) as c:
+        status: dict[str, Any] = c.status()["failover"]
+        return status
+
+
+def wait_ready(ring: LocalRing, limit: float = 90.0) -> None:
+    deadline = time.monotonic() + limit
+    while True:
+        try:
+            ring.wait_ready(timeout=max(1.0, deadline - time.monotonic()))
+            return
+        except Exception:  # a rank the supervisor is restarting right now
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def gemma_ring(gemma_path: Path, cache_dir: Path) -> Iterator[LocalRing]:
+    with running_ring(gemma_path, WINDOWS, cache_dir) as ring:
+        yield ring
+
+
+@pytest.mark.parametrize("params", [{"temperature": 0.0}, {"temperature": 0.8, "seed": 1234}], ids=["greedy", "t0.8"])
+@pytest.mark.parametrize(("victim", "entry"), [(1, 0), (2, 0), (0, 1)], ids=["middle", "last", "rank0"])
+def test_sigkill_mid_answer_gives_the_fault_free_text(
+    gemma_ring: LocalRing, victim: int, entry: int, params: dict[str, Any]
+) -> None:
+    """SIGKILL of a rank at token 16 of 64: the supervisor restarts it, its predecessor replays the request into the
+    new process, and the client gets exactly the tokens of a run without the fault, with no error."""
+    ring = gemma_ring
+    wait_ready(ring)
+    want, end = stream(ring.sockets[entry], **params)
+    assert end["reason"] == "max_tokens" and len(want) == MAX_TOKENS
+    predecessor = (victim - 1) % len(WINDOWS)
+    before = failover_status(ring, predecessor)["replays"]
+    with supervised(ring) as notes:
+
+        def kill() -> None:
+            ring.processes[victim].kill()
+
+        started = time.monotonic()
+        got, end = stream(ring.sockets[entry], fault=kill, **params)
+        took = time.monotonic() - started
+        wait_ready(ring)
+    assert end["reason"] == "max_tokens" and end.get("error") is None, end
+    assert got == want, f"diverged at {next(i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b)}"
+    assert any(f"rank {victim} exited" in n for n in notes), notes
+    status = failover_status(ring, predecessor)
+    assert status["replays"] > before and status["last_window"] == list(WINDOWS[victim]), status
+    print(f"victim {victim} {params}: answer took {took:.2f} s, stall {status['last_stall_s']} s")
+
+
+def test_a_hung_node_is_killed_restarted_and_the_answer_is_unchanged(gemma_ring: LocalRing) -> None:
+    """SIGSTOP of the middle rank mid-answer: its neighbours drop it after a few keepalives, the supervisor sees it
+    stopped answering, kills and restarts it, and the request completes with the fault-free text."""
+    ring = gemma_ring
+    wait_ready(ring)
+    want, _ = stream(ring.sockets[0])
+    with supervised(ring) as notes:
+        got, end = stream(ring.sockets[0], fault=lambda: ring.processes[1].send_signal(signal.SIGSTOP))
+        wait_ready(ring)
+    assert end["reason"] == "max_tokens" and end.get("error") is None, end
+    assert got == want
+    assert any("rank 1 stopped answering" in n for n in notes) and any("rank 1 exited" in n for n in notes), notes
