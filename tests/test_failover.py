@@ -4,6 +4,7 @@ and kills the hung (as ``kvasir ring up`` does), and SIGKILL/SIGSTOP mid-answer.
 from __future__ import annotations
 
 import contextlib
+import re
 import signal
 import threading
 import time
@@ -123,3 +124,21 @@ def test_a_hung_node_is_killed_restarted_and_the_answer_is_unchanged(gemma_ring:
     assert end["reason"] == "max_tokens" and end.get("error") is None, end
     assert got == want
     assert any("rank 1 stopped answering" in n for n in notes) and any("rank 1 exited" in n for n in notes), notes
+
+
+def test_status_and_the_tui_show_the_failover(gemma_ring: LocalRing) -> None:
+    """After the faults above, rank 0 (the middle rank's predecessor) shows its replays in ``kvasir status`` and in
+    the TUI's node panel."""
+    from kvasir.tui.model import NodeModel
+    from kvasir.tui.widgets import render_node
+    from tests.conftest import run_cli
+
+    wait_ready(gemma_ring)
+    out = run_cli("status", "--socket", str(gemma_ring.sockets[0]))
+    assert out.returncode == 0, out.stderr
+    line = next(x for x in out.stdout.splitlines() if x.startswith("failover:"))
+    assert re.match(r"failover: [1-9]\d* replays", line) and "last: layers 6:12 back after" in line, line
+    with ControlClient(gemma_ring.sockets[0], timeout=30) as c:
+        model = NodeModel()
+        model.apply({"type": "status", "status": c.status()})
+    assert "failover" in render_node(model).plain and "last: layers 6:12" in render_node(model).plain

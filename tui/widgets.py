@@ -255,6 +255,16 @@ def render_node(model: NodeModel) -> Text:
             f"{req.get('requests', 0)} total · {req.get('errors', 0)} errors",
         ),
     ]
+    fo = st.get("failover") or {}
+    if fo.get("replays"):  # shown once this node has replayed requests into a successor that came back
+        window = fo.get("last_window") or ("?", "?")
+        rows.append(
+            (
+                "failover",
+                f"{fo['replays']} replays · {fo.get('requests', 0)} requests · last: layers {window[0]}:{window[1]}"
+                f" back after {fo.get('last_stall_s')} s",
+            )
+        )
     for k, (name, value) in enumerate(rows):
         t.append(f"{name:<13}", style="bold")
         t.append(value)

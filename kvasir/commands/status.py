@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from kvasir.commands.common import print_json
@@ -30,8 +31,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     c = Console()
     c.print(
-        f"[bold]{st['model']['name']}[/] rank {st['rank']}/{st['ring_size']} layers {st['window'][0]}:{st['window'][1]}"
-        f" on {st['backend']} — {'[green]ready[/]' if st['ready'] else '[yellow]linking[/]'}"
+        f"[bold]{escape(str(st['model']['name']))}[/] rank {st['rank']}/{st['ring_size']} layers {st['window'][0]}:{st['window'][1]}"
+        f" on {escape(str(st['backend']))} — {'[green]ready[/]' if st['ready'] else '[yellow]linking[/]'}"
     )
     t = Table("rank", "layers", "address")
     for r in st["ranks"]:
@@ -48,5 +49,20 @@ def run(args: argparse.Namespace) -> int:
             str(link.get("rtt_ms") or "-"),
         )
     c.print(lt)
-    c.print(f"requests: {st['requests']}  contribution: {st['contribution']}  memory: {st['memory']}")
+    c.print(
+        f"requests: {st['requests']}  contribution: {st['contribution']}  memory: {st['memory']}",
+        markup=False,
+        soft_wrap=True,
+    )
+    c.print(failover_line(st.get("failover") or {}), markup=False, soft_wrap=True)
     return 0
+
+
+def failover_line(f: dict[str, Any]) -> str:
+    """One line on what this node replayed into a successor that came back (docs/architecture.md § Failover)."""
+    head = f"failover: {f.get('replays', 0)} replays, {f.get('requests', 0)} requests replayed"
+    head += f", {f.get('duplicates', 0)} duplicate frames dropped, replay log {f.get('log_bytes', 0)} bytes"
+    if f.get("last_window") is not None:
+        a, b = f["last_window"]
+        head += f"; last: layers {a}:{b} back after {f.get('last_stall_s')} s"
+    return head
