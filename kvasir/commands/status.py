@@ -31,7 +31,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     c = Console()
     c.print(
-        f"[bold]{escape(str(st['model']['name']))}[/] rank {st['rank']}/{st['ring_size']} layers {st['window'][0]}:{st['window'][1]}"
+        f"[bold]{escape(str(st['model']['name']))}[/] rank {st['rank']}/{st['ring_size']}"
+        f" layers {st['window'][0]}:{st['window'][1]}"
         f" on {escape(str(st['backend']))} — {'[green]ready[/]' if st['ready'] else '[yellow]linking[/]'}"
     )
     t = Table("rank", "layers", "address")
