@@ -296,6 +296,7 @@ class Node:
         ring-circling frames. A new holder of the window rebuilds each request's state from them exactly; a holder
         that kept its state recognises what it has seen (checking it is identical) and drops it."""
         started = trio.current_time()
+        self._succ_gen += 1  # the window is back: pending give-up timers are stale (a long replay must not trip them)
         successor = (self.rank + 1) % self.manifest.size
         horizon = started - (self.config.failover_wait + self.config.link_wait)
         states = [s for s in self.requests if not s.done and (s.sent or s.start.entry_rank == successor)]
