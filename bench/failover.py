@@ -142,7 +142,16 @@ def soak(model: Path, seconds: float, every: float, clients: int, threads: int, 
     rng = random.Random(seed)
     windows = SPLITS["even 6/6/6"]
     ring = start_ring(model, windows, default_cache_dir(), threads=threads, ctx=512)
-    results = {"completed": 0, "identical": 0, "different": 0, "lost_at_killed_entry": 0, "errors": 0, "kills": 0}
+    results: dict[str, Any] = {
+        "completed": 0,
+        "identical": 0,
+        "different": 0,
+        "lost_at_killed_entry": 0,
+        "entry_down_retried": 0,
+        "errors": 0,
+        "kills": 0,
+    }
+    messages: list[str] = []
     try:
         ring.wait_ready(180)
         jobs = []
@@ -162,19 +171,29 @@ def soak(model: Path, seconds: float, every: float, clients: int, threads: int, 
                 entry = crng.randrange(len(windows))
                 t0 = time.monotonic()
                 try:
+                    with ControlClient(ring.sockets[entry], timeout=5):
+                        pass
+                except OSError:  # that node is down right now (being restarted): pick another
+                    with lock:
+                        results["entry_down_retried"] += 1
+                    time.sleep(0.5)
+                    continue
+                try:
                     res = run(ring.sockets[entry], ids, 48, **params)
-                except (RingError, OSError, ValueError):
+                except (RingError, OSError, ValueError) as exc:
                     with lock:
                         # Its entry node was killed while it streamed: lost by design. Anything else is an error.
                         if any(r == entry and at >= t0 for at, r in killed_ranks):
                             results["lost_at_killed_entry"] += 1
                         else:
                             results["errors"] += 1
+                            messages.append(f"entry {entry}: {exc!r}")
                     time.sleep(1.0)
                     continue
                 with lock:
                     if res["end"].get("error") is not None:
                         results["errors"] += 1
+                        messages.append(f"entry {entry}: {res['end'].get('code')}: {res['end'].get('error')}")
                     else:
                         results["completed"] += 1
                         results["identical" if res["tokens"] == want else "different"] += 1
@@ -197,6 +216,8 @@ def soak(model: Path, seconds: float, every: float, clients: int, threads: int, 
             results["restarts"] = sum("exited" in n for n in sup.notes)
     finally:
         ring.stop()
+    for m in messages:
+        print("error:", m)
     return results
 
 

@@ -16,6 +16,7 @@ import pytest
 
 from kvasir.control.client import ControlClient
 from kvasir.local.launcher import LocalRing, Supervisor
+from tests.netns import carrier_nat, netns_unavailable, phone_ring, set_link
 from tests.ringutil import running_ring
 
 PROMPT = "The old lighthouse keeper climbed the stairs each night and"
@@ -142,3 +143,49 @@ def test_status_and_the_tui_show_the_failover(gemma_ring: LocalRing) -> None:
         model = NodeModel()
         model.apply({"type": "status", "status": c.status()})
     assert "failover" in render_node(model).plain and "last: layers 6:12" in render_node(model).plain
+
+
+def test_the_relay_killed_mid_answer_is_restarted_and_the_answer_is_unchanged(
+    gemma_path: Path, cache_dir: Path
+) -> None:
+    """Every link through one relay, which is SIGKILLed at token 16: the supervisor restarts it on its port, every
+    edge re-pairs, each node replays into its successor, and the text is the fault-free one."""
+    with running_ring(gemma_path, WINDOWS, cache_dir, relay=True) as ring:
+        want, _ = stream(ring.sockets[0])
+        assert ring.relay is not None
+        with supervised(ring) as notes:
+            got, end = stream(ring.sockets[0], fault=lambda: ring.relay.kill() if ring.relay else None)
+            wait_ready(ring)
+        assert end["reason"] == "max_tokens" and end.get("error") is None, end
+        assert got == want
+        assert any("the relay exited" in n for n in notes), notes
+
+
+@pytest.mark.skipif(netns_unavailable() is not None, reason=str(netns_unavailable()))
+def test_a_link_cut_for_ten_seconds_gives_the_fault_free_text(
+    gemma_path: Path, cache_dir: Path, tmp_path: Path
+) -> None:
+    """The phone (rank 1, behind a carrier NAT, both edges through a relay) loses its network for 10 s at token 16:
+    its neighbours drop the silent links after a few keepalives and hold the request; when the network is back the
+    edges re-pair, the replays bring what was lost in transit, and the text is the fault-free one."""
+    with carrier_nat() as nat, phone_ring(nat, gemma_path, WINDOWS, cache_dir, tmp_path) as ring:
+        want, _ = stream(ring.sockets[0])
+        restored = threading.Event()
+
+        def cut() -> None:
+            set_link(nat, up=False)
+
+            def restore() -> None:
+                time.sleep(10)
+                set_link(nat, up=True)
+                restored.set()
+
+            threading.Thread(target=restore, daemon=True).start()
+
+        started = time.monotonic()
+        got, end = stream(ring.sockets[0], fault=cut)
+        took = time.monotonic() - started
+        assert restored.is_set() and took > 10  # the answer went on only after the network came back
+        assert end["reason"] == "max_tokens" and end.get("error") is None, end
+        assert got == want
+        assert failover_status(ring, 0)["replays"] >= 1

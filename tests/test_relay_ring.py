@@ -11,12 +11,8 @@ from pathlib import Path
 import pytest
 
 from kvasir.control.client import ControlClient
-from kvasir.core.identity import create_identity
-from kvasir.local.launcher import LocalRing
-from kvasir.relay.ringlink import grant_relay_edges
-from kvasir.ring.manifest import Manifest, RankEntry, load_manifest
-from kvasir.shard.cache import model_sha256, stage_files
-from tests.netns import PHONE_IP, PUB_IP, carrier_nat, listening_tcp, netns_unavailable
+from kvasir.ring.manifest import load_manifest
+from tests.netns import PHONE_IP, carrier_nat, listening_tcp, netns_unavailable, phone_ring
 from tests.ringutil import ring_generate, running_ring, whole_model_tokens
 
 PROMPT = "The relay bridges one ring edge"
@@ -51,91 +47,23 @@ def test_phone_behind_carrier_nat_as_middle_stage(
 ) -> None:
     model = tiny_model("llama", "q8_0")
     want = whole_model_tokens(model, PROMPT, 12)
-    windows = [(0, 2), (2, 4), (4, 6)]
-    paths = stage_files(model, windows, cache_dir)
-    manifest = Manifest(
-        model_sha256=model_sha256(model, cache_dir),
-        n_layers=6,
-        ranks=(
-            RankEntry(0, 0, 2, PUB_IP, 7100, str(paths[0]), link="direct"),  # edge 2 -> 0: direct TCP in "pub"
-            RankEntry(1, 2, 4, PHONE_IP, 7101, str(paths[1]), link="relay"),  # the phone: both edges relayed
-            RankEntry(2, 4, 6, PUB_IP, 7102, str(paths[2]), link="relay"),
-        ),
-        relay=f"ws://{PUB_IP}:8443",
-    )
-    # A keyed ring: each rank its own key, the relay edges granted by an operator key the relay trusts.
-    manifest = manifest.with_keys([create_identity(tmp_path / f"rank{k}.pem").public for k in range(3)])
-    operator = create_identity(tmp_path / "operator.pem")
-    manifest = grant_relay_edges(manifest, operator, int(time.time()) + 3600)
-    manifest.write(tmp_path / "ring.toml")
-    with carrier_nat() as nat:
-        logs = [(tmp_path / f"{name}.log").open("wb") for name in ("relay", "rank0", "rank1", "rank2")]
-        relay = subprocess.Popen(
+    with carrier_nat() as nat, phone_ring(nat, model, [(0, 2), (2, 4), (4, 6)], cache_dir, tmp_path) as ring:
+        # The NAT is real: nothing in "pub" can open a connection to the phone.
+        probe = subprocess.run(
             [
                 *nat.exec_prefix(nat.pub),
                 sys.executable,
-                "-m",
-                "kvasir",
-                "relay",
-                "--listen",
-                f"{PUB_IP}:8443",
-                "--trust-key",
-                operator.public.to_text(),
+                "-c",
+                f"import socket; socket.create_connection(('{PHONE_IP}', 7101), timeout=2)",
             ],
-            stdout=logs[0],
-            stderr=subprocess.STDOUT,
+            capture_output=True,
+            text=True,
         )
-        nodes: list[subprocess.Popen[bytes]] = []
-        socks = [tmp_path / f"rank{k}.sock" for k in range(3)]
-        ring = LocalRing(manifest, tmp_path, nodes, socks, None, relay, manifest.relay)
-        try:
-            # The NAT is real: nothing in "pub" can open a connection to the phone.
-            probe = subprocess.run(
-                [
-                    *nat.exec_prefix(nat.pub),
-                    sys.executable,
-                    "-c",
-                    f"import socket; socket.create_connection(('{PHONE_IP}', 7101), timeout=2)",
-                ],
-                capture_output=True,
-                text=True,
-            )
-            assert probe.returncode != 0
-            for k, ns in enumerate((nat.pub, nat.phone, nat.pub)):
-                nodes.append(
-                    subprocess.Popen(
-                        [
-                            *nat.exec_prefix(ns),
-                            sys.executable,
-                            "-m",
-                            "kvasir",
-                            "node",
-                            "--manifest",
-                            str(tmp_path / "ring.toml"),
-                            "--rank",
-                            str(k),
-                            "--control",
-                            str(socks[k]),
-                            "--threads",
-                            "1",
-                            "--ctx",
-                            "512",
-                            "--identity",
-                            str(tmp_path / f"rank{k}.pem"),
-                        ],
-                        stdout=logs[k + 1],
-                        stderr=subprocess.STDOUT,
-                    )
-                )
-            ring.wait_ready(timeout=120)
-            got = ring_generate(socks[0], PROMPT, 12)
-            assert got["tokens"] == want
-            assert listening_tcp(nat.phone) == [], "the phone must open no listening TCP socket"
-            assert listening_tcp(nat.pub)  # while rank 0, rank 2 and the relay do listen
-        finally:
-            ring.stop()
-            for f in logs:
-                f.close()
+        assert probe.returncode != 0
+        got = ring_generate(ring.sockets[0], PROMPT, 12)
+        assert got["tokens"] == want
+        assert listening_tcp(nat.phone) == [], "the phone must open no listening TCP socket"
+        assert listening_tcp(nat.pub)  # while rank 0, rank 2 and the relay do listen
 
 
 def test_links_redial_when_the_relay_restarts(tiny_model: Callable[..., Path], cache_dir: Path) -> None:
