@@ -199,3 +199,62 @@ def test_enrollment_through_a_relay_with_the_market_inside_it(tiny_model: Callab
 
         view = wait_for(market_view, 30, "the market's map in the node's status (the TUI's coverage map)")
         assert [w["layers"] for w in view] == [[0, 2], [2, 4], [4, 6]] and all(w["reward"] > 0 for w in view)
+
+
+def test_a_killed_holder_is_replaced_by_a_waiting_claimant_and_answers_go_on(
+    gemma_path: Path, cache_dir: Path, tmp_path: Path
+) -> None:
+    """A market ring of Gemma 3 270M: the holder of the middle window is SIGKILLed at token 16 of 64; a spare node
+    that was waiting for work claims the window when the dead lease ends, fetches and loads it, its predecessor
+    replays the request into it, and the client's answer is exactly the fault-free one."""
+    with procs() as ps:
+        operator = ("--identity", str(tmp_path / "operator.pem"))
+        market = Proc("market", "--listen", "127.0.0.1:0", "--db", str(tmp_path / "market.sqlite"), *operator)
+        ps.append(market)
+        url = market.wait_line(r"listening on (http://\S+)").group(1)
+        seeder = Proc("serve-model", str(gemma_path), "--listen", "127.0.0.1:0")
+        ps.append(seeder)
+        source = seeder.wait_line(r"serving (http://\S+)").group(1)
+        windows = ("--windows", "0:6,6:12,12:18")
+        pub = Proc("market", "publish", str(gemma_path), "--url", url, "--source", source, *windows, *operator)
+        assert pub.wait(300) == 0, pub.err
+        nodes = {}
+        for k in range(3):
+            nodes[f"n{k}"] = _node(url, f"n{k}", tmp_path, "1GB", "--seed", str(k), "--ctx", "512")
+            ps.append(nodes[f"n{k}"])
+        status = {name: _enrolled(p) for name, p in nodes.items()}
+        wait_for(lambda: coverage(url)["live"], 120, "full coverage")
+        by_window = {tuple(s["window"]): name for name, s in status.items()}
+        victim, entry = by_window[(6, 12)], by_window[(0, 6)]
+        spare = _node(url, "spare", tmp_path, "1GB", "--seed", "9", "--ctx", "512")
+        ps.append(spare)
+        sock = tmp_path / f"{entry}.sock"
+
+        def answer(fault: Callable[[], None] | None) -> tuple[list[int], dict[str, Any]]:
+            tokens: list[int] = []
+            with ControlClient(sock, 300) as c:
+                for msg in c.generate(prompt=PROMPT, max_tokens=64, temperature=0.0):
+                    if msg["type"] == "token" and msg["token"] >= 0:
+                        tokens.append(msg["token"])
+                        if len(tokens) == 16 and fault is not None:
+                            fault()
+                    elif msg["type"] == "end":
+                        return tokens, msg
+            raise AssertionError("no end")
+
+        want, _ = wait_for(lambda: _ok(answer, None), 60, "a fault-free answer")
+        got, end = answer(lambda: nodes[victim].p.kill())
+        assert end["reason"] == "max_tokens" and end.get("error") is None, end
+        assert got == want
+        st = _enrolled(spare)
+        assert tuple(st["window"]) == (6, 12)
+        with ControlClient(sock, 10) as c:
+            assert c.status()["failover"]["replays"] >= 1
+
+
+def _ok(answer: Callable[..., tuple[list[int], dict[str, Any]]], fault: Any) -> tuple[list[int], dict[str, Any]] | None:
+    try:
+        tokens, end = answer(fault)
+    except Exception:
+        return None
+    return (tokens, end) if end.get("reason") == "max_tokens" else None
