@@ -173,7 +173,7 @@ def soak(model: Path, seconds: float, every: float, clients: int, threads: int, 
                 try:
                     with ControlClient(ring.sockets[entry], timeout=5):
                         pass
-                except OSError:  # that node is down right now (being restarted): pick another
+                except (RingError, OSError):  # that node is down right now (being restarted): pick another
                     with lock:
                         results["entry_down_retried"] += 1
                     time.sleep(0.5)
