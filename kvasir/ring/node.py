@@ -260,6 +260,11 @@ class Node:
         break is expected back (the same node relinking, a restart, a standby, a claimant), and its predecessor then
         replays them into it (:meth:`_replay`). Only if it stays away for ``failover_wait`` do they fail, on every
         node: the node after the break sends LINK_LOST round the ring to the node before it."""
+        in_flight = sum(1 for state in self.requests if not state.done)
+        log.warning(
+            "rank %d lost its %s link; holding %d request(s) up to %.0f s for the window to come back",
+            self.rank, side.value, in_flight, self.config.failover_wait,
+        )  # fmt: skip
         if side is Side.PREDECESSOR:
             self._pred_gen += 1
             self._nursery.start_soon(self._fail_if_predecessor_stays_away, self._pred_gen)
