@@ -18,8 +18,6 @@ connection died with it, by design).
 from __future__ import annotations
 
 import argparse
-import random
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -30,55 +28,11 @@ from rich.table import Table
 from kvasir.control.client import ControlClient
 from kvasir.demo import demo_model_path
 from kvasir.errors import RingError
-from kvasir.local.launcher import LocalRing, Supervisor, start_ring
+from kvasir.local.launcher import LocalRing, start_ring
 from kvasir.shard.cache import default_cache_dir
+from kvasir.testing.faults import Supervised, prompt_ids, soak, stream
 
 SPLITS = {"even 6/6/6": [(0, 6), (6, 12), (12, 18)], "big middle 2/14/2": [(0, 2), (2, 16), (16, 18)]}
-
-
-def prompt_ids(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [2, *(rng.randrange(1000, 20000) for _ in range(n - 1))]
-
-
-def run(sock: Path, tokens: list[int], max_tokens: int, fault: Any = None, at: int = 4, **params: Any) -> dict[str, Any]:
-    """One request: its tokens, the times they arrived, its end."""
-    got: list[int] = []
-    times: list[float] = []
-    started = time.perf_counter()
-    with ControlClient(sock, timeout=600) as c:
-        for msg in c.generate(tokens=tokens, max_tokens=max_tokens, **params):
-            if msg.get("type") == "token" and msg["token"] >= 0:
-                got.append(msg["token"])
-                times.append(time.perf_counter())
-                if fault is not None and len(got) == at:
-                    fault()
-            elif msg.get("type") == "end":
-                return {"tokens": got, "times": times, "started": started, "end": msg}
-    raise RingError("no end message")
-
-
-class Supervised:
-    """Supervisor.check in a thread, as ``kvasir ring up`` runs it."""
-
-    def __init__(self, ring: LocalRing) -> None:
-        self.sup = Supervisor(ring, probe_interval_s=0.5, max_restarts=100)
-        self.notes: list[str] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            self.notes.extend(self.sup.check())
-            time.sleep(0.1)
-
-    def __enter__(self) -> Supervised:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=30)
 
 
 def ready_after(ring: LocalRing, rank: int, since: float, limit: float = 120) -> float:
@@ -104,22 +58,22 @@ def stall_rows(model: Path, contexts: list[int], threads: int) -> list[list[str]
             with Supervised(ring):
                 for n in contexts:
                     ids = prompt_ids(n, n)
-                    base = run(ring.sockets[0], ids, 12)
-                    steps = [b - a for a, b in zip(base["times"], base["times"][1:], strict=False)]
+                    base = stream(ring.sockets[0], tokens=ids, max_tokens=12)
+                    steps = [b - a for a, b in zip(base.times, base.times[1:], strict=False)]
                     step = sorted(steps)[len(steps) // 2]
-                    ttft = base["times"][0] - base["started"]
+                    ttft = base.times[0] - base.started
                     killed: dict[str, float] = {}
 
                     def kill(ring: LocalRing = ring, killed: dict[str, float] = killed) -> None:
                         killed["at"] = time.perf_counter()
                         ring.processes[1].kill()
 
-                    faulted = run(ring.sockets[0], ids, 12, fault=kill)
+                    faulted = stream(ring.sockets[0], tokens=ids, max_tokens=12, fault=kill, at=4)
                     restart = ready_after(ring, 1, killed["at"])
-                    gaps = [b - a for a, b in zip(faulted["times"], faulted["times"][1:], strict=False)]
+                    gaps = [b - a for a, b in zip(faulted.times, faulted.times[1:], strict=False)]
                     with ControlClient(ring.sockets[0], timeout=10) as c:
                         fo = c.status()["failover"]
-                    same = faulted["tokens"] == base["tokens"] and faulted["end"].get("error") is None
+                    same = faulted.tokens == base.tokens and faulted.ok
                     rows.append(
                         [
                             split_name,
@@ -138,87 +92,16 @@ def stall_rows(model: Path, contexts: list[int], threads: int) -> list[list[str]
     return rows
 
 
-def soak(model: Path, seconds: float, every: float, clients: int, threads: int, seed: int) -> dict[str, Any]:
-    rng = random.Random(seed)
-    windows = SPLITS["even 6/6/6"]
-    ring = start_ring(model, windows, default_cache_dir(), threads=threads, ctx=512)
-    results: dict[str, Any] = {
-        "completed": 0,
-        "identical": 0,
-        "different": 0,
-        "lost_at_killed_entry": 0,
-        "entry_down_retried": 0,
-        "errors": 0,
-        "kills": 0,
-    }
-    messages: list[str] = []
+def soak_run(model: Path, seconds: float, every: float, clients: int, threads: int, seed: int) -> dict[str, Any]:
+    ring = start_ring(model, SPLITS["even 6/6/6"], default_cache_dir(), threads=threads, ctx=512)
     try:
         ring.wait_ready(180)
-        jobs = []
-        for k in range(clients):
-            params = {"temperature": 0.0} if k % 2 == 0 else {"temperature": 0.8, "seed": 100 + k}
-            ids = prompt_ids(24 + 8 * k, 1000 + k)
-            want = run(ring.sockets[0], ids, 48, **params)["tokens"]
-            jobs.append((ids, params, want))
-        stop = threading.Event()
-        lock = threading.Lock()
-        killed_ranks: list[tuple[float, int]] = []
-
-        def client(k: int) -> None:
-            ids, params, want = jobs[k]
-            crng = random.Random(seed * 100 + k)
-            while not stop.is_set():
-                entry = crng.randrange(len(windows))
-                t0 = time.monotonic()
-                try:
-                    with ControlClient(ring.sockets[entry], timeout=5):
-                        pass
-                except (RingError, OSError):  # that node is down right now (being restarted): pick another
-                    with lock:
-                        results["entry_down_retried"] += 1
-                    time.sleep(0.5)
-                    continue
-                try:
-                    res = run(ring.sockets[entry], ids, 48, **params)
-                except (RingError, OSError, ValueError) as exc:
-                    with lock:
-                        # Its entry node was killed while it streamed: lost by design. Anything else is an error.
-                        if any(r == entry and at >= t0 for at, r in killed_ranks):
-                            results["lost_at_killed_entry"] += 1
-                        else:
-                            results["errors"] += 1
-                            messages.append(f"entry {entry}: {exc!r}")
-                    time.sleep(1.0)
-                    continue
-                with lock:
-                    if res["end"].get("error") is not None:
-                        results["errors"] += 1
-                        messages.append(f"entry {entry}: {res['end'].get('code')}: {res['end'].get('error')}")
-                    else:
-                        results["completed"] += 1
-                        results["identical" if res["tokens"] == want else "different"] += 1
-
-        with Supervised(ring) as sup:
-            threads_ = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(clients)]
-            for t in threads_:
-                t.start()
-            end = time.monotonic() + seconds
-            while time.monotonic() < end:
-                time.sleep(every)
-                victim = rng.randrange(len(windows))
-                with lock:
-                    killed_ranks.append((time.monotonic(), victim))
-                ring.processes[victim].kill()
-                results["kills"] += 1
-            stop.set()
-            for t in threads_:
-                t.join(timeout=300)
-            results["restarts"] = sum("exited" in n for n in sup.notes)
+        res = soak(ring, seconds=seconds, every=every, clients=clients, seed=seed)
     finally:
         ring.stop()
-    for m in messages:
+    for m in res.pop("messages"):
         print("error:", m)
-    return results
+    return res
 
 
 def main() -> None:
@@ -251,7 +134,7 @@ def main() -> None:
             t.add_row(*r)
         console.print(t)
     if args.soak:
-        res = soak(model, args.soak, args.every, args.clients, args.threads, args.seed)
+        res = soak_run(model, args.soak, args.every, args.clients, args.threads, args.seed)
         t = Table(*res.keys(), title=f"{args.soak:.0f} s, a random node killed every {args.every:.0f} s")
         t.add_row(*(str(v) for v in res.values()))
         console.print(t)

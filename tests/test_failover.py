@@ -3,7 +3,6 @@ and kills the hung (as ``kvasir ring up`` does), and SIGKILL/SIGSTOP mid-answer.
 
 from __future__ import annotations
 
-import contextlib
 import re
 import signal
 import threading
@@ -15,7 +14,8 @@ from typing import Any
 import pytest
 
 from kvasir.control.client import ControlClient
-from kvasir.local.launcher import LocalRing, Supervisor
+from kvasir.local.launcher import LocalRing
+from kvasir.testing import faults
 from tests.netns import carrier_nat, netns_unavailable, phone_ring, set_link
 from tests.ringutil import running_ring
 
@@ -25,38 +25,9 @@ MAX_TOKENS = 64
 FAULT_AT = 16
 
 
-@contextlib.contextmanager
-def supervised(ring: LocalRing) -> Iterator[list[str]]:
-    """Run a Supervisor over ``ring`` in a thread (as ``kvasir ring up`` does); yields its notes."""
-    notes: list[str] = []
-    stop = threading.Event()
-    sup = Supervisor(ring, probe_interval_s=0.5)
-
-    def loop() -> None:
-        while not stop.is_set():
-            notes.extend(sup.check())
-            time.sleep(0.2)
-
-    thread = threading.Thread(target=loop, daemon=True)
-    thread.start()
-    try:
-        yield notes
-    finally:
-        stop.set()
-        thread.join(timeout=10)
-
-
-def stream(sock: Path, fault: Any = None, **params: Any) -> tuple[list[int], dict[str, Any]]:
-    tokens: list[int] = []
-    with ControlClient(sock, timeout=120) as c:
-        for msg in c.generate(prompt=PROMPT, max_tokens=MAX_TOKENS, **params):
-            if msg.get("type") == "token" and msg["token"] >= 0:
-                tokens.append(msg["token"])
-                if len(tokens) == FAULT_AT and fault is not None:
-                    fault()
-            elif msg.get("type") == "end":
-                return tokens, msg
-    raise AssertionError("no end message")
+def answer(sock: Path, fault: Any = None, **params: Any) -> tuple[list[int], dict[str, Any]]:
+    res = faults.stream(sock, prompt=PROMPT, max_tokens=MAX_TOKENS, fault=fault, at=FAULT_AT, **params)
+    return res.tokens, res.end
 
 
 def failover_status(ring: LocalRing, rank: int) -> dict[str, Any]:
@@ -79,7 +50,9 @@ def wait_ready(ring: LocalRing, limit: float = 90.0) -> None:
 
 @pytest.fixture(scope="module")
 def gemma_ring(gemma_path: Path, cache_dir: Path) -> Iterator[LocalRing]:
-    with running_ring(gemma_path, WINDOWS, cache_dir) as ring:
+    # 16 sequences for 8 clients: requests that entered at a killed node hold theirs until it is back and the replay
+    # of their START tells the ring their client is gone.
+    with running_ring(gemma_path, WINDOWS, cache_dir, seqs=16) as ring:
         yield ring
 
 
@@ -92,22 +65,22 @@ def test_sigkill_mid_answer_gives_the_fault_free_text(
     new process, and the client gets exactly the tokens of a run without the fault, with no error."""
     ring = gemma_ring
     wait_ready(ring)
-    want, end = stream(ring.sockets[entry], **params)
+    want, end = answer(ring.sockets[entry], **params)
     assert end["reason"] == "max_tokens" and len(want) == MAX_TOKENS
     predecessor = (victim - 1) % len(WINDOWS)
     before = failover_status(ring, predecessor)["replays"]
-    with supervised(ring) as notes:
+    with faults.Supervised(ring) as sup:
 
         def kill() -> None:
             ring.processes[victim].kill()
 
         started = time.monotonic()
-        got, end = stream(ring.sockets[entry], fault=kill, **params)
+        got, end = answer(ring.sockets[entry], fault=kill, **params)
         took = time.monotonic() - started
         wait_ready(ring)
     assert end["reason"] == "max_tokens" and end.get("error") is None, end
     assert got == want, f"diverged at {next(i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b)}"
-    assert any(f"rank {victim} exited" in n for n in notes), notes
+    assert any(f"rank {victim} exited" in n for n in sup.notes), sup.notes
     status = failover_status(ring, predecessor)
     assert status["replays"] > before and status["last_window"] == list(WINDOWS[victim]), status
     print(f"victim {victim} {params}: answer took {took:.2f} s, stall {status['last_stall_s']} s")
@@ -118,13 +91,14 @@ def test_a_hung_node_is_killed_restarted_and_the_answer_is_unchanged(gemma_ring:
     stopped answering, kills and restarts it, and the request completes with the fault-free text."""
     ring = gemma_ring
     wait_ready(ring)
-    want, _ = stream(ring.sockets[0])
-    with supervised(ring) as notes:
-        got, end = stream(ring.sockets[0], fault=lambda: ring.processes[1].send_signal(signal.SIGSTOP))
+    want, _ = answer(ring.sockets[0])
+    with faults.Supervised(ring) as sup:
+        got, end = answer(ring.sockets[0], fault=lambda: ring.processes[1].send_signal(signal.SIGSTOP))
         wait_ready(ring)
     assert end["reason"] == "max_tokens" and end.get("error") is None, end
     assert got == want
-    assert any("rank 1 stopped answering" in n for n in notes) and any("rank 1 exited" in n for n in notes), notes
+    notes = "\n".join(sup.notes)
+    assert "rank 1 stopped answering" in notes and "rank 1 exited" in notes, notes
 
 
 def test_status_and_the_tui_show_the_failover(gemma_ring: LocalRing) -> None:
@@ -151,14 +125,14 @@ def test_the_relay_killed_mid_answer_is_restarted_and_the_answer_is_unchanged(
     """Every link through one relay, which is SIGKILLed at token 16: the supervisor restarts it on its port, every
     edge re-pairs, each node replays into its successor, and the text is the fault-free one."""
     with running_ring(gemma_path, WINDOWS, cache_dir, relay=True) as ring:
-        want, _ = stream(ring.sockets[0])
+        want, _ = answer(ring.sockets[0])
         assert ring.relay is not None
-        with supervised(ring) as notes:
-            got, end = stream(ring.sockets[0], fault=lambda: ring.relay.kill() if ring.relay else None)
+        with faults.Supervised(ring) as sup:
+            got, end = answer(ring.sockets[0], fault=lambda: ring.relay.kill() if ring.relay else None)
             wait_ready(ring)
         assert end["reason"] == "max_tokens" and end.get("error") is None, end
         assert got == want
-        assert any("the relay exited" in n for n in notes), notes
+        assert any("the relay exited" in n for n in sup.notes), sup.notes
 
 
 @pytest.mark.skipif(netns_unavailable() is not None, reason=str(netns_unavailable()))
@@ -169,7 +143,7 @@ def test_a_link_cut_for_ten_seconds_gives_the_fault_free_text(
     its neighbours drop the silent links after a few keepalives and hold the request; when the network is back the
     edges re-pair, the replays bring what was lost in transit, and the text is the fault-free one."""
     with carrier_nat() as nat, phone_ring(nat, gemma_path, WINDOWS, cache_dir, tmp_path) as ring:
-        want, _ = stream(ring.sockets[0])
+        want, _ = answer(ring.sockets[0])
         restored = threading.Event()
 
         def cut() -> None:
@@ -183,9 +157,21 @@ def test_a_link_cut_for_ten_seconds_gives_the_fault_free_text(
             threading.Thread(target=restore, daemon=True).start()
 
         started = time.monotonic()
-        got, end = stream(ring.sockets[0], fault=cut)
+        got, end = answer(ring.sockets[0], fault=cut)
         took = time.monotonic() - started
         assert restored.is_set() and took > 10  # the answer went on only after the network came back
         assert end["reason"] == "max_tokens" and end.get("error") is None, end
         assert got == want
         assert failover_status(ring, 0)["replays"] >= 1
+
+
+def test_repeated_faults_under_concurrent_clients(gemma_ring: LocalRing) -> None:
+    """A random node SIGKILLed every 10 s for a minute under 8 concurrent clients (half greedy, half T=0.8 with a
+    seed), each entering at a random node: no request fails except those whose entry node was killed, and every
+    completed answer equals its fault-free answer."""
+    wait_ready(gemma_ring)
+    res = faults.soak(gemma_ring, seconds=60, every=10, clients=8, seed=5)
+    print(res)
+    assert res["errors"] == 0, res["messages"]
+    assert res["different"] == 0 and res["completed"] >= 8, res
+    assert res["kills"] >= 5 and res["restarts"] >= res["kills"], res

@@ -71,6 +71,10 @@ class SuccessorUnreachable(RingError):
     """The successor has no address yet or does not answer: the node keeps dialing (not a warning)."""
 
 
+class SuccessorLost(RingError):
+    """The successor link broke while a frame was being sent on it (the frame may not have arrived)."""
+
+
 class Transport(Protocol):
     """How direct links are made; TCP in a real ring, memory streams in fast tests (kvasir.testing.fakestage)."""
 
@@ -183,6 +187,7 @@ class LinkManager:
         self.predecessor_state = "waiting"
         self.successor_state = "starting"
         self._succ_ready = trio.Event()
+        self._replaying = False
         self._succ_scope: trio.CancelScope | None = None
         #: When the successor's unanswered ping went out (trio clock); its echo measures the hop's round trip.
         self._ping_sent: float | None = None
@@ -208,9 +213,11 @@ class LinkManager:
             self._succ_scope.cancel()
 
     async def send(self, frame: Frame) -> None:
-        """Send to the successor, waiting up to ``link_wait`` for its link; RingError if there is none."""
-        with trio.move_on_after(self.link_wait):
-            while self.successor is None:
+        """Send to the successor, waiting up to ``link_wait`` for its link (and as long as a replay into a successor
+        that came back is running: that one is not missing, only busy); RingError if there is none."""
+        deadline = trio.current_time() + self.link_wait
+        while self.successor is None and (self._replaying or trio.current_time() < deadline):
+            with trio.move_on_at(deadline if not self._replaying else trio.current_time() + 1.0):
                 await self._succ_ready.wait()
         link = self.successor
         if link is None:
@@ -218,7 +225,7 @@ class LinkManager:
         try:
             await link.send(frame)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
-            raise RingError("the successor link was lost") from None
+            raise SuccessorLost("the successor link was lost") from None
 
     def status(self) -> tuple[LinkStatus, LinkStatus]:
         """(predecessor, successor) as the status record shows them."""
@@ -456,7 +463,11 @@ class LinkManager:
             if self._on_successor_up is not None:
                 # The replay goes first: frames waiting for this link (send() blocks until _succ_ready) follow it.
                 self.successor_state = f"replaying to rank {hello.rank}"
-                await self._on_successor_up(link.send, hello)
+                self._replaying = True
+                try:
+                    await self._on_successor_up(link.send, hello)
+                finally:
+                    self._replaying = False
             self.successor, self.successor_hello = link, hello
             self._succ_ready.set()
             self.successor_state = state

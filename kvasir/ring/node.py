@@ -14,6 +14,7 @@ compute in a worker thread. ``async with open_node(config, stage) as node:`` run
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -35,7 +36,7 @@ from kvasir.errors import InputError, InvalidRequest, KvasirError, ProtocolError
 from kvasir.ring.compute import RingStage
 from kvasir.ring.edges import RelayConnect, RingEdges
 from kvasir.ring.events import EventHub
-from kvasir.ring.linkmgr import LinkManager, Transport
+from kvasir.ring.linkmgr import LinkManager, SuccessorLost, Transport
 from kvasir.ring.manifest import Manifest
 from kvasir.ring.requests import (
     REASONS,
@@ -363,12 +364,18 @@ class Node:
         if not state.done:
             state.sent.append(frame)
             state.sent_bytes += _frame_bytes(frame)
-        await self.links.send(frame)
+        try:
+            await self.links.send(frame)
+        except SuccessorLost:
+            if state.done:
+                raise
+            # It is in the replay log: the successor that comes back gets it (or the request fails after the wait).
 
     async def _send_terminal(self, frame: End | Cancel | Error) -> None:
         """Send a ring-circling END, CANCEL or ERROR, remembered for a replay (it may die with the successor)."""
         self._terminal.append((trio.current_time(), frame))
-        await self.links.send(frame)
+        with contextlib.suppress(SuccessorLost):  # kept for the replay, as above
+            await self.links.send(frame)
 
     def _boundary(self, request_id: int, pos: int, hidden: Any, *, final: bool, latest_token: int = -1) -> Boundary:
         hello = self.links.successor_hello
