@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import ssl
 import time
 from pathlib import Path
 from typing import Any
@@ -44,11 +45,13 @@ def add_parser(sub: Any) -> None:
         metavar="KEY",
         help="the key (ed25519:…) whose signature publishing needs (default: this machine's identity)",
     )
+    add_tls_arguments(p, "serve https:// (needs --tls-key)")
     add_identity_argument(p)
     p.set_defaults(run=run_serve)
     actions = p.add_subparsers(dest="action", metavar="ACTION")
     st = actions.add_parser("status", help="print coverage, demand and contributions")
     st.add_argument("--url", default=DEFAULT_URL, help="market URL (default %(default)s)")
+    add_ca_argument(st)
     st.add_argument("--json", action="store_true")
     st.set_defaults(run=run_status)
     pub = actions.add_parser("publish", help="offer a model: its record and rank manifest")
@@ -60,8 +63,35 @@ def add_parser(sub: Any) -> None:
     how.add_argument("--windows", metavar="A:B,B:C,…", help="explicit windows")
     how.add_argument("--devices", type=Path, metavar="devices.toml", help="windows from the planner for this fleet")
     pub.add_argument("--weights", default=None, metavar="W,W,…", help="reward weights of --windows (default 1 each)")
+    add_ca_argument(pub)
     add_identity_argument(pub)
     pub.set_defaults(run=run_publish)
+
+
+def add_tls_arguments(p: argparse.ArgumentParser, what: str) -> None:
+    """``--tls-cert``/``--tls-key``, as ``kvasir relay`` has them."""
+    p.add_argument("--tls-cert", type=Path, default=None, metavar="PEM", help=f"certificate chain; {what}")
+    p.add_argument("--tls-key", type=Path, default=None, metavar="PEM", help="private key for --tls-cert")
+
+
+def server_tls(args: argparse.Namespace) -> ssl.SSLContext | None:
+    """The server's TLS context from ``--tls-cert``/``--tls-key`` (None: plain HTTP)."""
+    from kvasir.errors import InputError
+    from kvasir.util.tls import server_context
+
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise InputError("--tls-cert and --tls-key go together")
+    return None if args.tls_cert is None else server_context(args.tls_cert, args.tls_key)
+
+
+def add_ca_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--market-ca",
+        type=Path,
+        default=None,
+        metavar="PEM",
+        help="CA certificates (PEM bundle) trusted besides the system's, for an https:// market",
+    )
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -69,19 +99,21 @@ def run_serve(args: argparse.Namespace) -> int:
     from kvasir.market.server.service import serve_market
 
     host, port = parse_hostport(args.listen, "--listen")
+    tls = server_tls(args)
+    scheme = "https" if tls is not None else "http"
     identity = load_or_create_identity(args.identity or default_identity_path())
     operator = PublicKey.from_text(args.operator_key) if args.operator_key else identity.public
 
     class Announce:
         def started(self, value: int | None = None) -> None:
             print(
-                f"kvasir market: listening on http://{host}:{value} (db {args.db}), operator {operator.to_text()}"
+                f"kvasir market: listening on {scheme}://{host}:{value} (db {args.db}), operator {operator.to_text()}"
                 f" (fingerprint {operator.fingerprint})",
                 flush=True,
             )
 
     serve = functools.partial(
-        serve_market, args.db, host, port, identity=identity, operator=operator, task_status=Announce()
+        serve_market, args.db, host, port, identity=identity, operator=operator, tls=tls, task_status=Announce()
     )
     trio.run(serve)
     return 0
@@ -98,12 +130,13 @@ def run_publish(args: argparse.Namespace) -> int:
         windows, origin = parse_windows(args.windows, args.weights), "explicit"
     from kvasir.core.identity import load_or_create_identity
     from kvasir.market.agent.publish import publish_signed
+    from kvasir.util.tls import client_context
 
     identity = load_or_create_identity(args.identity or default_identity_path())
     record = model_record(args.model, windows, args.source, default_cache_dir(), args.name).signed(identity)
 
     async def publish() -> None:
-        async with MarketClient(args.url, identity=identity) as market:
+        async with MarketClient(args.url, identity=identity, tls=client_context(args.market_ca)) as market:
             await publish_signed(market, identity, record, manifest_record(record, windows, origin))
 
     trio.run(publish)
@@ -113,9 +146,10 @@ def run_publish(args: argparse.Namespace) -> int:
 
 def run_status(args: argparse.Namespace) -> int:
     from kvasir.market.agent.client import MarketClient
+    from kvasir.util.tls import client_context
 
     async def fetch() -> dict[str, Any]:
-        async with MarketClient(args.url) as market:
+        async with MarketClient(args.url, tls=client_context(args.market_ca)) as market:
             return await market.status()
 
     st = trio.run(fetch)

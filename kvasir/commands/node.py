@@ -77,6 +77,19 @@ def add_parser(sub: Any) -> None:
         metavar="KEY",
         help="the market operator's key (ed25519:…): records it did not sign are refused (default: trust on first use)",
     )
+    m.add_argument(
+        "--market-ca",
+        type=Path,
+        default=None,
+        metavar="PEM",
+        help="CA certificates (PEM bundle) trusted besides the system's, for an https:// market and its sources",
+    )
+    m.add_argument(
+        "--allow-private",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="dial neighbours and fetch sources at loopback/private addresses (default: only if the market is at one)",
+    )
     m.add_argument("--memory-budget", default=None, metavar="SIZE", help="largest stage to hold (default 4GiB)")
     m.add_argument("--listen", default="127.0.0.1:0", metavar="HOST:PORT", help="link listener (default any port)")
     m.add_argument("--advertise", default=None, metavar="HOST", help="host neighbours dial (default the listen host)")
@@ -237,6 +250,8 @@ def run_enrolled(args: argparse.Namespace) -> int:
         seed=args.seed,
         relay=args.relay,
         ring_secret=ring_secret,
+        allow_private=args.allow_private,
+        market_ca=args.market_ca,
         **enroll_keys(args),
         stage_config=functools.partial(
             StageConfig, n_ctx=args.ctx, n_seq_max=args.seqs, n_threads=args.threads, n_gpu_layers=args.gpu_layers

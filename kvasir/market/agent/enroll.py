@@ -66,6 +66,7 @@ from kvasir.shard.fetch import FetchResult, fetch_window, verify_stage
 from kvasir.stage.engine import Stage, StageConfig
 from kvasir.util.addr import format_hostport, parse_hostport
 from kvasir.util.progress import byte_bar
+from kvasir.util.tls import client_context
 
 log = logging.getLogger("kvasir.enroll")
 
@@ -98,6 +99,8 @@ class EnrollConfig:
     market_key: PublicKey | None = None
     #: Whether neighbours and sources may be private or loopback addresses (None: only if the market's is).
     allow_private: bool | None = None
+    #: A PEM bundle of CAs trusted besides the system's, for an https market and https sources.
+    market_ca: Path | None = None
     #: Stage settings and node settings (everything but the manifest and rank).
     stage_config: Callable[[Path], StageConfig] = StageConfig
     node_options: dict[str, Any] = attrs.field(factory=dict)
@@ -195,7 +198,9 @@ class Enrollment:
         client: MarketClient | None = None,
     ) -> None:
         self.config = config
-        self.market = client or MarketClient(config.market_url, identity=config.identity)
+        #: How https markets and sources are verified: the system's CAs and the ``--market-ca`` bundle.
+        self.tls = client_context(config.market_ca)
+        self.market = client or MarketClient(config.market_url, identity=config.identity, tls=self.tls)
         self.draw = random.Random(config.seed)
         self.on_node = on_node
         self.node: Node | None = None
@@ -225,6 +230,8 @@ class Enrollment:
         self._avoid: dict[tuple[str, int, int], float] = {}
         self._lost = False
         self._warned_operator: PublicKey | None = None
+        #: Whether the market ever answered (a TLS failure before that is fatal, after it a passing fault).
+        self._reached = False
 
     # ------------------------------------------------------------------------------------------ main loop
 
@@ -329,6 +336,7 @@ class Enrollment:
                 await self._trust()
                 skipped: list[str] = []
                 coverage = await self.market.coverage(skipped=skipped)
+                self._reached = True
                 if skipped:
                     log.info(
                         "node %s: skipped %d malformed coverage entries: %s", cfg.node_id, len(skipped), skipped[0]
@@ -347,6 +355,8 @@ class Enrollment:
                 if exc.status == 409:
                     log.info("node %s lost the race for a window: %s", cfg.node_id, exc)
                     continue  # someone else was faster: choose again at once
+                if exc.code == "tls" and not self._reached:
+                    raise  # a market this node cannot verify from the start: a setup error, said in one line
                 log.warning("node %s: %s", cfg.node_id, exc)
             except KvasirError as exc:  # a malformed reply: wait and ask again
                 log.warning("node %s: %s", cfg.node_id, exc)
@@ -459,6 +469,7 @@ class Enrollment:
                         max_header_bytes=model.header_bytes,
                         file_bytes=model.file_bytes,
                         progress=progress,
+                        tls=self.tls,
                     )
             except Exception as exc:  # any failure of one source (KvasirError, or a bug on hostile input): next one
                 errors.append(f"{type(exc).__name__}: {exc}")
