@@ -411,6 +411,36 @@ def test_market_status_prints_hostile_strings_literally() -> None:
         assert literal in text, literal
 
 
+def test_market_status_shows_no_terminal_control_from_the_network() -> None:
+    """Issue 11 (7): a hostile model name, node id or endpoint cannot send escape sequences (clear the screen, a
+    hyperlink, retitle the terminal), carriage returns or bidi overrides, nor emoji codes or a non-number where
+    a number goes: each is shown literally, in a terminal with colour on."""
+    import io
+
+    from rich.console import Console
+
+    from kvasir.commands.market import print_status
+
+    osc_link = "\x1b]8;;http://evil.example\x1b\\click\x1b]8;;\x1b\\"
+    w = {"rank": 0, "layers": [0, 2], "bytes": "\x1b[2J", "reward": 1.0, "holder": "n\rFAKE\u202eevil",
+         "lease_expires": None, "state": "\x1b]0;title\x07", "endpoint": osc_link}  # fmt: skip
+    st = {
+        "coverage": {"now": 0.0, "models": [{"name": ":smile: \x1b[31mred", "model": SHA, "covered": 1,
+                                             "windows_total": 1, "live": True, "windows": [w]}]},
+        "demand": {"horizon_s": 600, "models": [{"name": "x" * 500, "requests": 0, "tokens": 0, "multiplier": 1.0}]},
+        "ledger": {"nodes": [{"node_id": "\x9b2J", "tokens": 1, "layer_tokens": 2, "earned": 1.0, "last": None,
+                              "confirmed_by": {"\x1b[5m": 1}}]},
+    }  # fmt: skip
+    out = io.StringIO()
+    print_status(st, Console(file=out, width=400, force_terminal=True, color_system="standard"))
+    text = out.getvalue()
+    assert "\x1b]" not in text and "\x1b[2J" not in text and "\x1b[31m" not in text and "\x1b[5m" not in text
+    assert not any(ch in text for ch in ("\r", "\x07", "\x9b", "\u202e"))
+    for literal in (":smile:", "\\x1b[31mred", "\\x1b[2J", "n\\rFAKE\\u202eevil", "\\x1b]8;;http://evil.example"):
+        assert literal in text, literal
+    assert "x" * 500 not in text  # long strings are cut
+
+
 def test_coverage_replies_are_capped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """L7: one coverage reply lists whole models up to a window cap and says when it left some out."""
     from kvasir.market.records import ManifestRecord, ModelRecord

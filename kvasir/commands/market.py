@@ -14,13 +14,14 @@ import argparse
 import functools
 import ssl
 import time
+import unicodedata
 from pathlib import Path
 from typing import Any
 
 import trio
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from kvasir.commands.common import print_json
 from kvasir.commands.id import add_identity_argument, default_identity_path
@@ -156,39 +157,86 @@ def run_status(args: argparse.Namespace) -> int:
     if args.json:
         print_json(st)
         return 0
-    print_status(st, Console())
+    try:
+        print_status(st, Console())
+    except (KeyError, TypeError, IndexError, AttributeError) as exc:  # a reply not shaped like a market's
+        from kvasir.errors import InputError
+
+        raise InputError(f"market {args.url}: malformed status reply ({type(exc).__name__})") from None
     return 0
 
 
+def shown(value: object, limit: int = 120, style: str = "") -> Text:
+    """A value from the network as plain text for the terminal (pure): never markup, emoji codes or control
+    characters (escape sequences, carriage returns, bidi overrides are shown as ``\\x1b``, ``\\u202e``), and cut
+    to ``limit`` characters."""
+    text = str(value)
+    out = "".join(
+        ch if unicodedata.category(ch) not in ("Cc", "Cf", "Cs", "Zl", "Zp") else ascii(ch)[1:-1]
+        for ch in text[: limit + 1]
+    )
+    return Text(out[:limit] + ("…" if len(out) > limit else ""), style)
+
+
+def _num(value: object, spec: str) -> Text:
+    """A number formatted with ``spec``, or (a hostile market sent something else) the value shown safely."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return Text(format(value, spec))
+    return shown(value, 24)
+
+
 def print_status(st: dict[str, Any], c: Console) -> None:
+    """Print a market's status. Every string in it comes from the network (model names, node ids, endpoints are
+    chosen by whoever publishes or claims), so each is shown as plain text: nothing in it can style, link, move
+    the cursor or rewrite what the terminal shows."""
     now = st["coverage"]["now"]
     for m in st["coverage"]["models"]:
-        state = "[green]live[/]" if m["live"] else "[yellow]not live[/]"
+        state = Text("live", "green") if m["live"] else Text("not live", "yellow")
+        covered = Text.assemble(_num(m["covered"], "d"), "/", _num(m["windows_total"], "d"))
         c.print(
-            f"[bold]{escape(str(m['name']))}[/] {escape(str(m['model'])[:12])}… — {m['covered']}/{m['windows_total']}"
-            f" windows covered, {state}"
-        )
+            Text.assemble(
+                shown(m["name"], style="bold"), " ", shown(str(m["model"])[:12]), "… — ", covered, " windows covered, ",
+                state,
+            )
+        )  # fmt: skip
         t = Table("rank", "layers", "bytes", "reward", "holder", "state", "endpoint", "lease left")
         for w in m["windows"]:
-            left = f"{w['lease_expires'] - now:.0f} s" if w["lease_expires"] else "-"
+            expires = w["lease_expires"]
+            left = (
+                _num(expires - now, ".0f") + " s"
+                if isinstance(expires, int | float) and isinstance(now, int | float)
+                else Text("-")
+            )
+            layers = w["layers"]
             t.add_row(
-                str(w["rank"]),
-                f"{w['layers'][0]}:{w['layers'][1]}",
-                f"{w['bytes']:,}",
-                f"{w['reward']:.3g}",
-                escape(str(w["holder"])) if w["holder"] else "[red]uncovered[/]",
-                escape(str(w["state"] or "-")),
-                escape(str(w["endpoint"] or "-")),
+                _num(w["rank"], "d"),
+                Text.assemble(_num(layers[0], "d"), ":", _num(layers[1], "d")),
+                _num(w["bytes"], ","),
+                _num(w["reward"], ".3g"),
+                shown(w["holder"]) if w["holder"] else Text("uncovered", "red"),
+                shown(w["state"] or "-"),
+                shown(w["endpoint"] or "-"),
                 left,
             )
         c.print(t)
     d = st["demand"]
-    t = Table("model", "requests", "tokens", "reward multiplier", title=f"demand (last {d['horizon_s']:.0f} s)")
+    title = Text.assemble("demand (last ", _num(d["horizon_s"], ".0f"), " s)")
+    t = Table("model", "requests", "tokens", "reward multiplier", title=title)
     for m in d["models"]:
-        t.add_row(escape(str(m["name"])), str(m["requests"]), str(m["tokens"]), f"{m['multiplier']:.3f}")
+        t.add_row(shown(m["name"]), _num(m["requests"], "d"), _num(m["tokens"], "d"), _num(m["multiplier"], ".3f"))
     c.print(t)
-    t = Table("node", "tokens", "tokens × layers", "earned", "last credit", title="contributions")
+    t = Table("node", "tokens", "tokens × layers", "earned", "confirmed by", "last credit", title="contributions")
     for n in st["ledger"]["nodes"]:
-        ago = f"{time.time() - n['last']:.0f} s ago" if n["last"] else "-"
-        t.add_row(escape(str(n["node_id"])), str(n["tokens"]), str(n["layer_tokens"]), f"{n['earned']:.3f}", ago)
+        last = n["last"]
+        ago = _num(time.time() - last, ".0f") + " s ago" if isinstance(last, int | float) and last else Text("-")
+        witnesses = n.get("confirmed_by") or {}
+        by = ", ".join(f"{k}: {v}" for k, v in witnesses.items()) if isinstance(witnesses, dict) else witnesses
+        t.add_row(
+            shown(n["node_id"]),
+            _num(n["tokens"], "d"),
+            _num(n["layer_tokens"], "d"),
+            _num(n["earned"], ".3f"),
+            shown(by or "-"),
+            ago,
+        )
     c.print(t)
