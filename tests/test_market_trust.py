@@ -339,6 +339,26 @@ def test_nodes_dial_and_fetch_inside_only_when_the_market_is_inside(tmp_path: Pa
     assert [r.address for r in m.ranks] == ["0.0.0.0:0", "0.0.0.0:9000"]  # the inside endpoint is never dialled
 
 
+def test_node_flag_allow_private(tmp_path: Path) -> None:
+    """`kvasir node --allow-private` / `--no-allow-private` set EnrollConfig.allow_private; without either, the
+    market's own address decides."""
+    from kvasir.cli import build_parser
+    from kvasir.commands.node import enroll_config
+
+    def config(market: str, *flags: str) -> EnrollConfig:
+        argv = ["node", "--market", market, "--memory-budget", "1GiB", "--stage-dir", str(tmp_path), *flags]
+        cfg: EnrollConfig = enroll_config(build_parser().parse_args(argv))
+        return cfg
+
+    public, lan = "https://market.example.com", "http://10.0.0.2:8480"
+    assert config(public).allow_private is None and not config(public).host_ok("10.0.0.5")
+    assert config(public, "--allow-private").allow_private is True
+    assert config(public, "--allow-private").host_ok("10.0.0.5") and config(public, "--allow-private").host_ok("::1")
+    assert config(lan).host_ok("10.0.0.5")
+    assert not config(lan, "--no-allow-private").host_ok("10.0.0.5")
+    assert config(public, "--market-ca", str(tmp_path / "ca.pem")).market_ca == tmp_path / "ca.pem"
+
+
 def test_an_outage_longer_than_a_lease_evicts_no_healthy_holder(tmp_path: Path) -> None:
     """Issue 11 (6): after a market restart, a spare polling first took a healthy holder's window. Leases that
     were live when the market stopped get the time they had left; the ledger and leases survive a kill."""

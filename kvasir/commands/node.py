@@ -229,16 +229,22 @@ async def serve_node(manifest: Manifest, rank: int, config: StageConfig, args: a
 
 
 def run_enrolled(args: argparse.Namespace) -> int:
-    from kvasir.commands.market import parse_hostport
-    from kvasir.market.agent.enroll import EnrollConfig
-
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
+    trio.run(serve_enrolled, enroll_config(args), args)
+    return 0
+
+
+def enroll_config(args: argparse.Namespace) -> Any:
+    """The EnrollConfig of ``kvasir node --market …``."""
+    from kvasir.commands.market import parse_hostport
+    from kvasir.market.agent.enroll import EnrollConfig
+
     host, port = parse_hostport(args.listen, "--listen")
     ring_secret = read_ring_secret(args.ring_secret_file)  # only for a relay that takes v1 tokens
-    config = EnrollConfig(
+    return EnrollConfig(
         market_url=args.market,
         budget_bytes=parse_size(args.memory_budget),
         stage_dir=args.stage_dir or default_cache_dir() / "market",
@@ -261,8 +267,6 @@ def run_enrolled(args: argparse.Namespace) -> int:
             "boundary_dtype": BoundaryDType[args.boundary_dtype.upper()],
         },
     )
-    trio.run(serve_enrolled, config, args)
-    return 0
 
 
 def enroll_keys(args: argparse.Namespace) -> dict[str, Any]:
