@@ -29,6 +29,7 @@ from tests.test_market import MANIFEST, SHA, _claim, _model
 OPERATOR = Identity.generate()
 VICTIM = Identity.generate()
 ATTACKER = Identity.generate()
+WITNESS = Identity.generate()
 
 
 @attrs.define
@@ -187,23 +188,44 @@ async def test_a_node_pinned_to_one_operator_refuses_another(market: Market, tmp
 # ---------------------------------------------------------------------------------------------- C2 (e), M2
 
 
+async def _serve(market: Market, who: Identity, layers: tuple[int, int]) -> dict[str, Any]:
+    """``who`` claims ``layers`` and serves them; the lease as a credit-report base."""
+    lease = (await market.post("/v1/claims", _claim(who.node_id, layers=layers), who)).json()
+    serving = _claim(who.node_id, layers=layers, lease_id=lease["lease_id"], state="serving", endpoint="10.0.0.1:1")
+    assert (await market.post("/v1/claims/renew", serving, who)).status_code == 200
+    return {"model": SHA, "layers": list(layers), "node_id": who.node_id, "lease_id": lease["lease_id"]}
+
+
+def _receipts(who: Identity, *receipts: dict[str, Any]) -> dict[str, Any]:
+    return {"model": SHA, "node_id": who.node_id, "receipts": list(receipts)}
+
+
 async def test_credit_needs_receipts_and_is_bounded(market: Market) -> None:
-    """C2 (e): one POST credited 10^15 tokens. Now credit is what an entry node's receipts confirm, cumulative per
-    lease (a repeat adds nothing) and at most what one window could serve since its claim."""
+    """C2 (e): one POST credited 10^15 tokens. Now credit is what the receipts of a request's two witnesses (its
+    entry node and its exit witness, here the last rank) confirm, cumulative per lease (a repeat adds nothing) and
+    at most what one window could serve since its claim."""
     clock = market.store.clock
-    lease = await _serving_victim(market)
-    liar = (await market.post("/v1/claims", _claim(ATTACKER.node_id, layers=(0, 2)), ATTACKER)).json()
-    base = {"model": SHA, "layers": [2, 4], "node_id": VICTIM.node_id, "lease_id": lease["lease_id"]}
-    over = {"model": SHA, "layers": [0, 2], "node_id": ATTACKER.node_id, "lease_id": liar["lease_id"]}
+    base = await _serve(market, VICTIM, (2, 4))
+    over = await _serve(market, ATTACKER, (0, 2))
+    await _serve(market, WITNESS, (4, 6))
     assert (await market.post("/v1/credits", {**over, "tokens": 10**15}, ATTACKER)).status_code == 400
     # the entry node (here the victim) signs receipts naming who held each window while the request ran
-    ring = [ATTACKER.node_id, VICTIM.node_id, ""]
-    receipts = {"model": SHA, "node_id": VICTIM.node_id, "receipts": [
-        {"request": 1, "tokens": 200, "holders": ring}, {"request": 2, "tokens": 100, "holders": ring}]}  # fmt: skip
+    ring = [ATTACKER.node_id, VICTIM.node_id, WITNESS.node_id]
+    receipts = _receipts(
+        VICTIM, {"request": 1, "tokens": 200, "holders": ring}, {"request": 2, "tokens": 100, "holders": ring}
+    )
     assert (await market.post("/v1/receipts", receipts, VICTIM)).json() == {"accepted": 2}
     assert (await market.post("/v1/receipts", receipts, VICTIM)).json() == {"accepted": 0}  # counted once
     outsider = {**receipts, "node_id": OPERATOR.node_id}
     assert (await market.post("/v1/receipts", outsider, OPERATOR)).status_code == 403  # holds no window
+    assert (await market.post("/v1/credits", {**base, "tokens": 300}, VICTIM)).json()["tokens"] == 0  # one witness
+    # the last rank, which sampled those tokens, confirms them: now every window they name is credited
+    confirm = _receipts(
+        WITNESS,
+        {"request": 1, "tokens": 200, "holders": ring, "entry": VICTIM.node_id},
+        {"request": 2, "tokens": 100, "holders": ring, "entry": VICTIM.node_id},
+    )
+    assert (await market.post("/v1/receipts", confirm, WITNESS)).json() == {"accepted": 2}
     honest = await market.post("/v1/credits", {**base, "tokens": 300}, VICTIM)
     assert honest.json()["tokens"] == 300
     assert (await market.post("/v1/credits", {**base, "tokens": 300}, VICTIM)).json()["tokens"] == 300
@@ -211,16 +233,74 @@ async def test_credit_needs_receipts_and_is_bounded(market: Market) -> None:
     for _ in range(3):
         r = await market.post("/v1/credits", {**over, "tokens": 10**11}, ATTACKER)
         assert r.status_code == 200 and r.json()["tokens"] == 300
-    # receipts themselves cannot mint past what a window serves in the time it was held
-    flood = {"model": SHA, "node_id": ATTACKER.node_id, "receipts": [
-        {"request": 10 + i, "tokens": 10**6, "holders": ring} for i in range(100)]}  # fmt: skip
+    # its own receipts for requests nobody else saw confirm nothing
+    flood = _receipts(ATTACKER, *({"request": 10 + i, "tokens": 10**6, "holders": ring} for i in range(100)))
     assert (await market.post("/v1/receipts", flood, ATTACKER)).json() == {"accepted": 100}
+    assert (await market.post("/v1/credits", {**over, "tokens": 10**11}, ATTACKER)).json()["tokens"] == 300
+    # and even receipts both witnesses sign (collusion) cannot mint past what a window serves in the time it was held
+    collude = _receipts(
+        WITNESS, *({"request": 10 + i, "tokens": 10**6, "holders": ring, "entry": ATTACKER.node_id} for i in range(100))
+    )
+    assert (await market.post("/v1/receipts", collude, WITNESS)).json() == {"accepted": 100}
     r = await market.post("/v1/credits", {**over, "tokens": 10**11}, ATTACKER)
     claimed_at = market.store.db.execute("SELECT MIN(claimed_at) FROM leases").fetchone()[0]
     cap = (clock() - claimed_at + 11) * MAX_TOKENS_PER_S
-    assert r.json()["tokens"] <= cap < 10**6
+    assert 300 < r.json()["tokens"] <= cap < 10**6
     ledger = {n["node_id"]: n["tokens"] for n in (await market.http.get("/v1/ledger")).json()["nodes"]}
     assert ledger[VICTIM.node_id] == 300 and ledger[ATTACKER.node_id] <= cap
+
+
+async def test_an_entry_node_inventing_requests_is_not_paid_for_its_own_window(market: Market) -> None:
+    """docs/market.md § Credit: an entry node used to confirm its own window. Now a window is credited only for
+    tokens that both of a request's witnesses (entry, exit) name, and nobody witnesses for themselves; receipts
+    that disagree confirm the smaller count, or nothing for a window whose holder they disagree about."""
+    a, b, c = Identity.generate(), Identity.generate(), Identity.generate()
+    leases = {who.node_id: await _serve(market, who, layers) for who, layers in ((a, (0, 2)), (b, (2, 4)), (c, (4, 6)))}
+    ring = [a.node_id, b.node_id, c.node_id]
+
+    async def credited(who: Identity) -> int:
+        r = await market.post("/v1/credits", {**leases[who.node_id], "tokens": 10**6}, who)
+        assert r.status_code == 200, r.text
+        tokens: int = r.json()["tokens"]
+        return tokens
+
+    # the middle node invents requests: entry receipts nobody pairs; it cannot pose as an exit witness either
+    invented = _receipts(b, *({"request": 100 + i, "tokens": 1000, "holders": ring} for i in range(10)))
+    assert (await market.post("/v1/receipts", invented, b)).json() == {"accepted": 10}
+    for forged in ({"entry": b.node_id}, {"entry": a.node_id}):  # its own request; someone else's
+        body = _receipts(b, {"request": 100, "tokens": 1000, "holders": ring, **forged})
+        assert (await market.post("/v1/receipts", body, b)).json() == {"accepted": 0}
+    # the last rank invents requests too: their exit witness is rank 0, which never saw them
+    invented = _receipts(c, *({"request": 200 + i, "tokens": 1000, "holders": ring} for i in range(10)))
+    assert (await market.post("/v1/receipts", invented, c)).json() == {"accepted": 10}
+    assert [await credited(who) for who in (a, b, c)] == [0, 0, 0]
+
+    # honest traffic: one request entering at rank 0 (exit witness: the last rank), one entering at the last rank
+    # (exit witness: rank 0, whose receipt arrives first here)
+    await market.post("/v1/receipts", _receipts(a, {"request": 7, "tokens": 40, "holders": ring}), a)
+    await market.post(
+        "/v1/receipts", _receipts(c, {"request": 7, "tokens": 40, "holders": ring, "entry": a.node_id}), c
+    )
+    await market.post(
+        "/v1/receipts", _receipts(a, {"request": 8, "tokens": 30, "holders": ring, "entry": c.node_id}), a
+    )
+    await market.post("/v1/receipts", _receipts(c, {"request": 8, "tokens": 30, "holders": ring}), c)
+    assert [await credited(who) for who in (a, b, c)] == [70, 70, 70]
+    # disagreement: on tokens the smaller count; on a window's holder nothing for that window
+    other = [a.node_id, Identity.generate().node_id, c.node_id]
+    await market.post("/v1/receipts", _receipts(a, {"request": 9, "tokens": 50, "holders": ring}), a)
+    await market.post(
+        "/v1/receipts", _receipts(c, {"request": 9, "tokens": 20, "holders": ring, "entry": a.node_id}), c
+    )
+    await market.post("/v1/receipts", _receipts(a, {"request": 10, "tokens": 10, "holders": ring}), a)
+    await market.post(
+        "/v1/receipts", _receipts(c, {"request": 10, "tokens": 10, "holders": other, "entry": a.node_id}), c
+    )
+    assert [await credited(who) for who in (a, b, c)] == [100, 90, 100]
+    # the ledger says who confirmed each node's tokens, never the node itself
+    rows = {n["node_id"]: n for n in (await market.http.get("/v1/ledger")).json()["nodes"]}
+    assert rows[b.node_id]["confirmed_by"] == {a.node_id: 90, c.node_id: 90}
+    assert rows[a.node_id]["confirmed_by"] == {c.node_id: 100} and rows[c.node_id]["confirmed_by"] == {a.node_id: 100}
 
 
 async def test_demand_cannot_overflow_or_inflate_rewards(market: Market) -> None:

@@ -183,6 +183,14 @@ def manifest_from_coverage(
     )
 
 
+def exit_rank(entry_rank: object, size: int) -> int | None:
+    """The rank that witnesses a request besides its entry (pure): the last rank, which samples every token, or
+    rank 0 (which embeds every token) for a request that entered at the last rank; None in a one-window ring."""
+    if not isinstance(entry_rank, int) or size < 2 or not 0 <= entry_rank < size:
+        return None
+    return size - 1 if entry_rank != size - 1 else 0
+
+
 class LeaseLost(KvasirError):
     """The node no longer holds its window."""
 
@@ -223,7 +231,6 @@ class Enrollment:
         self._holders: list[str] = []
         self._receipts: list[Receipt] = []
         self._demand = {"requests": 0, "tokens": 0}
-        self._entered: set[int] = set()
         self.operator_key: PublicKey | None = config.market_key
         #: The market's ticket key, when the operator delegated to it (neighbours' tickets are checked with it).
         self.ticket_issuer: PublicKey | None = None
@@ -577,20 +584,32 @@ class Enrollment:
 
     async def _watch_demand(self, node: Node) -> None:
         """Count requests that entered the ring at this node and the tokens they generated; keep a receipt of each
-        (its tokens and the holders that produced them), which the market needs to credit any of them."""
+        request this node witnesses (its tokens and the holders that produced them), which the market needs to
+        credit any window: the entry's own, and the exit witness's (:func:`exit_rank`) naming the entry node."""
+        witnessed: dict[int, int] = {}  # request id → entry rank, for requests this node witnesses
         async with node.hub.subscribe() as events:
             async for ev in events:
                 if ev.get("type") != "request":
                     continue
-                if ev.get("state") == "start" and ev.get("entry_rank") == node.rank:
-                    self._entered.add(int(ev["request"]))
-                elif ev.get("state") == "end" and ev.get("request") in self._entered:
-                    self._entered.discard(int(ev["request"]))
-                    self._demand["requests"] += 1
+                request = ev.get("request")
+                if ev.get("state") == "start" and isinstance(request, int):
+                    entry_rank = ev.get("entry_rank")
+                    mine = entry_rank == node.rank or exit_rank(entry_rank, node.manifest.size) == node.rank
+                    if mine and len(witnessed) < MAX_PENDING_RECEIPTS:  # requests in flight; bounded all the same
+                        witnessed[request] = int(entry_rank)
+                elif ev.get("state") == "end" and request in witnessed:
+                    entry_rank = witnessed.pop(request)
                     generated = min(int(ev.get("generated") or 0), MAX_REPORT_TOKENS)
-                    self._demand["tokens"] += generated
+                    if entry_rank == node.rank:
+                        self._demand["requests"] += 1
+                        self._demand["tokens"] += generated
+                        entry = None
+                    else:
+                        entry = self._holders[entry_rank] if entry_rank < len(self._holders) else ""
+                        if not entry:
+                            continue  # nobody known at the entry's rank: no receipt to pair with
                     if generated > 0:
-                        self._receipts.append(Receipt(int(ev["request"]), generated, tuple(self._holders)))
+                        self._receipts.append(Receipt(request, generated, tuple(self._holders), entry))
                         del self._receipts[:-MAX_PENDING_RECEIPTS]  # bounded while the market is away
 
     async def _report_loop(self) -> None:
