@@ -374,7 +374,7 @@ class Receipt(_Body):
 
 @attrs.frozen
 class ReceiptBatch(_Body):
-    """Body of ``POST /v1/receipts``: receipts a witness (entry or exit) signs (with the request) for the ring's work."""
+    """Body of ``POST /v1/receipts``: receipts a witness (entry or exit) signs, with the request."""
 
     WHERE: ClassVar[str] = "receipts"
 

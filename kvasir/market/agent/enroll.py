@@ -595,8 +595,8 @@ class Enrollment:
                 if ev.get("state") == "start" and isinstance(request, int):
                     entry_rank = ev.get("entry_rank")
                     mine = entry_rank == node.rank or exit_rank(entry_rank, node.manifest.size) == node.rank
-                    if mine and len(witnessed) < MAX_PENDING_RECEIPTS:  # requests in flight; bounded all the same
-                        witnessed[request] = int(entry_rank)
+                    if mine and isinstance(entry_rank, int) and len(witnessed) < MAX_PENDING_RECEIPTS:
+                        witnessed[request] = entry_rank  # requests in flight; bounded all the same
                 elif ev.get("state") == "end" and request in witnessed:
                     entry_rank = witnessed.pop(request)
                     generated = min(int(ev.get("generated") or 0), MAX_REPORT_TOKENS)
