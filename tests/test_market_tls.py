@@ -180,3 +180,31 @@ def test_tls_setup_errors_are_one_line(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="cannot load the CA bundle"):
         client_context(tmp_path / "junk.pem")
     assert isinstance(client_context(), ssl.SSLContext)
+
+
+async def test_window_fetch_over_https_verifies_the_source(
+    tiny_model: Callable[..., Path], tmp_path: Path, pki: tuple[Path, Path, Path, Path]
+) -> None:
+    """The model seeder on TLS; the window fetcher verifies it (a wrong CA: a one-line SourceError, nothing
+    written)."""
+    from kvasir.net.seed import serve_model
+    from kvasir.shard.cache import file_sha256
+    from kvasir.shard.fetch import SourceError, fetch_window
+
+    ca, cert, key, other = pki
+    model = tiny_model("llama", "q8_0")
+    sha = file_sha256(model)
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(
+            lambda task_status: serve_model(
+                model, sha, "127.0.0.1", 0, tls=server_context(cert, key), task_status=task_status
+            )
+        )
+        url = f"https://127.0.0.1:{port}/{model.name}"
+        out = tmp_path / "stage.gguf"
+        with pytest.raises(SourceError, match="TLS certificate not trusted") as info:
+            await fetch_window(url, 0, 2, out, tls=client_context(other))
+        assert "\n" not in str(info.value) and not out.exists()
+        result = await fetch_window(url, 0, 2, out, tls=client_context(ca))
+        assert out.is_file() and result.window_bytes > 0
+        nursery.cancel_scope.cancel()

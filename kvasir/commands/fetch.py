@@ -29,6 +29,9 @@ def add_parser(sub: Any) -> None:
         metavar="HASH",
         help="the whole model's sha256, recorded in the stage (default: the source's ETag when it is a sha256)",
     )
+    p.add_argument(
+        "--ca", type=Path, default=None, metavar="PEM", help="CA certificates trusted besides the system's (https)"
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=run_fetch)
 
@@ -42,6 +45,7 @@ def add_parser(sub: Any) -> None:
 def run_fetch(args: argparse.Namespace) -> int:
     from kvasir.shard.fetch import fetch_window
     from kvasir.util.progress import byte_bar
+    from kvasir.util.tls import client_context
 
     a, b = parse_window(args.layers)
     with byte_bar(f"layers {a}:{b}") as progress:  # on stderr, and only when it is a terminal
@@ -55,6 +59,7 @@ def run_fetch(args: argparse.Namespace) -> int:
                 sha256=args.sha256,
                 model_sha256=args.model_sha256,
                 progress=progress,
+                tls=client_context(args.ca),
             )
         )
     fields = {

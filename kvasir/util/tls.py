@@ -8,6 +8,7 @@ that does not verify is reported in one line that says how to fix it, never as a
 
 from __future__ import annotations
 
+import functools
 import ssl
 from pathlib import Path
 
@@ -29,7 +30,24 @@ def client_context(ca: Path | str | None = None) -> ssl.SSLContext:
     """A client context that verifies host names against the system's CAs and, if given, the PEM bundle ``ca``.
 
     Where the system has no CA store (some minimal containers), certifi's bundle (httpx's own default) stands in.
+    Without ``ca`` one context is shared by every client of the process (loading the CA store takes ~50 ms).
     """
+    if ca is None:
+        return _system_context()
+    context = _new_context()
+    try:
+        context.load_verify_locations(cafile=str(ca))
+    except (OSError, ssl.SSLError) as exc:
+        raise InputError(f"cannot load the CA bundle {ca}: {exc}") from None
+    return context
+
+
+@functools.cache
+def _system_context() -> ssl.SSLContext:
+    return _new_context()
+
+
+def _new_context() -> ssl.SSLContext:
     context = ssl.create_default_context()
     if not context.cert_store_stats().get("x509_ca"):
         try:
@@ -38,11 +56,6 @@ def client_context(ca: Path | str | None = None) -> ssl.SSLContext:
             context.load_verify_locations(certifi.where())
         except (ImportError, OSError, ssl.SSLError):
             pass
-    if ca is not None:
-        try:
-            context.load_verify_locations(cafile=str(ca))
-        except (OSError, ssl.SSLError) as exc:
-            raise InputError(f"cannot load the CA bundle {ca}: {exc}") from None
     return context
 
 
