@@ -488,6 +488,32 @@ def test_a_key_sharing_the_holders_fingerprint_holds_nothing(tmp_path: Path) -> 
     store.close()
 
 
+def test_unpaired_receipts_are_bounded_per_witness(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Receipts waiting for their partner are capped per witness (oldest dropped), settled ones keep no holders, and
+    a receipt for another ring's shape counts nothing: invented receipts cannot grow the database without bound."""
+    from kvasir.market.records import ClaimRequest, ManifestRecord, ModelRecord, Receipt, ReceiptBatch
+    from kvasir.market.server import store as store_module
+
+    monkeypatch.setattr(store_module, "MAX_PENDING_PER_WITNESS", 5)
+    store = MarketStore(tmp_path / "m.sqlite")
+    store.put_model(ModelRecord.from_wire(signed_model(_model(), OPERATOR)))
+    store.put_manifest(ManifestRecord.from_wire(MANIFEST, SHA))
+    a, b, c = Identity.generate(), Identity.generate(), Identity.generate()
+    for who, (start, end) in ((a, (0, 2)), (b, (2, 4)), (c, (4, 6))):
+        store.claim(ClaimRequest(SHA, start, end, who.node_id, 30.0), who.public.to_text())
+    ring = (a.node_id, b.node_id, c.node_id)
+    invented = tuple(Receipt(100 + i, 1000, ring) for i in range(12))
+    assert store.add_receipts(ReceiptBatch(SHA, b.node_id, invented)) == {"accepted": 12}
+    assert store.add_receipts(ReceiptBatch(SHA, b.node_id, (Receipt(1, 5, ring[:2]),))) == {"accepted": 0}
+    pending = store.db.execute("SELECT request FROM receipts WHERE witness = ?", (b.node_id,)).fetchall()
+    assert sorted(int(r[0]) for r in pending) == list(range(107, 112))  # the five newest
+    store.add_receipts(ReceiptBatch(SHA, a.node_id, (Receipt(7, 40, ring),)))
+    store.add_receipts(ReceiptBatch(SHA, c.node_id, (Receipt(7, 40, ring, a.node_id),)))
+    rows = store.db.execute("SELECT settled, holders FROM receipts WHERE request = '7'").fetchall()
+    assert rows == [(1, ""), (1, "")]
+    store.close()
+
+
 def test_market_status_prints_hostile_strings_literally() -> None:
     """L6: names and endpoints come from the network; rich markup in them is shown, never interpreted."""
     import io

@@ -49,6 +49,8 @@ CREDIT_SLACK_S = 10.0
 #: Receipts are remembered (so a repeated one counts once) this long, and at most this many at once.
 RECEIPT_HORIZON_S = 3600.0
 MAX_RECEIPTS_SEEN = 1_000_000
+#: Receipts one witness may have waiting for their partner (what a node keeps while the market is away).
+MAX_PENDING_PER_WITNESS = 4096
 #: Models a market offers at most; ledger rows in one reply at most.
 MAX_MODELS = 256
 #: Windows one coverage reply lists at most (a manifest has at most 4096).
@@ -81,6 +83,7 @@ CREATE TABLE IF NOT EXISTS receipts (
     tokens INTEGER NOT NULL, holders TEXT NOT NULL, settled INTEGER NOT NULL, ts REAL NOT NULL,
     PRIMARY KEY (model, entry, request, role));
 CREATE INDEX IF NOT EXISTS receipts_ts ON receipts (ts);
+CREATE INDEX IF NOT EXISTS receipts_pending ON receipts (witness, settled, ts);
 CREATE TABLE IF NOT EXISTS lease_confirmed (lease_id TEXT PRIMARY KEY, tokens INTEGER NOT NULL, ts REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS lease_witnesses (
     lease_id TEXT NOT NULL, witness TEXT NOT NULL, tokens INTEGER NOT NULL, PRIMARY KEY (lease_id, witness));
@@ -475,6 +478,8 @@ class MarketStore:
             }
             holders: list[tuple[str, str] | None] = [live.get((w.start, w.end)) for w in manifest.windows]
             for receipt in batch.receipts:
+                if len(receipt.holders) != len(holders):
+                    continue  # not this manifest's ring
                 entry = receipt.entry if receipt.entry is not None else batch.node_id
                 exit_ = exit_witness(entry, [h[0] if h else None for h in holders])
                 if receipt.entry is not None and (receipt.entry == batch.node_id or exit_ != batch.node_id):
@@ -499,7 +504,17 @@ class MarketStore:
                 if len(rows) == 2 or (role == "entry" and exit_ is None):
                     witnessed = [(str(r[0]), int(r[1]), list(json.loads(r[2]))) for r in rows]
                     self._settle(db, witnessed, holders, now)
-                    db.execute("UPDATE receipts SET settled = 1 WHERE model = ? AND entry = ? AND request = ?", key)
+                    db.execute(  # settled: the holders are not needed again, only the request's id (counted once)
+                        "UPDATE receipts SET settled = 1, holders = '' WHERE model = ? AND entry = ? AND request = ?",
+                        key,
+                    )
+            # A witness's unsettled receipts (awaiting their partner; invented ones never get one) are capped: the
+            # oldest go first.
+            db.execute(
+                "DELETE FROM receipts WHERE rowid IN (SELECT rowid FROM receipts WHERE witness = ? AND settled = 0"
+                " ORDER BY ts DESC, rowid DESC LIMIT -1 OFFSET ?)",
+                (batch.node_id, MAX_PENDING_PER_WITNESS),
+            )
         return {"accepted": new}
 
     @staticmethod
