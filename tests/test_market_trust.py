@@ -488,6 +488,21 @@ def test_a_key_sharing_the_holders_fingerprint_holds_nothing(tmp_path: Path) -> 
     store.close()
 
 
+def test_the_node_and_the_market_agree_on_each_requests_exit_witness() -> None:
+    """The node decides by rank which requests it witnesses (exit_rank), the market by live holders whose exit
+    receipts it counts (exit_witness): the same rule."""
+    from kvasir.market.agent.enroll import exit_rank
+    from kvasir.market.server.store import exit_witness
+
+    for size in range(1, 6):
+        holders: list[str | None] = [f"n{r}" for r in range(size)]
+        for entry in range(size):
+            rank = exit_rank(entry, size)
+            assert exit_witness(f"n{entry}", holders) == (None if rank is None else f"n{rank}")
+    assert exit_rank(None, 3) is None and exit_rank(7, 3) is None
+    assert exit_witness("n0", ["n0", "n1", None]) is None  # the last window uncovered: no exit witness
+
+
 def test_unpaired_receipts_are_bounded_per_witness(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Receipts waiting for their partner are capped per witness (oldest dropped), settled ones keep no holders, and
     a receipt for another ring's shape counts nothing: invented receipts cannot grow the database without bound."""
