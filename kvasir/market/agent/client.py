@@ -104,7 +104,8 @@ class MarketClient:
         except httpx.HTTPError as exc:
             why = tls_failure(exc)
             if why is not None:  # a wrong or missing CA: say so, and how to fix it
-                hint = "; pass --market-ca with the CA bundle that signed it" if "not trusted" in why else ""
+                unknown_ca = any(w in why for w in ("issuer", "self-signed", "self signed"))
+                hint = "; pass --market-ca with the CA bundle that signed it" if unknown_ca else ""
                 raise MarketError(0, "tls", f"market {self.url}: {why}{hint}") from None
             raise MarketError(0, "unreachable", f"market {self.url}: {type(exc).__name__}: {exc}") from None
         return _raise_for(status, bytes(raw))
