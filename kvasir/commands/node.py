@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
     # Unset flags take their values from the environment and config.toml; the market only for a node given no window.
     keys = ["identity", "relay", "memory_budget", "threads", "gpu_layers", "api_key_file"]
     given_window = any(getattr(args, a) is not None for a in ("manifest", "rank", "model", "stage"))
-    fill_from_config(args, keys if given_window else [*keys, "market"])
+    fill_from_config(args, keys if given_window else [*keys, "market", "market_ca"])
     if args.market is not None:
         if args.manifest is not None or args.rank is not None or args.model is not None or args.stage is not None:
             raise InputError("--market starts an empty node: drop --manifest, --rank, --model and --stage")
