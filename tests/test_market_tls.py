@@ -208,3 +208,28 @@ async def test_window_fetch_over_https_verifies_the_source(
         result = await fetch_window(url, 0, 2, out, tls=client_context(ca))
         assert out.is_file() and result.window_bytes > 0
         nursery.cancel_scope.cancel()
+
+
+async def test_an_oversized_body_gets_its_413_over_tls(tmp_path: Path, pki: tuple[Path, Path, Path, Path]) -> None:
+    """TLS cannot half-close: the server drains what the client still sends, so the client reads the 413 instead
+    of a reset connection."""
+    from kvasir.core.identity import Identity
+    from kvasir.market.server.service import MARKET_LIMITS, serve_market
+
+    ca, cert, key, _ = pki
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(
+            lambda task_status: serve_market(
+                tmp_path / "m.sqlite",
+                "127.0.0.1",
+                0,
+                identity=Identity.generate(),
+                tls=server_context(cert, key),
+                task_status=task_status,
+            )
+        )
+        async with httpx.AsyncClient(verify=client_context(ca), timeout=30) as client:
+            body = b"x" * (2 * MARKET_LIMITS.max_body_bytes)
+            r = await client.post(f"https://127.0.0.1:{port}/v1/claims", content=body)
+            assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+        nursery.cancel_scope.cancel()

@@ -243,14 +243,18 @@ class HttpConnection:
         return True
 
     async def close(self) -> None:
-        """Close; if the client may still be sending, half-close and drain briefly so it can read our reply."""
+        """Close; if the client may still be sending, half-close and drain briefly so it can read our reply.
+
+        TLS cannot half-close, so a TLS connection is only drained: closing with unread bytes would reset it and
+        the client would never read the reply (a 413 for an oversized body)."""
         try:
             unread = self.h11.their_state not in (h11.DONE, h11.IDLE, h11.CLOSED, h11.MUST_CLOSE)
-            if unread and not self.peer_closed and isinstance(self.stream, trio.SocketStream):
+            if unread and not self.peer_closed and isinstance(self.stream, trio.SocketStream | trio.SSLStream):
                 with trio.move_on_after(self.limits.linger):
-                    await self.stream.send_eof()
+                    if isinstance(self.stream, trio.SocketStream):
+                        await self.stream.send_eof()
                     drained = 0
-                    while drained < self.limits.max_body_bytes:
+                    while drained < 4 * self.limits.max_body_bytes:  # and at most `linger` seconds
                         data = await self.stream.receive_some(RECEIVE_BYTES)
                         if not data:
                             break
