@@ -506,7 +506,7 @@ def test_the_node_and_the_market_agree_on_each_requests_exit_witness() -> None:
 def test_unpaired_receipts_are_bounded_per_witness(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Receipts waiting for their partner are capped per witness (oldest dropped), settled ones keep no holders, and
     a receipt for another ring's shape counts nothing: invented receipts cannot grow the database without bound."""
-    from kvasir.market.records import ClaimRequest, ManifestRecord, ModelRecord, Receipt, ReceiptBatch
+    from kvasir.market.records import ClaimRequest, LeaseRef, ManifestRecord, ModelRecord, Receipt, ReceiptBatch
     from kvasir.market.server import store as store_module
 
     monkeypatch.setattr(store_module, "MAX_PENDING_PER_WITNESS", 5)
@@ -525,6 +525,14 @@ def test_unpaired_receipts_are_bounded_per_witness(tmp_path: Path, monkeypatch: 
     store.add_receipts(ReceiptBatch(SHA, a.node_id, (Receipt(7, 40, ring),)))
     store.add_receipts(ReceiptBatch(SHA, c.node_id, (Receipt(7, 40, ring, a.node_id),)))
     rows = store.db.execute("SELECT settled, holders FROM receipts WHERE request = '7'").fetchall()
+    assert rows == [(1, ""), (1, "")]
+    # a request settled alone (no exit witness then: the last window was released) takes no late partner
+    store.release(LeaseRef(SHA, 4, 6, c.node_id, store.db.execute(
+        "SELECT lease_id FROM leases WHERE node_id = ?", (c.node_id,)).fetchone()[0]))  # fmt: skip
+    assert store.add_receipts(ReceiptBatch(SHA, a.node_id, (Receipt(8, 30, ring),))) == {"accepted": 1}
+    store.claim(ClaimRequest(SHA, 4, 6, c.node_id, 30.0), c.public.to_text())
+    assert store.add_receipts(ReceiptBatch(SHA, c.node_id, (Receipt(8, 30, ring, a.node_id),))) == {"accepted": 1}
+    rows = store.db.execute("SELECT settled, holders FROM receipts WHERE request = '8'").fetchall()
     assert rows == [(1, ""), (1, "")]
     store.close()
 

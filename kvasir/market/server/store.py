@@ -499,12 +499,13 @@ class MarketStore:
                     " AND request = ?",
                     key,
                 ).fetchall()
-                if any(r[3] for r in rows):
-                    continue  # settled already (a late partner of a request settled alone)
-                if len(rows) == 2 or (role == "entry" and exit_ is None):
+                settled = any(r[3] for r in rows)  # a late partner of a request settled alone confirms nothing
+                if not settled and (len(rows) == 2 or (role == "entry" and exit_ is None)):
                     witnessed = [(str(r[0]), int(r[1]), list(json.loads(r[2]))) for r in rows]
                     self._settle(db, witnessed, holders, now)
-                    db.execute(  # settled: the holders are not needed again, only the request's id (counted once)
+                    settled = True
+                if settled:  # the holders are not needed again, only the request's id (counted once)
+                    db.execute(
                         "UPDATE receipts SET settled = 1, holders = '' WHERE model = ? AND entry = ? AND request = ?",
                         key,
                     )
