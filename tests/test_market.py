@@ -211,12 +211,17 @@ async def test_lease_lifecycle(market: httpx.AsyncClient, clock: Clock, sign: An
         assert r.status_code == 409 and r.json()["error"]["code"] == "foreign_lease"
     credit = {"model": SHA, "layers": [2, 4], "node_id": n2, "lease_id": "nope", "tokens": 5}
     assert (await market.post("/v1/credits", json=credit, auth=sign("n2"))).status_code == 409
-    # the holder is credited what an entry node's receipt confirms: tokens × layers and tokens × reward
+    # the holder is credited what another node's receipt confirms: tokens × layers and tokens × reward
     credit = {**credit, "node_id": n1, "lease_id": lid}
     r = await market.post("/v1/credits", json=credit, auth=sign("n1"))
     assert r.json() == {"node_id": n1, "tokens": 0, "layer_tokens": 0, "earned": 0.0}  # nothing confirmed yet
-    receipt = {"model": SHA, "node_id": n1, "receipts": [{"request": 1, "tokens": 5, "holders": ["", n1, ""]}]}
-    assert (await market.post("/v1/receipts", json=receipt, auth=sign("n1"))).json() == {"accepted": 1}
+    own = {"model": SHA, "node_id": n1, "receipts": [{"request": 1, "tokens": 5, "holders": ["", n1, ""]}]}
+    assert (await market.post("/v1/receipts", json=own, auth=sign("n1"))).json() == {"accepted": 1}
+    r = await market.post("/v1/credits", json=credit, auth=sign("n1"))
+    assert r.json()["tokens"] == 0  # nobody confirms their own window
+    assert (await market.post("/v1/claims", json=_claim(n2, layers=(4, 6)), auth=sign("n2"))).status_code == 200
+    receipt = {"model": SHA, "node_id": n2, "receipts": [{"request": 1, "tokens": 5, "holders": ["", n1, n2]}]}
+    assert (await market.post("/v1/receipts", json=receipt, auth=sign("n2"))).json() == {"accepted": 1}
     r = await market.post("/v1/credits", json=credit, auth=sign("n1"))
     assert r.json() == {"node_id": n1, "tokens": 5, "layer_tokens": 10, "earned": 5.0}
     # expiry: the window turns uncovered, the old lease cannot renew, another node can claim
@@ -234,7 +239,10 @@ async def test_lease_lifecycle(market: httpx.AsyncClient, clock: Clock, sign: An
     assert (await market.post("/v1/claims/release", json=ref, auth=sign("n2"))).status_code == 200
     assert (await market.get("/v1/coverage")).json()["models"][0]["windows"][1]["holder"] is None
     ledger = (await market.get("/v1/ledger")).json()["nodes"]
-    assert ledger == [{"node_id": n1, "tokens": 5, "layer_tokens": 10, "earned": 5.0, "last": ledger[0]["last"]}]
+    assert ledger == [
+        {"node_id": n1, "tokens": 5, "layer_tokens": 10, "earned": 5.0, "last": ledger[0]["last"],
+         "confirmed_by": {n2: 5}}
+    ]  # fmt: skip
 
 
 async def test_demand_raises_rewards(market: httpx.AsyncClient, clock: Clock, sign: Any) -> None:

@@ -131,6 +131,9 @@ def test_empty_nodes_enroll_serve_earn_and_heal(tiny_model: Callable[..., Path],
             n = by_node[s["node_id"]]
             a, b = s["window"]
             assert n["layer_tokens"] == n["tokens"] * (b - a) and n["earned"] > 0
+            # confirmed by the request's two witnesses (entry "big", last rank; exit witness "mid", rank 0), and
+            # never by the node itself
+            assert n["confirmed_by"] and s["node_id"] not in n["confirmed_by"], n
 
         # A node dies without releasing: its window is uncovered once its lease ends, a fresh node claims it.
         nodes["mid"].stop(signal.SIGKILL)

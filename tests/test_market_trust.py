@@ -29,6 +29,7 @@ from tests.test_market import MANIFEST, SHA, _claim, _model
 OPERATOR = Identity.generate()
 VICTIM = Identity.generate()
 ATTACKER = Identity.generate()
+WITNESS = Identity.generate()
 
 
 @attrs.define
@@ -187,23 +188,44 @@ async def test_a_node_pinned_to_one_operator_refuses_another(market: Market, tmp
 # ---------------------------------------------------------------------------------------------- C2 (e), M2
 
 
+async def _serve(market: Market, who: Identity, layers: tuple[int, int]) -> dict[str, Any]:
+    """``who`` claims ``layers`` and serves them; the lease as a credit-report base."""
+    lease = (await market.post("/v1/claims", _claim(who.node_id, layers=layers), who)).json()
+    serving = _claim(who.node_id, layers=layers, lease_id=lease["lease_id"], state="serving", endpoint="10.0.0.1:1")
+    assert (await market.post("/v1/claims/renew", serving, who)).status_code == 200
+    return {"model": SHA, "layers": list(layers), "node_id": who.node_id, "lease_id": lease["lease_id"]}
+
+
+def _receipts(who: Identity, *receipts: dict[str, Any]) -> dict[str, Any]:
+    return {"model": SHA, "node_id": who.node_id, "receipts": list(receipts)}
+
+
 async def test_credit_needs_receipts_and_is_bounded(market: Market) -> None:
-    """C2 (e): one POST credited 10^15 tokens. Now credit is what an entry node's receipts confirm, cumulative per
-    lease (a repeat adds nothing) and at most what one window could serve since its claim."""
+    """C2 (e): one POST credited 10^15 tokens. Now credit is what the receipts of a request's two witnesses (its
+    entry node and its exit witness, here the last rank) confirm, cumulative per lease (a repeat adds nothing) and
+    at most what one window could serve since its claim."""
     clock = market.store.clock
-    lease = await _serving_victim(market)
-    liar = (await market.post("/v1/claims", _claim(ATTACKER.node_id, layers=(0, 2)), ATTACKER)).json()
-    base = {"model": SHA, "layers": [2, 4], "node_id": VICTIM.node_id, "lease_id": lease["lease_id"]}
-    over = {"model": SHA, "layers": [0, 2], "node_id": ATTACKER.node_id, "lease_id": liar["lease_id"]}
+    base = await _serve(market, VICTIM, (2, 4))
+    over = await _serve(market, ATTACKER, (0, 2))
+    await _serve(market, WITNESS, (4, 6))
     assert (await market.post("/v1/credits", {**over, "tokens": 10**15}, ATTACKER)).status_code == 400
     # the entry node (here the victim) signs receipts naming who held each window while the request ran
-    ring = [ATTACKER.node_id, VICTIM.node_id, ""]
-    receipts = {"model": SHA, "node_id": VICTIM.node_id, "receipts": [
-        {"request": 1, "tokens": 200, "holders": ring}, {"request": 2, "tokens": 100, "holders": ring}]}  # fmt: skip
+    ring = [ATTACKER.node_id, VICTIM.node_id, WITNESS.node_id]
+    receipts = _receipts(
+        VICTIM, {"request": 1, "tokens": 200, "holders": ring}, {"request": 2, "tokens": 100, "holders": ring}
+    )
     assert (await market.post("/v1/receipts", receipts, VICTIM)).json() == {"accepted": 2}
     assert (await market.post("/v1/receipts", receipts, VICTIM)).json() == {"accepted": 0}  # counted once
     outsider = {**receipts, "node_id": OPERATOR.node_id}
     assert (await market.post("/v1/receipts", outsider, OPERATOR)).status_code == 403  # holds no window
+    assert (await market.post("/v1/credits", {**base, "tokens": 300}, VICTIM)).json()["tokens"] == 0  # one witness
+    # the last rank, which sampled those tokens, confirms them: now every window they name is credited
+    confirm = _receipts(
+        WITNESS,
+        {"request": 1, "tokens": 200, "holders": ring, "entry": VICTIM.node_id},
+        {"request": 2, "tokens": 100, "holders": ring, "entry": VICTIM.node_id},
+    )
+    assert (await market.post("/v1/receipts", confirm, WITNESS)).json() == {"accepted": 2}
     honest = await market.post("/v1/credits", {**base, "tokens": 300}, VICTIM)
     assert honest.json()["tokens"] == 300
     assert (await market.post("/v1/credits", {**base, "tokens": 300}, VICTIM)).json()["tokens"] == 300
@@ -211,16 +233,74 @@ async def test_credit_needs_receipts_and_is_bounded(market: Market) -> None:
     for _ in range(3):
         r = await market.post("/v1/credits", {**over, "tokens": 10**11}, ATTACKER)
         assert r.status_code == 200 and r.json()["tokens"] == 300
-    # receipts themselves cannot mint past what a window serves in the time it was held
-    flood = {"model": SHA, "node_id": ATTACKER.node_id, "receipts": [
-        {"request": 10 + i, "tokens": 10**6, "holders": ring} for i in range(100)]}  # fmt: skip
+    # its own receipts for requests nobody else saw confirm nothing
+    flood = _receipts(ATTACKER, *({"request": 10 + i, "tokens": 10**6, "holders": ring} for i in range(100)))
     assert (await market.post("/v1/receipts", flood, ATTACKER)).json() == {"accepted": 100}
+    assert (await market.post("/v1/credits", {**over, "tokens": 10**11}, ATTACKER)).json()["tokens"] == 300
+    # and even receipts both witnesses sign (collusion) cannot mint past what a window serves in the time it was held
+    collude = _receipts(
+        WITNESS, *({"request": 10 + i, "tokens": 10**6, "holders": ring, "entry": ATTACKER.node_id} for i in range(100))
+    )
+    assert (await market.post("/v1/receipts", collude, WITNESS)).json() == {"accepted": 100}
     r = await market.post("/v1/credits", {**over, "tokens": 10**11}, ATTACKER)
     claimed_at = market.store.db.execute("SELECT MIN(claimed_at) FROM leases").fetchone()[0]
     cap = (clock() - claimed_at + 11) * MAX_TOKENS_PER_S
-    assert r.json()["tokens"] <= cap < 10**6
+    assert 300 < r.json()["tokens"] <= cap < 10**6
     ledger = {n["node_id"]: n["tokens"] for n in (await market.http.get("/v1/ledger")).json()["nodes"]}
     assert ledger[VICTIM.node_id] == 300 and ledger[ATTACKER.node_id] <= cap
+
+
+async def test_an_entry_node_inventing_requests_is_not_paid_for_its_own_window(market: Market) -> None:
+    """docs/market.md § Credit: an entry node used to confirm its own window. Now a window is credited only for
+    tokens that both of a request's witnesses (entry, exit) name, and nobody witnesses for themselves; receipts
+    that disagree confirm the smaller count, or nothing for a window whose holder they disagree about."""
+    a, b, c = Identity.generate(), Identity.generate(), Identity.generate()
+    leases = {who.node_id: await _serve(market, who, layers) for who, layers in ((a, (0, 2)), (b, (2, 4)), (c, (4, 6)))}
+    ring = [a.node_id, b.node_id, c.node_id]
+
+    async def credited(who: Identity) -> int:
+        r = await market.post("/v1/credits", {**leases[who.node_id], "tokens": 10**6}, who)
+        assert r.status_code == 200, r.text
+        tokens: int = r.json()["tokens"]
+        return tokens
+
+    # the middle node invents requests: entry receipts nobody pairs; it cannot pose as an exit witness either
+    invented = _receipts(b, *({"request": 100 + i, "tokens": 1000, "holders": ring} for i in range(10)))
+    assert (await market.post("/v1/receipts", invented, b)).json() == {"accepted": 10}
+    for forged in ({"entry": b.node_id}, {"entry": a.node_id}):  # its own request; someone else's
+        body = _receipts(b, {"request": 100, "tokens": 1000, "holders": ring, **forged})
+        assert (await market.post("/v1/receipts", body, b)).json() == {"accepted": 0}
+    # the last rank invents requests too: their exit witness is rank 0, which never saw them
+    invented = _receipts(c, *({"request": 200 + i, "tokens": 1000, "holders": ring} for i in range(10)))
+    assert (await market.post("/v1/receipts", invented, c)).json() == {"accepted": 10}
+    assert [await credited(who) for who in (a, b, c)] == [0, 0, 0]
+
+    # honest traffic: one request entering at rank 0 (exit witness: the last rank), one entering at the last rank
+    # (exit witness: rank 0, whose receipt arrives first here)
+    await market.post("/v1/receipts", _receipts(a, {"request": 7, "tokens": 40, "holders": ring}), a)
+    await market.post(
+        "/v1/receipts", _receipts(c, {"request": 7, "tokens": 40, "holders": ring, "entry": a.node_id}), c
+    )
+    await market.post(
+        "/v1/receipts", _receipts(a, {"request": 8, "tokens": 30, "holders": ring, "entry": c.node_id}), a
+    )
+    await market.post("/v1/receipts", _receipts(c, {"request": 8, "tokens": 30, "holders": ring}), c)
+    assert [await credited(who) for who in (a, b, c)] == [70, 70, 70]
+    # disagreement: on tokens the smaller count; on a window's holder nothing for that window
+    other = [a.node_id, Identity.generate().node_id, c.node_id]
+    await market.post("/v1/receipts", _receipts(a, {"request": 9, "tokens": 50, "holders": ring}), a)
+    await market.post(
+        "/v1/receipts", _receipts(c, {"request": 9, "tokens": 20, "holders": ring, "entry": a.node_id}), c
+    )
+    await market.post("/v1/receipts", _receipts(a, {"request": 10, "tokens": 10, "holders": ring}), a)
+    await market.post(
+        "/v1/receipts", _receipts(c, {"request": 10, "tokens": 10, "holders": other, "entry": a.node_id}), c
+    )
+    assert [await credited(who) for who in (a, b, c)] == [100, 90, 100]
+    # the ledger says who confirmed each node's tokens, never the node itself
+    rows = {n["node_id"]: n for n in (await market.http.get("/v1/ledger")).json()["nodes"]}
+    assert rows[b.node_id]["confirmed_by"] == {a.node_id: 90, c.node_id: 90}
+    assert rows[a.node_id]["confirmed_by"] == {c.node_id: 100} and rows[c.node_id]["confirmed_by"] == {a.node_id: 100}
 
 
 async def test_demand_cannot_overflow_or_inflate_rewards(market: Market) -> None:
@@ -339,6 +419,26 @@ def test_nodes_dial_and_fetch_inside_only_when_the_market_is_inside(tmp_path: Pa
     assert [r.address for r in m.ranks] == ["0.0.0.0:0", "0.0.0.0:9000"]  # the inside endpoint is never dialled
 
 
+def test_node_flag_allow_private(tmp_path: Path) -> None:
+    """`kvasir node --allow-private` / `--no-allow-private` set EnrollConfig.allow_private; without either, the
+    market's own address decides."""
+    from kvasir.cli import build_parser
+    from kvasir.commands.node import enroll_config
+
+    def config(market: str, *flags: str) -> EnrollConfig:
+        argv = ["node", "--market", market, "--memory-budget", "1GiB", "--stage-dir", str(tmp_path), *flags]
+        cfg: EnrollConfig = enroll_config(build_parser().parse_args(argv))
+        return cfg
+
+    public, lan = "https://market.example.com", "http://10.0.0.2:8480"
+    assert config(public).allow_private is None and not config(public).host_ok("10.0.0.5")
+    assert config(public, "--allow-private").allow_private is True
+    assert config(public, "--allow-private").host_ok("10.0.0.5") and config(public, "--allow-private").host_ok("::1")
+    assert config(lan).host_ok("10.0.0.5")
+    assert not config(lan, "--no-allow-private").host_ok("10.0.0.5")
+    assert config(public, "--market-ca", str(tmp_path / "ca.pem")).market_ca == tmp_path / "ca.pem"
+
+
 def test_an_outage_longer_than_a_lease_evicts_no_healthy_holder(tmp_path: Path) -> None:
     """Issue 11 (6): after a market restart, a spare polling first took a healthy holder's window. Leases that
     were live when the market stopped get the time they had left; the ledger and leases survive a kill."""
@@ -388,6 +488,55 @@ def test_a_key_sharing_the_holders_fingerprint_holds_nothing(tmp_path: Path) -> 
     store.close()
 
 
+def test_the_node_and_the_market_agree_on_each_requests_exit_witness() -> None:
+    """The node decides by rank which requests it witnesses (exit_rank), the market by live holders whose exit
+    receipts it counts (exit_witness): the same rule."""
+    from kvasir.market.agent.enroll import exit_rank
+    from kvasir.market.server.store import exit_witness
+
+    for size in range(1, 6):
+        holders: list[str | None] = [f"n{r}" for r in range(size)]
+        for entry in range(size):
+            rank = exit_rank(entry, size)
+            assert exit_witness(f"n{entry}", holders) == (None if rank is None else f"n{rank}")
+    assert exit_rank(None, 3) is None and exit_rank(7, 3) is None
+    assert exit_witness("n0", ["n0", "n1", None]) is None  # the last window uncovered: no exit witness
+
+
+def test_unpaired_receipts_are_bounded_per_witness(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Receipts waiting for their partner are capped per witness (oldest dropped), settled ones keep no holders, and
+    a receipt for another ring's shape counts nothing: invented receipts cannot grow the database without bound."""
+    from kvasir.market.records import ClaimRequest, LeaseRef, ManifestRecord, ModelRecord, Receipt, ReceiptBatch
+    from kvasir.market.server import store as store_module
+
+    monkeypatch.setattr(store_module, "MAX_PENDING_PER_WITNESS", 5)
+    store = MarketStore(tmp_path / "m.sqlite")
+    store.put_model(ModelRecord.from_wire(signed_model(_model(), OPERATOR)))
+    store.put_manifest(ManifestRecord.from_wire(MANIFEST, SHA))
+    a, b, c = Identity.generate(), Identity.generate(), Identity.generate()
+    for who, (start, end) in ((a, (0, 2)), (b, (2, 4)), (c, (4, 6))):
+        store.claim(ClaimRequest(SHA, start, end, who.node_id, 30.0), who.public.to_text())
+    ring = (a.node_id, b.node_id, c.node_id)
+    invented = tuple(Receipt(100 + i, 1000, ring) for i in range(12))
+    assert store.add_receipts(ReceiptBatch(SHA, b.node_id, invented)) == {"accepted": 12}
+    assert store.add_receipts(ReceiptBatch(SHA, b.node_id, (Receipt(1, 5, ring[:2]),))) == {"accepted": 0}
+    pending = store.db.execute("SELECT request FROM receipts WHERE witness = ?", (b.node_id,)).fetchall()
+    assert sorted(int(r[0]) for r in pending) == list(range(107, 112))  # the five newest
+    store.add_receipts(ReceiptBatch(SHA, a.node_id, (Receipt(7, 40, ring),)))
+    store.add_receipts(ReceiptBatch(SHA, c.node_id, (Receipt(7, 40, ring, a.node_id),)))
+    rows = store.db.execute("SELECT settled, holders FROM receipts WHERE request = '7'").fetchall()
+    assert rows == [(1, ""), (1, "")]
+    # a request settled alone (no exit witness then: the last window was released) takes no late partner
+    store.release(LeaseRef(SHA, 4, 6, c.node_id, store.db.execute(
+        "SELECT lease_id FROM leases WHERE node_id = ?", (c.node_id,)).fetchone()[0]))  # fmt: skip
+    assert store.add_receipts(ReceiptBatch(SHA, a.node_id, (Receipt(8, 30, ring),))) == {"accepted": 1}
+    store.claim(ClaimRequest(SHA, 4, 6, c.node_id, 30.0), c.public.to_text())
+    assert store.add_receipts(ReceiptBatch(SHA, c.node_id, (Receipt(8, 30, ring, a.node_id),))) == {"accepted": 1}
+    rows = store.db.execute("SELECT settled, holders FROM receipts WHERE request = '8'").fetchall()
+    assert rows == [(1, ""), (1, "")]
+    store.close()
+
+
 def test_market_status_prints_hostile_strings_literally() -> None:
     """L6: names and endpoints come from the network; rich markup in them is shown, never interpreted."""
     import io
@@ -409,6 +558,36 @@ def test_market_status_prints_hostile_strings_literally() -> None:
     text = out.getvalue()
     for literal in ("[bold]evil", "[red]x[/red]:80", "[link=http://x]h[/link]", "[blink]d", "[i]n"):
         assert literal in text, literal
+
+
+def test_market_status_shows_no_terminal_control_from_the_network() -> None:
+    """Issue 11 (7): a hostile model name, node id or endpoint cannot send escape sequences (clear the screen, a
+    hyperlink, retitle the terminal), carriage returns or bidi overrides, nor emoji codes or a non-number where
+    a number goes: each is shown literally, in a terminal with colour on."""
+    import io
+
+    from rich.console import Console
+
+    from kvasir.commands.market import print_status
+
+    osc_link = "\x1b]8;;http://evil.example\x1b\\click\x1b]8;;\x1b\\"
+    w = {"rank": 0, "layers": [0, 2], "bytes": "\x1b[2J", "reward": 1.0, "holder": "n\rFAKE\u202eevil",
+         "lease_expires": None, "state": "\x1b]0;title\x07", "endpoint": osc_link}  # fmt: skip
+    st = {
+        "coverage": {"now": 0.0, "models": [{"name": ":smile: \x1b[31mred", "model": SHA, "covered": 1,
+                                             "windows_total": 1, "live": True, "windows": [w]}]},
+        "demand": {"horizon_s": 600, "models": [{"name": "x" * 500, "requests": 0, "tokens": 0, "multiplier": 1.0}]},
+        "ledger": {"nodes": [{"node_id": "\x9b2J", "tokens": 1, "layer_tokens": 2, "earned": 1.0, "last": None,
+                              "confirmed_by": {"\x1b[5m": 1}}]},
+    }  # fmt: skip
+    out = io.StringIO()
+    print_status(st, Console(file=out, width=400, force_terminal=True, color_system="standard"))
+    text = out.getvalue()
+    assert "\x1b]" not in text and "\x1b[2J" not in text and "\x1b[31m" not in text and "\x1b[5m" not in text
+    assert not any(ch in text for ch in ("\r", "\x07", "\x9b", "\u202e"))
+    for literal in (":smile:", "\\x1b[31mred", "\\x1b[2J", "n\\rFAKE\\u202eevil", "\\x1b]8;;http://evil.example"):
+        assert literal in text, literal
+    assert "x" * 500 not in text  # long strings are cut
 
 
 def test_coverage_replies_are_capped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

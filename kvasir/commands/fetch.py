@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from kvasir.commands.common import print_window_result
-from kvasir.commands.market import parse_hostport
+from kvasir.commands.market import add_tls_arguments, parse_hostport, server_tls
 from kvasir.commands.slice import parse_window
 from kvasir.util.cli import run_trio, serve_announced
 
@@ -29,18 +29,23 @@ def add_parser(sub: Any) -> None:
         metavar="HASH",
         help="the whole model's sha256, recorded in the stage (default: the source's ETag when it is a sha256)",
     )
+    p.add_argument(
+        "--ca", type=Path, default=None, metavar="PEM", help="CA certificates trusted besides the system's (https)"
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=run_fetch)
 
     s = sub.add_parser("serve-model", help="serve a GGUF over HTTP with Range support (seed a model)")
     s.add_argument("file", type=Path, metavar="FILE")
     s.add_argument("--listen", default="127.0.0.1:8490", metavar="HOST:PORT", help="default %(default)s")
+    add_tls_arguments(s, "serve https:// (needs --tls-key)")
     s.set_defaults(run=run_serve_model)
 
 
 def run_fetch(args: argparse.Namespace) -> int:
     from kvasir.shard.fetch import fetch_window
     from kvasir.util.progress import byte_bar
+    from kvasir.util.tls import client_context
 
     a, b = parse_window(args.layers)
     with byte_bar(f"layers {a}:{b}") as progress:  # on stderr, and only when it is a terminal
@@ -54,6 +59,7 @@ def run_fetch(args: argparse.Namespace) -> int:
                 sha256=args.sha256,
                 model_sha256=args.model_sha256,
                 progress=progress,
+                tls=client_context(args.ca),
             )
         )
     fields = {
@@ -83,11 +89,13 @@ def run_serve_model(args: argparse.Namespace) -> int:
     from kvasir.shard.gguf_file import describe
 
     host, port = parse_hostport(args.listen, "--listen")
+    tls = server_tls(args)
     describe(args.file)  # refuse a file that is not a GGUF
     sha = model_sha256(args.file, default_cache_dir())
+    scheme = "https" if tls is not None else "http"
 
     def announce(bound: int) -> None:
-        print(f"kvasir serve-model: serving http://{host}:{bound}/{args.file.name} (sha256 {sha})", flush=True)
+        print(f"kvasir serve-model: serving {scheme}://{host}:{bound}/{args.file.name} (sha256 {sha})", flush=True)
 
-    run_trio(serve_announced, functools.partial(serve_model, args.file, sha, host, port), announce)
+    run_trio(serve_announced, functools.partial(serve_model, args.file, sha, host, port, tls=tls), announce)
     return 0

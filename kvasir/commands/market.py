@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import argparse
 import functools
+import ssl
 import time
+import unicodedata
 from pathlib import Path
 from typing import Any
 
 import trio
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from kvasir.commands.common import print_json
 from kvasir.commands.id import add_identity_argument, default_identity_path
@@ -44,11 +46,13 @@ def add_parser(sub: Any) -> None:
         metavar="KEY",
         help="the key (ed25519:…) whose signature publishing needs (default: this machine's identity)",
     )
+    add_tls_arguments(p, "serve https:// (needs --tls-key)")
     add_identity_argument(p)
     p.set_defaults(run=run_serve)
     actions = p.add_subparsers(dest="action", metavar="ACTION")
     st = actions.add_parser("status", help="print coverage, demand and contributions")
     st.add_argument("--url", default=DEFAULT_URL, help="market URL (default %(default)s)")
+    add_ca_argument(st)
     st.add_argument("--json", action="store_true")
     st.set_defaults(run=run_status)
     pub = actions.add_parser("publish", help="offer a model: its record and rank manifest")
@@ -60,8 +64,35 @@ def add_parser(sub: Any) -> None:
     how.add_argument("--windows", metavar="A:B,B:C,…", help="explicit windows")
     how.add_argument("--devices", type=Path, metavar="devices.toml", help="windows from the planner for this fleet")
     pub.add_argument("--weights", default=None, metavar="W,W,…", help="reward weights of --windows (default 1 each)")
+    add_ca_argument(pub)
     add_identity_argument(pub)
     pub.set_defaults(run=run_publish)
+
+
+def add_tls_arguments(p: argparse.ArgumentParser, what: str) -> None:
+    """``--tls-cert``/``--tls-key``, as ``kvasir relay`` has them."""
+    p.add_argument("--tls-cert", type=Path, default=None, metavar="PEM", help=f"certificate chain; {what}")
+    p.add_argument("--tls-key", type=Path, default=None, metavar="PEM", help="private key for --tls-cert")
+
+
+def server_tls(args: argparse.Namespace) -> ssl.SSLContext | None:
+    """The server's TLS context from ``--tls-cert``/``--tls-key`` (None: plain HTTP)."""
+    from kvasir.errors import InputError
+    from kvasir.util.tls import server_context
+
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise InputError("--tls-cert and --tls-key go together")
+    return None if args.tls_cert is None else server_context(args.tls_cert, args.tls_key)
+
+
+def add_ca_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--market-ca",
+        type=Path,
+        default=None,
+        metavar="PEM",
+        help="CA certificates (PEM bundle) trusted besides the system's, for an https:// market",
+    )
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -69,19 +100,21 @@ def run_serve(args: argparse.Namespace) -> int:
     from kvasir.market.server.service import serve_market
 
     host, port = parse_hostport(args.listen, "--listen")
+    tls = server_tls(args)
+    scheme = "https" if tls is not None else "http"
     identity = load_or_create_identity(args.identity or default_identity_path())
     operator = PublicKey.from_text(args.operator_key) if args.operator_key else identity.public
 
     class Announce:
         def started(self, value: int | None = None) -> None:
             print(
-                f"kvasir market: listening on http://{host}:{value} (db {args.db}), operator {operator.to_text()}"
+                f"kvasir market: listening on {scheme}://{host}:{value} (db {args.db}), operator {operator.to_text()}"
                 f" (fingerprint {operator.fingerprint})",
                 flush=True,
             )
 
     serve = functools.partial(
-        serve_market, args.db, host, port, identity=identity, operator=operator, task_status=Announce()
+        serve_market, args.db, host, port, identity=identity, operator=operator, tls=tls, task_status=Announce()
     )
     trio.run(serve)
     return 0
@@ -98,12 +131,13 @@ def run_publish(args: argparse.Namespace) -> int:
         windows, origin = parse_windows(args.windows, args.weights), "explicit"
     from kvasir.core.identity import load_or_create_identity
     from kvasir.market.agent.publish import publish_signed
+    from kvasir.util.tls import client_context
 
     identity = load_or_create_identity(args.identity or default_identity_path())
     record = model_record(args.model, windows, args.source, default_cache_dir(), args.name).signed(identity)
 
     async def publish() -> None:
-        async with MarketClient(args.url, identity=identity) as market:
+        async with MarketClient(args.url, identity=identity, tls=client_context(args.market_ca)) as market:
             await publish_signed(market, identity, record, manifest_record(record, windows, origin))
 
     trio.run(publish)
@@ -113,48 +147,96 @@ def run_publish(args: argparse.Namespace) -> int:
 
 def run_status(args: argparse.Namespace) -> int:
     from kvasir.market.agent.client import MarketClient
+    from kvasir.util.tls import client_context
 
     async def fetch() -> dict[str, Any]:
-        async with MarketClient(args.url) as market:
+        async with MarketClient(args.url, tls=client_context(args.market_ca)) as market:
             return await market.status()
 
     st = trio.run(fetch)
     if args.json:
         print_json(st)
         return 0
-    print_status(st, Console())
+    try:
+        print_status(st, Console())
+    except (KeyError, TypeError, IndexError, AttributeError) as exc:  # a reply not shaped like a market's
+        from kvasir.errors import InputError
+
+        raise InputError(f"market {args.url}: malformed status reply ({type(exc).__name__})") from None
     return 0
 
 
+def shown(value: object, limit: int = 120, style: str = "") -> Text:
+    """A value from the network as plain text for the terminal (pure): never markup, emoji codes or control
+    characters (escape sequences, carriage returns, bidi overrides are shown as ``\\x1b``, ``\\u202e``), and cut
+    to ``limit`` characters."""
+    text = str(value)
+    out = "".join(
+        ch if unicodedata.category(ch) not in ("Cc", "Cf", "Cs", "Zl", "Zp") else ascii(ch)[1:-1]
+        for ch in text[: limit + 1]
+    )
+    return Text(out[:limit] + ("…" if len(out) > limit else ""), style)
+
+
+def _num(value: object, spec: str) -> Text:
+    """A number formatted with ``spec``, or (a hostile market sent something else) the value shown safely."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return Text(format(value, spec))
+    return shown(value, 24)
+
+
 def print_status(st: dict[str, Any], c: Console) -> None:
+    """Print a market's status. Every string in it comes from the network (model names, node ids, endpoints are
+    chosen by whoever publishes or claims), so each is shown as plain text: nothing in it can style, link, move
+    the cursor or rewrite what the terminal shows."""
     now = st["coverage"]["now"]
     for m in st["coverage"]["models"]:
-        state = "[green]live[/]" if m["live"] else "[yellow]not live[/]"
+        state = Text("live", "green") if m["live"] else Text("not live", "yellow")
+        covered = Text.assemble(_num(m["covered"], "d"), "/", _num(m["windows_total"], "d"))
         c.print(
-            f"[bold]{escape(str(m['name']))}[/] {escape(str(m['model'])[:12])}… — {m['covered']}/{m['windows_total']}"
-            f" windows covered, {state}"
-        )
+            Text.assemble(
+                shown(m["name"], style="bold"), " ", shown(str(m["model"])[:12]), "… — ", covered, " windows covered, ",
+                state,
+            )
+        )  # fmt: skip
         t = Table("rank", "layers", "bytes", "reward", "holder", "state", "endpoint", "lease left")
         for w in m["windows"]:
-            left = f"{w['lease_expires'] - now:.0f} s" if w["lease_expires"] else "-"
+            expires = w["lease_expires"]
+            left = (
+                _num(expires - now, ".0f") + " s"
+                if isinstance(expires, int | float) and isinstance(now, int | float)
+                else Text("-")
+            )
+            layers = w["layers"]
             t.add_row(
-                str(w["rank"]),
-                f"{w['layers'][0]}:{w['layers'][1]}",
-                f"{w['bytes']:,}",
-                f"{w['reward']:.3g}",
-                escape(str(w["holder"])) if w["holder"] else "[red]uncovered[/]",
-                escape(str(w["state"] or "-")),
-                escape(str(w["endpoint"] or "-")),
+                _num(w["rank"], "d"),
+                Text.assemble(_num(layers[0], "d"), ":", _num(layers[1], "d")),
+                _num(w["bytes"], ","),
+                _num(w["reward"], ".3g"),
+                shown(w["holder"]) if w["holder"] else Text("uncovered", "red"),
+                shown(w["state"] or "-"),
+                shown(w["endpoint"] or "-"),
                 left,
             )
         c.print(t)
     d = st["demand"]
-    t = Table("model", "requests", "tokens", "reward multiplier", title=f"demand (last {d['horizon_s']:.0f} s)")
+    title = Text.assemble("demand (last ", _num(d["horizon_s"], ".0f"), " s)")
+    t = Table("model", "requests", "tokens", "reward multiplier", title=title)
     for m in d["models"]:
-        t.add_row(escape(str(m["name"])), str(m["requests"]), str(m["tokens"]), f"{m['multiplier']:.3f}")
+        t.add_row(shown(m["name"]), _num(m["requests"], "d"), _num(m["tokens"], "d"), _num(m["multiplier"], ".3f"))
     c.print(t)
-    t = Table("node", "tokens", "tokens × layers", "earned", "last credit", title="contributions")
+    t = Table("node", "tokens", "tokens × layers", "earned", "confirmed by", "last credit", title="contributions")
     for n in st["ledger"]["nodes"]:
-        ago = f"{time.time() - n['last']:.0f} s ago" if n["last"] else "-"
-        t.add_row(escape(str(n["node_id"])), str(n["tokens"]), str(n["layer_tokens"]), f"{n['earned']:.3f}", ago)
+        last = n["last"]
+        ago = _num(time.time() - last, ".0f") + " s ago" if isinstance(last, int | float) and last else Text("-")
+        witnesses = n.get("confirmed_by") or {}
+        by = ", ".join(f"{k}: {v}" for k, v in witnesses.items()) if isinstance(witnesses, dict) else witnesses
+        t.add_row(
+            shown(n["node_id"]),
+            _num(n["tokens"], "d"),
+            _num(n["layer_tokens"], "d"),
+            _num(n["earned"], ".3f"),
+            shown(by or "-"),
+            ago,
+        )
     c.print(t)

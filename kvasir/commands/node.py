@@ -84,6 +84,19 @@ def add_parser(sub: Any) -> None:
         metavar="KEY",
         help="the market operator's key (ed25519:…): records it did not sign are refused (default: trust on first use)",
     )
+    m.add_argument(
+        "--market-ca",
+        type=Path,
+        default=None,
+        metavar="PEM",
+        help="CA certificates (PEM bundle) trusted besides the system's, for an https:// market and its sources",
+    )
+    m.add_argument(
+        "--allow-private",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="dial neighbours and fetch sources at loopback/private addresses (default: only if the market is at one)",
+    )
     m.add_argument("--memory-budget", default=None, metavar="SIZE", help="largest stage to hold (default 4GiB)")
     m.add_argument("--listen", default="127.0.0.1:0", metavar="HOST:PORT", help="link listener (default any port)")
     m.add_argument("--advertise", default=None, metavar="HOST", help="host neighbours dial (default the listen host)")
@@ -154,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
     # Unset flags take their values from the environment and config.toml; the market only for a node given no window.
     keys = ["identity", "relay", "memory_budget", "threads", "gpu_layers", "api_key_file"]
     given_window = any(getattr(args, a) is not None for a in ("manifest", "rank", "model", "stage"))
-    fill_from_config(args, keys if given_window else [*keys, "market"])
+    fill_from_config(args, keys if given_window else [*keys, "market", "market_ca"])
     if not 0 < args.failover_wait <= 3600:
         raise InputError(f"--failover-wait must be in (0, 3600] seconds, got {args.failover_wait}")
     if args.market is not None:
@@ -227,16 +240,22 @@ async def serve_node(manifest: Manifest, rank: int, config: StageConfig, args: a
 
 
 def run_enrolled(args: argparse.Namespace) -> int:
-    from kvasir.commands.market import parse_hostport
-    from kvasir.market.agent.enroll import EnrollConfig
-
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
+    trio.run(serve_enrolled, enroll_config(args), args)
+    return 0
+
+
+def enroll_config(args: argparse.Namespace) -> Any:
+    """The EnrollConfig of ``kvasir node --market …``."""
+    from kvasir.commands.market import parse_hostport
+    from kvasir.market.agent.enroll import EnrollConfig
+
     host, port = parse_hostport(args.listen, "--listen")
     ring_secret = read_ring_secret(args.ring_secret_file)  # only for a relay that takes v1 tokens
-    config = EnrollConfig(
+    return EnrollConfig(
         market_url=args.market,
         budget_bytes=parse_size(args.memory_budget),
         stage_dir=args.stage_dir or default_cache_dir() / "market",
@@ -248,6 +267,8 @@ def run_enrolled(args: argparse.Namespace) -> int:
         seed=args.seed,
         relay=args.relay,
         ring_secret=ring_secret,
+        allow_private=args.allow_private,
+        market_ca=args.market_ca,
         **enroll_keys(args),
         stage_config=functools.partial(
             StageConfig, n_ctx=args.ctx, n_seq_max=args.seqs, n_threads=args.threads, n_gpu_layers=args.gpu_layers
@@ -259,8 +280,6 @@ def run_enrolled(args: argparse.Namespace) -> int:
             "link_wait": max(30.0, args.failover_wait + 5.0),
         },
     )
-    trio.run(serve_enrolled, config, args)
-    return 0
 
 
 def enroll_keys(args: argparse.Namespace) -> dict[str, Any]:

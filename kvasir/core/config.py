@@ -10,6 +10,7 @@ Each setting has one effective value and the source it came from, the later winn
     threads = 4                         # KVASIR_THREADS       --threads
     gpu_layers = 0                      # KVASIR_GPU_LAYERS    --gpu-layers (the backend: 0 CPU, -1 all on the GPU)
     api_key_file = "api-keys"           # KVASIR_API_KEY_FILE  --api-key-file
+    market_ca = "market-ca.pem"         # KVASIR_MARKET_CA     --market-ca (CAs trusted besides the system's)
 
 A relative path in the file is relative to the file's directory, in the environment to the working directory; ``~``
 expands in both. The file is read through the schema layer: a wrong type or an unknown key is one error line that
@@ -75,12 +76,13 @@ class ConfigFile:
     threads: int | None = attrs.field(default=None, validator=_at_least(1))
     gpu_layers: int | None = attrs.field(default=None, validator=_at_least(-1))
     api_key_file: str | None = None
+    market_ca: str | None = None
 
 
 register_record(ConfigFile, forbid_extra=True)
 
 #: Settings that are paths (relative ones resolved against the file's directory or the working directory).
-PATH_KEYS = frozenset({"identity", "api_key_file"})
+PATH_KEYS = frozenset({"identity", "api_key_file", "market_ca"})
 INT_KEYS = frozenset({"threads", "gpu_layers"})
 #: Values used when nothing sets a key. None: the command's own rule (a key made on first use, no relay, threads
 #: shared among co-located nodes, an API open to anyone on loopback).
@@ -92,6 +94,7 @@ DEFAULTS: dict[str, object] = {
     "threads": None,
     "gpu_layers": 0,
     "api_key_file": None,
+    "market_ca": None,
 }
 KEYS = tuple(DEFAULTS)
 

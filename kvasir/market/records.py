@@ -351,14 +351,19 @@ class CreditReport(_Body):
 
 @attrs.frozen
 class Receipt(_Body):
-    """One request that entered the ring at the reporting node: its id, the tokens the ring generated for it, and
-    the node id holding each window (in rank order; "" where none) while it ran."""
+    """One request the reporting node witnessed: its id, the tokens the ring generated for it, and the node id
+    holding each window (in rank order; "" where none) while it ran.
+
+    ``entry`` is None in the entry node's own receipt (the request entered the ring there). The request's *exit
+    witness* (the last rank, or rank 0 when the request entered at the last rank) sends one too, naming the entry
+    node in ``entry``: the market credits a window only with both (docs/market.md § Credit)."""
 
     WHERE: ClassVar[str] = "receipt"
 
     request: int = attrs.field(validator=_count(0, high=2**64 - 1))
     tokens: int = attrs.field(validator=_count(0, high=MAX_REPORT_TOKENS))
     holders: tuple[str, ...]
+    entry: str | None = attrs.field(default=None, validator=_optional(_node_id))
 
     def __attrs_post_init__(self) -> None:
         if len(self.holders) > MAX_WINDOWS or not all(
@@ -369,7 +374,7 @@ class Receipt(_Body):
 
 @attrs.frozen
 class ReceiptBatch(_Body):
-    """Body of ``POST /v1/receipts``: receipts an entry node signs (with the request) for the work others did."""
+    """Body of ``POST /v1/receipts``: receipts a witness (entry or exit) signs, with the request."""
 
     WHERE: ClassVar[str] = "receipts"
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import ssl
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
@@ -242,14 +243,18 @@ class HttpConnection:
         return True
 
     async def close(self) -> None:
-        """Close; if the client may still be sending, half-close and drain briefly so it can read our reply."""
+        """Close; if the client may still be sending, half-close and drain briefly so it can read our reply.
+
+        TLS cannot half-close, so a TLS connection is only drained: closing with unread bytes would reset it and
+        the client would never read the reply (a 413 for an oversized body)."""
         try:
             unread = self.h11.their_state not in (h11.DONE, h11.IDLE, h11.CLOSED, h11.MUST_CLOSE)
-            if unread and not self.peer_closed and isinstance(self.stream, trio.SocketStream):
+            if unread and not self.peer_closed and isinstance(self.stream, trio.SocketStream | trio.SSLStream):
                 with trio.move_on_after(self.limits.linger):
-                    await self.stream.send_eof()
+                    if isinstance(self.stream, trio.SocketStream):
+                        await self.stream.send_eof()
                     drained = 0
-                    while drained < self.limits.max_body_bytes:
+                    while drained < 4 * self.limits.max_body_bytes:  # and at most `linger` seconds
                         data = await self.stream.receive_some(RECEIVE_BYTES)
                         if not data:
                             break
@@ -317,23 +322,30 @@ async def serve_http(
     limits: ApiLimits | None = None,
     error_shape: ErrorShape = _same,
     name: str = "HTTP",
+    tls: ssl.SSLContext | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``handler`` on ``host:port`` (0: any free port) until cancelled; ``started(bound_port)``.
+
+    ``tls`` (kvasir.util.tls.server_context): serve HTTPS. The handshake runs on the connection's first read, so
+    it is bounded by the same idle and header timeouts as a request; a failed one costs that connection only.
 
     The handler answers one request on the connection (it may raise :class:`HttpError`). While it runs, a watcher
     cancels it if the client disconnects. Malformed, oversized or slow requests are answered here, and any other
     exception becomes a 500 without taking the server down.
     """
     server = _Server(handler, limits or ApiLimits(), error_shape)
+    listeners: list[trio.abc.Listener[Any]]
     try:
-        listeners = await trio.open_tcp_listeners(port, host=host)
+        tcp = await trio.open_tcp_listeners(port, host=host)
     except OSError as exc:  # say where: "address already in use" alone does not name the --listen at fault
         raise OSError(exc.errno, f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
-    bound = int(listeners[0].socket.getsockname()[1])
+    bound = int(tcp[0].socket.getsockname()[1])
+    # https_compatible: a client that closes without close_notify (most do) is an ordinary end of stream.
+    listeners = list(tcp) if tls is None else [trio.SSLListener(t, tls, https_compatible=True) for t in tcp]
     async with trio.open_nursery() as nursery:
         await nursery.start(functools.partial(trio.serve_listeners, server.serve, listeners, handler_nursery=nursery))
-        log.info("%s listening on %s:%d", name, host, bound)
+        log.info("%s listening on %s://%s:%d", name, "https" if tls else "http", host, bound)
         task_status.started(bound)
 
 

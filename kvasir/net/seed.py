@@ -9,6 +9,7 @@ a trio file object, never read whole.
 from __future__ import annotations
 
 import re
+import ssl
 from pathlib import Path
 
 import h11
@@ -91,8 +92,11 @@ async def serve_model(
     host: str,
     port: int,
     *,
+    tls: ssl.SSLContext | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve ``path`` on ``host:port`` (0: any free port) until cancelled; ``started(bound_port)``."""
+    """Serve ``path`` on ``host:port`` (0: any free port) until cancelled; ``started(bound_port)``. ``tls``: HTTPS."""
     seeder = ModelSeeder(path, sha256)
-    await serve_http(seeder.handle, host, port, limits=SEED_LIMITS, name="model seeder", task_status=task_status)
+    await serve_http(
+        seeder.handle, host, port, limits=SEED_LIMITS, name="model seeder", tls=tls, task_status=task_status
+    )

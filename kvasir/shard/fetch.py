@@ -18,6 +18,7 @@ import contextlib
 import json
 import os
 import re
+import ssl
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -34,6 +35,7 @@ from kvasir.shard.gguf_header import DEFAULT_LIMITS, PREAMBLE_BYTES, GGUFHeader,
 from kvasir.shard.gguf_io import GGUFFile
 from kvasir.shard.slice import check_window, slice_model, window_ranges
 from kvasir.util.files import atomic_output
+from kvasir.util.tls import client_context, tls_failure
 
 #: Largest piece of a range fetched in one request (also the resume granularity).
 PIECE_BYTES = 16 << 20
@@ -134,6 +136,9 @@ class _Source:
                 if got != n:
                     raise SourceError(f"{self.url}: sent {got} of {n} bytes asked for")
         except httpx.HTTPError as exc:
+            why = tls_failure(exc)
+            if why is not None:
+                raise SourceError(f"{self.url}: {why}") from None
             raise SourceError(f"{self.url}: {type(exc).__name__}: {exc}") from None
 
     def _check_reply(self, r: httpx.Response, off: int, n: int) -> None:
@@ -197,6 +202,7 @@ async def fetch_window(
     client: httpx.AsyncClient | None = None,
     max_header_bytes: int = DEFAULT_LIMITS.max_header_bytes,
     file_bytes: int | None = None,
+    tls: ssl.SSLContext | None = None,
 ) -> FetchResult:
     """Write the stage file of layers [start, end) of the GGUF at ``url`` to ``out``.
 
@@ -205,14 +211,17 @@ async def fetch_window(
     source's ETag when it is a sha256). ``progress(done, total)`` is called as bytes arrive.
     ``max_header_bytes``: the most header bytes to fetch and buffer (the market's ``header_bytes`` for the model).
     ``file_bytes``: the model's size in the market's signed record; a source that says otherwise is refused before
-    anything is allocated for it.
+    anything is allocated for it. ``tls``: how an https source is verified (default: the system's CAs).
     """
     began = time.monotonic()
     if not out.parent.is_dir():
         raise InputError(f"{out}: directory {out.parent} does not exist")
     own = client is None
     client = client or httpx.AsyncClient(
-        timeout=httpx.Timeout(30.0), follow_redirects=True, event_hooks={"response": [refuse_unsafe_redirect]}
+        timeout=httpx.Timeout(30.0),
+        follow_redirects=True,
+        event_hooks={"response": [refuse_unsafe_redirect]},
+        verify=tls if tls is not None else client_context(),
     )
     try:
         return await _fetch(

@@ -8,6 +8,7 @@ refused unread.
 from __future__ import annotations
 
 import json
+import ssl
 import time
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +30,7 @@ from kvasir.market.records import (
     ReceiptBatch,
     coverage_from_wire,
 )
+from kvasir.util.tls import client_context, tls_failure
 
 #: Largest reply read from a market (a coverage map of MAX_MODELS models fits well within it).
 MAX_REPLY_BYTES = 16 * 1024 * 1024
@@ -50,7 +52,8 @@ def _raise_for(status: int, raw: bytes) -> Any:
 
 
 class MarketClient:
-    """``identity``: the key that signs writes (a node's, or the operator's for publishing)."""
+    """``identity``: the key that signs writes (a node's, or the operator's for publishing); ``tls``: how an https
+    market is verified (default: the system's CAs; kvasir.util.tls.client_context adds a ``--market-ca`` bundle)."""
 
     def __init__(
         self,
@@ -61,10 +64,11 @@ class MarketClient:
         client: httpx.AsyncClient | None = None,
         max_reply_bytes: int = MAX_REPLY_BYTES,
         clock: Callable[[], float] = time.time,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.url = url.rstrip("/")
         self.identity = identity
-        self.http = client or httpx.AsyncClient(timeout=timeout)
+        self.http = client or httpx.AsyncClient(timeout=timeout, verify=tls if tls is not None else client_context())
         self.max_reply_bytes = max_reply_bytes
         self.clock = clock
 
@@ -98,6 +102,11 @@ class MarketClient:
                         raise MarketError(r.status_code, "reply_too_large", f"market {self.url}: reply too large")
                 status = r.status_code
         except httpx.HTTPError as exc:
+            why = tls_failure(exc)
+            if why is not None:  # a wrong or missing CA: say so, and how to fix it
+                unknown_ca = any(w in why for w in ("issuer", "self-signed", "self signed"))
+                hint = "; pass --market-ca with the CA bundle that signed it" if unknown_ca else ""
+                raise MarketError(0, "tls", f"market {self.url}: {why}{hint}") from None
             raise MarketError(0, "unreachable", f"market {self.url}: {type(exc).__name__}: {exc}") from None
         return _raise_for(status, bytes(raw))
 

@@ -66,6 +66,7 @@ from kvasir.shard.fetch import FetchResult, fetch_window, verify_stage
 from kvasir.stage.engine import Stage, StageConfig
 from kvasir.util.addr import format_hostport, parse_hostport
 from kvasir.util.progress import byte_bar
+from kvasir.util.tls import client_context
 
 log = logging.getLogger("kvasir.enroll")
 
@@ -98,6 +99,8 @@ class EnrollConfig:
     market_key: PublicKey | None = None
     #: Whether neighbours and sources may be private or loopback addresses (None: only if the market's is).
     allow_private: bool | None = None
+    #: A PEM bundle of CAs trusted besides the system's, for an https market and https sources.
+    market_ca: Path | None = None
     #: Stage settings and node settings (everything but the manifest and rank).
     stage_config: Callable[[Path], StageConfig] = StageConfig
     node_options: dict[str, Any] = attrs.field(factory=dict)
@@ -180,6 +183,14 @@ def manifest_from_coverage(
     )
 
 
+def exit_rank(entry_rank: object, size: int) -> int | None:
+    """The rank that witnesses a request besides its entry (pure): the last rank, which samples every token, or
+    rank 0 (which embeds every token) for a request that entered at the last rank; None in a one-window ring."""
+    if not isinstance(entry_rank, int) or size < 2 or not 0 <= entry_rank < size:
+        return None
+    return size - 1 if entry_rank != size - 1 else 0
+
+
 class LeaseLost(KvasirError):
     """The node no longer holds its window."""
 
@@ -195,7 +206,9 @@ class Enrollment:
         client: MarketClient | None = None,
     ) -> None:
         self.config = config
-        self.market = client or MarketClient(config.market_url, identity=config.identity)
+        #: How https markets and sources are verified: the system's CAs and the ``--market-ca`` bundle.
+        self.tls = client_context(config.market_ca)
+        self.market = client or MarketClient(config.market_url, identity=config.identity, tls=self.tls)
         self.draw = random.Random(config.seed)
         self.on_node = on_node
         self.node: Node | None = None
@@ -218,13 +231,14 @@ class Enrollment:
         self._holders: list[str] = []
         self._receipts: list[Receipt] = []
         self._demand = {"requests": 0, "tokens": 0}
-        self._entered: set[int] = set()
         self.operator_key: PublicKey | None = config.market_key
         #: The market's ticket key, when the operator delegated to it (neighbours' tickets are checked with it).
         self.ticket_issuer: PublicKey | None = None
         self._avoid: dict[tuple[str, int, int], float] = {}
         self._lost = False
         self._warned_operator: PublicKey | None = None
+        #: Whether the market ever answered (a TLS failure before that is fatal, after it a passing fault).
+        self._reached = False
 
     # ------------------------------------------------------------------------------------------ main loop
 
@@ -329,6 +343,7 @@ class Enrollment:
                 await self._trust()
                 skipped: list[str] = []
                 coverage = await self.market.coverage(skipped=skipped)
+                self._reached = True
                 if skipped:
                     log.info(
                         "node %s: skipped %d malformed coverage entries: %s", cfg.node_id, len(skipped), skipped[0]
@@ -347,6 +362,8 @@ class Enrollment:
                 if exc.status == 409:
                     log.info("node %s lost the race for a window: %s", cfg.node_id, exc)
                     continue  # someone else was faster: choose again at once
+                if exc.code == "tls" and not self._reached:
+                    raise  # a market this node cannot verify from the start: a setup error, said in one line
                 log.warning("node %s: %s", cfg.node_id, exc)
             except KvasirError as exc:  # a malformed reply: wait and ask again
                 log.warning("node %s: %s", cfg.node_id, exc)
@@ -459,6 +476,7 @@ class Enrollment:
                         max_header_bytes=model.header_bytes,
                         file_bytes=model.file_bytes,
                         progress=progress,
+                        tls=self.tls,
                     )
             except Exception as exc:  # any failure of one source (KvasirError, or a bug on hostile input): next one
                 errors.append(f"{type(exc).__name__}: {exc}")
@@ -566,20 +584,32 @@ class Enrollment:
 
     async def _watch_demand(self, node: Node) -> None:
         """Count requests that entered the ring at this node and the tokens they generated; keep a receipt of each
-        (its tokens and the holders that produced them), which the market needs to credit any of them."""
+        request this node witnesses (its tokens and the holders that produced them), which the market needs to
+        credit any window: the entry's own, and the exit witness's (:func:`exit_rank`) naming the entry node."""
+        witnessed: dict[int, int] = {}  # request id → entry rank, for requests this node witnesses
         async with node.hub.subscribe() as events:
             async for ev in events:
                 if ev.get("type") != "request":
                     continue
-                if ev.get("state") == "start" and ev.get("entry_rank") == node.rank:
-                    self._entered.add(int(ev["request"]))
-                elif ev.get("state") == "end" and ev.get("request") in self._entered:
-                    self._entered.discard(int(ev["request"]))
-                    self._demand["requests"] += 1
+                request = ev.get("request")
+                if ev.get("state") == "start" and isinstance(request, int):
+                    entry_rank = ev.get("entry_rank")
+                    mine = entry_rank == node.rank or exit_rank(entry_rank, node.manifest.size) == node.rank
+                    if mine and isinstance(entry_rank, int) and len(witnessed) < MAX_PENDING_RECEIPTS:
+                        witnessed[request] = entry_rank  # requests in flight; bounded all the same
+                elif ev.get("state") == "end" and request in witnessed:
+                    entry_rank = witnessed.pop(request)
                     generated = min(int(ev.get("generated") or 0), MAX_REPORT_TOKENS)
-                    self._demand["tokens"] += generated
+                    if entry_rank == node.rank:
+                        self._demand["requests"] += 1
+                        self._demand["tokens"] += generated
+                        entry = None
+                    else:
+                        entry = self._holders[entry_rank] if entry_rank < len(self._holders) else ""
+                        if not entry:
+                            continue  # nobody known at the entry's rank: no receipt to pair with
                     if generated > 0:
-                        self._receipts.append(Receipt(int(ev["request"]), generated, tuple(self._holders)))
+                        self._receipts.append(Receipt(request, generated, tuple(self._holders), entry))
                         del self._receipts[:-MAX_PENDING_RECEIPTS]  # bounded while the market is away
 
     async def _report_loop(self) -> None:

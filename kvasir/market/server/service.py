@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import re
+import ssl
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -251,12 +252,13 @@ async def serve_market(
     store: MarketStore | None = None,
     identity: Identity | None = None,
     operator: PublicKey | None = None,
+    tls: ssl.SSLContext | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the market on ``host:port`` (0: any free port) with its state in ``db``; ``started(bound_port)``.
 
     ``identity``: the market's key (default: this machine's node identity); ``operator``: the publisher's key
-    (default: the market's own).
+    (default: the market's own); ``tls``: serve HTTPS (kvasir.util.tls.server_context).
     """
     if identity is None:
         identity = await trio.to_thread.run_sync(machine_identity)
@@ -264,7 +266,9 @@ async def serve_market(
     store = store if store is not None else await trio.to_thread.run_sync(MarketStore, db)
     service = MarketService(store, identity, operator)
     try:
-        await serve_http(service.handle, host, port, limits=MARKET_LIMITS, name="market", task_status=task_status)
+        await serve_http(
+            service.handle, host, port, limits=MARKET_LIMITS, name="market", tls=tls, task_status=task_status
+        )
     finally:
         if own:
             store.close()

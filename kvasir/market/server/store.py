@@ -49,11 +49,15 @@ CREDIT_SLACK_S = 10.0
 #: Receipts are remembered (so a repeated one counts once) this long, and at most this many at once.
 RECEIPT_HORIZON_S = 3600.0
 MAX_RECEIPTS_SEEN = 1_000_000
+#: Receipts one witness may have waiting for their partner (what a node keeps while the market is away).
+MAX_PENDING_PER_WITNESS = 4096
 #: Models a market offers at most; ledger rows in one reply at most.
 MAX_MODELS = 256
 #: Windows one coverage reply lists at most (a manifest has at most 4096).
 MAX_COVERAGE_WINDOWS = 16384
 MAX_LEDGER_ROWS = 1000
+#: Witnesses a ledger row names at most (those that confirmed the most of the node's tokens).
+LEDGER_WITNESSES = 8
 
 _LEASE_ROW = 'SELECT node_id, lease_id, expires_at, holder_key FROM leases WHERE model = ? AND start = ? AND "end" = ?'
 
@@ -73,10 +77,16 @@ CREATE TABLE IF NOT EXISTS lease_credits (
     "end" INTEGER NOT NULL, tokens INTEGER NOT NULL, layer_tokens INTEGER NOT NULL, earned REAL NOT NULL,
     ts REAL NOT NULL);
 CREATE INDEX IF NOT EXISTS lease_credits_node ON lease_credits (node_id);
-CREATE TABLE IF NOT EXISTS receipts_seen (
-    entry TEXT NOT NULL, request TEXT NOT NULL, ts REAL NOT NULL, PRIMARY KEY (entry, request));
-CREATE INDEX IF NOT EXISTS receipts_seen_ts ON receipts_seen (ts);
+DROP TABLE IF EXISTS receipts_seen;
+CREATE TABLE IF NOT EXISTS receipts (
+    model TEXT NOT NULL, entry TEXT NOT NULL, request TEXT NOT NULL, role TEXT NOT NULL, witness TEXT NOT NULL,
+    tokens INTEGER NOT NULL, holders TEXT NOT NULL, settled INTEGER NOT NULL, ts REAL NOT NULL,
+    PRIMARY KEY (model, entry, request, role));
+CREATE INDEX IF NOT EXISTS receipts_ts ON receipts (ts);
+CREATE INDEX IF NOT EXISTS receipts_pending ON receipts (witness, settled, ts);
 CREATE TABLE IF NOT EXISTS lease_confirmed (lease_id TEXT PRIMARY KEY, tokens INTEGER NOT NULL, ts REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS lease_witnesses (
+    lease_id TEXT NOT NULL, witness TEXT NOT NULL, tokens INTEGER NOT NULL, PRIMARY KEY (lease_id, witness));
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 
@@ -85,6 +95,28 @@ def demand_multiplier(recent_tokens: int) -> float:
     """How much recent demand raises a model's rewards (pure): 1 at no demand, +1 per DEMAND_SCALE_TOKENS, at most
     MAX_MULTIPLIER."""
     return min(1.0 + recent_tokens / DEMAND_SCALE_TOKENS, MAX_MULTIPLIER)
+
+
+def exit_witness(entry: str, holders: list[str | None]) -> str | None:
+    """The second witness of a request that entered at node ``entry``, given the live holder of each rank (pure):
+    the last rank, which samples every token; or, when the entry holds the last rank, rank 0, which embeds every
+    token. None when there is none other than the entry (a one-window ring, an uncovered rank)."""
+    if not holders:
+        return None
+    witness = holders[-1] if holders[-1] != entry else holders[0]
+    return witness if witness != entry else None
+
+
+def confirmed_tokens(holder: str, rank: int, witnessed: list[tuple[str, int, list[str]]]) -> int:
+    """What one request's receipts confirm for the window at ``rank`` held by ``holder`` (pure). ``witnessed``:
+    (witness, tokens, holders named) per receipt. Every receipt must name the holder (receipts that disagree about
+    who held it confirm nothing) and at least one must come from a witness other than the holder (nobody confirms
+    their own window); then the smallest token count is confirmed."""
+    if not witnessed or all(w == holder for w, _, _ in witnessed):
+        return 0
+    if any(rank >= len(named) or named[rank] != holder for _, _, named in witnessed):
+        return 0
+    return min(t for _, t, _ in witnessed)
 
 
 def reward_of(weight: float, multiplier: float) -> float:
@@ -423,47 +455,100 @@ class MarketStore:
         return {"horizon_s": DEMAND_HORIZON_S, "models": out}
 
     def add_receipts(self, batch: ReceiptBatch) -> dict[str, Any]:
-        """An entry node's receipts: each new one (per entry and request id) confirms its tokens for every window
-        whose live holder it names. Replies with how many receipts were new."""
+        """A witness's receipts (docs/market.md § Credit). An entry receipt (``entry`` None) is the signer's own; an
+        exit receipt names the entry node and counts only from that request's exit witness (the live holder of the
+        last window, or of window 0 when the entry holds the last one). Each (entry, request) is settled once: when
+        both receipts are in, or at once when the request has no exit witness. Replies with how many were new."""
         manifest = self.manifest(batch.model)
         now = self.clock()
         if not self.holds_lease(batch.node_id, batch.model):
             raise MarketError(403, "not_a_holder", f"node {batch.node_id} holds no window of {batch.model[:12]}…")
         new = 0
         with self._write() as db:
-            db.execute("DELETE FROM receipts_seen WHERE ts < ?", (now - RECEIPT_HORIZON_S,))
-            (seen,) = db.execute("SELECT COUNT(*) FROM receipts_seen").fetchone()
+            db.execute("DELETE FROM receipts WHERE ts < ?", (now - RECEIPT_HORIZON_S,))
+            (seen,) = db.execute("SELECT COUNT(*) FROM receipts").fetchone()
             if seen + len(batch.receipts) > MAX_RECEIPTS_SEEN:
                 raise MarketError(503, "busy", "too many receipts in the last hour; retry later")
-            leases = {
-                (r[0], r[1]): (r[2], r[3])
+            live = {
+                (r[0], r[1]): (str(r[2]), str(r[3]))
                 for r in db.execute(
                     'SELECT start, "end", node_id, lease_id FROM leases WHERE model = ? AND expires_at > ?',
                     (batch.model, now),
                 )
             }
+            holders: list[tuple[str, str] | None] = [live.get((w.start, w.end)) for w in manifest.windows]
             for receipt in batch.receipts:
+                if len(receipt.holders) != len(holders):
+                    continue  # not this manifest's ring
+                entry = receipt.entry if receipt.entry is not None else batch.node_id
+                exit_ = exit_witness(entry, [h[0] if h else None for h in holders])
+                if receipt.entry is not None and (receipt.entry == batch.node_id or exit_ != batch.node_id):
+                    continue  # not this request's exit witness: it confirms nothing
+                role = "entry" if receipt.entry is None else "exit"
+                key = (batch.model, entry, str(receipt.request))
                 fresh = db.execute(
-                    "INSERT OR IGNORE INTO receipts_seen (entry, request, ts) VALUES (?, ?, ?)",
-                    (batch.node_id, str(receipt.request), now),
+                    "INSERT OR IGNORE INTO receipts (model, entry, request, role, witness, tokens, holders, settled,"
+                    " ts) VALUES (?, ?, ?, ?, ?, ?, ?, 0, ?)",
+                    (*key, role, batch.node_id, receipt.tokens, json.dumps(receipt.holders), now),
                 ).rowcount
                 if not fresh:
                     continue
                 new += 1
-                for rank, w in enumerate(manifest.windows):
-                    holder = leases.get((w.start, w.end))
-                    if holder is None or rank >= len(receipt.holders) or receipt.holders[rank] != holder[0]:
-                        continue  # the receipt names someone else (or nobody): it confirms nothing here
+                rows = db.execute(
+                    "SELECT witness, tokens, holders, settled FROM receipts WHERE model = ? AND entry = ?"
+                    " AND request = ?",
+                    key,
+                ).fetchall()
+                settled = any(r[3] for r in rows)  # a late partner of a request settled alone confirms nothing
+                if not settled and (len(rows) == 2 or (role == "entry" and exit_ is None)):
+                    witnessed = [(str(r[0]), int(r[1]), list(json.loads(r[2]))) for r in rows]
+                    self._settle(db, witnessed, holders, now)
+                    settled = True
+                if settled:  # the holders are not needed again, only the request's id (counted once)
                     db.execute(
-                        "INSERT INTO lease_confirmed (lease_id, tokens, ts) VALUES (?, MIN(?, ?), ?)"
-                        " ON CONFLICT (lease_id) DO UPDATE SET tokens = MIN(tokens + excluded.tokens, ?), ts = ?",
-                        (holder[1], receipt.tokens, MAX_LEASE_TOKENS, now, MAX_LEASE_TOKENS, now),
+                        "UPDATE receipts SET settled = 1, holders = '' WHERE model = ? AND entry = ? AND request = ?",
+                        key,
                     )
+            # A witness's unsettled receipts (awaiting their partner; invented ones never get one) are capped: the
+            # oldest go first.
+            db.execute(
+                "DELETE FROM receipts WHERE rowid IN (SELECT rowid FROM receipts WHERE witness = ? AND settled = 0"
+                " ORDER BY ts DESC, rowid DESC LIMIT -1 OFFSET ?)",
+                (batch.node_id, MAX_PENDING_PER_WITNESS),
+            )
         return {"accepted": new}
+
+    @staticmethod
+    def _settle(
+        db: sqlite3.Connection,
+        witnessed: list[tuple[str, int, list[str]]],
+        holders: list[tuple[str, str] | None],
+        now: float,
+    ) -> None:
+        """Confirm one request's tokens (:func:`confirmed_tokens`) into each live lease it pays, noting who confirmed
+        them."""
+        for rank, holder in enumerate(holders):
+            if holder is None:
+                continue
+            tokens = confirmed_tokens(holder[0], rank, witnessed)
+            if not tokens:
+                continue
+            db.execute(
+                "INSERT INTO lease_confirmed (lease_id, tokens, ts) VALUES (?, MIN(?, ?), ?)"
+                " ON CONFLICT (lease_id) DO UPDATE SET tokens = MIN(tokens + excluded.tokens, ?), ts = ?",
+                (holder[1], tokens, MAX_LEASE_TOKENS, now, MAX_LEASE_TOKENS, now),
+            )
+            for witness, _, _ in witnessed:
+                if witness != holder[0]:
+                    db.execute(
+                        "INSERT INTO lease_witnesses (lease_id, witness, tokens) VALUES (?, ?, MIN(?, ?))"
+                        " ON CONFLICT (lease_id, witness) DO UPDATE SET tokens = MIN(tokens + excluded.tokens, ?)",
+                        (holder[1], witness, tokens, MAX_LEASE_TOKENS, MAX_LEASE_TOKENS),
+                    )
 
     def credit(self, report: CreditReport, holder_key: str | None = None) -> dict[str, Any]:
         """Credit a lease holder: ``report.tokens`` is its cumulative count under this lease, so a repeated report
-        adds nothing. The count is cut to what entry nodes' receipts confirmed for this lease and to what one
+        adds nothing. The count is cut to what witnesses' receipts confirmed for this lease and to what one
         window could serve since the claim (MAX_TOKENS_PER_S); each new token earns layers (layer_tokens) and the
         window's reward now (earned). Replies with the lease's totals."""
         manifest, rank = self._window(report.model, report.start, report.end)
@@ -502,12 +587,22 @@ class MarketStore:
             " GROUP BY node_id ORDER BY SUM(earned) DESC, node_id LIMIT ?",
             (MAX_LEDGER_ROWS,),
         ).fetchall()
+        by: dict[str, dict[str, int]] = {}
+        for node, witness, tokens in self.db.execute(
+            "SELECT c.node_id, w.witness, SUM(w.tokens) FROM lease_witnesses w JOIN lease_credits c"
+            " ON c.lease_id = w.lease_id GROUP BY c.node_id, w.witness ORDER BY SUM(w.tokens) DESC LIMIT ?",
+            (MAX_LEDGER_ROWS * LEDGER_WITNESSES,),
+        ):
+            top = by.setdefault(node, {})
+            if len(top) < LEDGER_WITNESSES:
+                top[witness] = int(tokens)
         return {
             "nodes": [
-                {"node_id": r[0], "tokens": int(r[1]), "layer_tokens": int(r[2]), "earned": float(r[3]), "last": r[4]}
+                {"node_id": r[0], "tokens": int(r[1]), "layer_tokens": int(r[2]), "earned": float(r[3]), "last": r[4],
+                 "confirmed_by": by.get(r[0], {})}
                 for r in rows
             ]
-        }
+        }  # fmt: skip
 
     def holder_key(self, model: str, start: int, end: int) -> str | None:
         row = self.db.execute(
