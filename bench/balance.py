@@ -9,7 +9,8 @@ machine slows both alike. Each round sends N completions at once (greedy, distin
 counts the completion tokens over the wall time; each rank's busy fraction is its node's ``busy_s`` (time in stage
 compute) over the round's wall time, and the busiest rank's ms/token its ``busy_s`` per token generated: what bounds
 throughput where every node has cores of its own (on a machine with fewer cores than nodes the total does).
-Single-request ms/token is the decode time between first and last token through the control socket. The two rings' answers are compared: the windows change, the tokens must not.
+Single-request ms/token is the decode time between first and last token through the control socket. The two rings'
+answers are compared: the windows change, the tokens must not.
 
     python3 bench/balance.py [--model PATH] [--stages 3] [--tokens 32] [--repeats 3] [--levels 4,8]
 """
