@@ -7,6 +7,10 @@ device) for every rotation of the order; :func:`plan` runs it over a few candida
 latencies and the slower end's bandwidth per hop (see ``estimate.hop_ms``), the latency total depends only on
 which devices are used, and the bandwidth term is smallest when the ring visits devices sorted by link
 bandwidth, so a handful of sorted orders covers what ordering can win; small fleets try every order.
+
+Each partial plan carries a second number beside its time: its busiest rank's compute (or link's transfer) per token,
+the bound on throughput once requests pipeline. Equally fast plans are told apart by it (the balanced split, head
+included, wins), and ``objective="throughput"`` minimises it first (docs/planner.md, "Balanced stages").
 """
 
 from __future__ import annotations
