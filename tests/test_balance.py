@@ -145,9 +145,13 @@ def test_calibration_measures_the_head_and_is_cached(
     assert measured_costs(gemma_path, cache_dir, threads=1) == costs
     assert ring_costs(gemma_path, cache_dir, threads=1) == costs
     assert ring_costs(gemma_path, cache_dir, threads=1, calibrate=False).source == "estimate"
+    good = path.read_text()
     path.write_text("{not json")  # a damaged cache is measured again, not trusted
-    with pytest.raises(AssertionError, match="measured again"):
-        measured_costs(gemma_path, cache_dir, threads=1)
+    try:
+        with pytest.raises(AssertionError, match="measured again"):
+            measured_costs(gemma_path, cache_dir, threads=1)
+    finally:
+        path.write_text(good)  # leave the shared cache as it was
     assert split_windows(gemma_path, cache_dir, 3, split="even", threads=1) == even_splits(18, 3)
 
 
