@@ -8,6 +8,7 @@ import json
 import math
 from pathlib import Path
 
+import attrs
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -152,6 +153,14 @@ def test_calibration_measures_the_head_and_is_cached(
             measured_costs(gemma_path, cache_dir, threads=1)
     finally:
         path.write_text(good)  # leave the shared cache as it was
+    # --recalibrate: measured again although the cache is good, and the new costs decide the split.
+    uneven = attrs.evolve(costs, layer_ms=(0.1,) * 9 + (5.0,) * 9, head_ms=0.0)
+    monkeypatch.setattr(local_balance, "calibrate", lambda *_, **__: uneven)
+    try:
+        assert split_windows(gemma_path, cache_dir, 2, recalibrate=True, threads=1) == [(0, 13), (13, 18)]
+        assert measured_costs(gemma_path, cache_dir, threads=1) == uneven
+    finally:
+        path.write_text(good)
     assert split_windows(gemma_path, cache_dir, 3, split="even", threads=1) == even_splits(18, 3)
 
 

@@ -43,6 +43,11 @@ def add_parser(sub: Any) -> None:
         action="store_false",
         help="balance by the byte estimate instead of timing the model's stages on this machine (cached per model)",
     )
+    up.add_argument(
+        "--recalibrate",
+        action="store_true",
+        help="time the stages again instead of reading the cached costs (after a hardware change or a noisy first run)",
+    )
     add_text_args(
         up,
         prompt_required=False,
@@ -81,6 +86,7 @@ def run_up(args: argparse.Namespace) -> int:
                     cache,
                     args.stages,
                     calibrate=args.calibrate,
+                    recalibrate=args.recalibrate,
                     threads=threads,
                     gpu_layers=args.gpu_layers or 0,
                 )

@@ -43,24 +43,34 @@ def split_windows(
     *,
     split: SplitMode = "balanced",
     calibrate: bool = True,
+    recalibrate: bool = False,
     threads: int,
     gpu_layers: int = 0,
 ) -> list[Window]:
-    """The windows ``ring up`` starts: even, or balanced by measured (else estimated) stage costs."""
+    """The windows ``ring up`` starts: even, or balanced by measured (else estimated) stage costs; ``recalibrate``
+    measures again instead of reading the cache."""
     n_main = describe(model).n_main
     if split == "even":
         return even_splits(n_main, n_stages)
-    costs = ring_costs(model, cache_dir, threads=threads, gpu_layers=gpu_layers, calibrate=calibrate)
+    costs = ring_costs(
+        model, cache_dir, threads=threads, gpu_layers=gpu_layers, calibrate=calibrate, recalibrate=recalibrate
+    )
     return balanced_windows(costs, n_stages)
 
 
 def ring_costs(
-    model: Path, cache_dir: Path, *, threads: int, gpu_layers: int = 0, calibrate: bool = True
+    model: Path,
+    cache_dir: Path,
+    *,
+    threads: int,
+    gpu_layers: int = 0,
+    calibrate: bool = True,
+    recalibrate: bool = False,
 ) -> StageCosts:
     """Measured stage costs when ``calibrate`` and the model has the 4 layers calibration needs, else the estimate."""
     n_main = describe(model).n_main
     if calibrate and n_main >= 4:
-        return measured_costs(model, cache_dir, threads=threads, gpu_layers=gpu_layers)
+        return measured_costs(model, cache_dir, threads=threads, gpu_layers=gpu_layers, refresh=recalibrate)
     return _main_layers(estimated_costs(profile_from_gguf(model)), n_main)
 
 
