@@ -9,7 +9,7 @@ from typing import Any
 from kvasir.errors import InputError
 from kvasir.planner.devices import load_devices
 from kvasir.planner.estimate import DEFAULT_N_CTX, RankManifest
-from kvasir.planner.solve import plan
+from kvasir.planner.solve import OBJECTIVES, plan
 
 _GB = 1e9
 
@@ -38,6 +38,13 @@ def add_parser(subparsers: Any) -> None:
     )
     parser.add_argument("--seqs", type=int, default=1, metavar="N", help="sequences in flight (default 1)")
     parser.add_argument("--order", metavar="A,B,...", help="fix the ring order: every device name, comma-separated")
+    parser.add_argument(
+        "--objective",
+        choices=OBJECTIVES,
+        default="latency",
+        help="latency: least ms/token for one request (default); throughput: least busy bottleneck rank, what bounds "
+        "tokens/s with many requests in flight",
+    )
     parser.set_defaults(run=run)
 
 
@@ -49,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     profile = resolve_model(args.model)
     devices = load_devices(args.devices)
     order = [name.strip() for name in args.order.split(",")] if args.order else None
-    manifest = plan(profile, devices, order=order, n_ctx=args.ctx, n_seq=args.seqs)
+    manifest = plan(profile, devices, order=order, n_ctx=args.ctx, n_seq=args.seqs, objective=args.objective)
     if args.json:
         print(json.dumps(manifest.to_json(), indent=2, ensure_ascii=False))
     else:
@@ -97,7 +104,8 @@ def _print_table(manifest: RankManifest) -> None:
     console.print(
         f"est. decode: [bold]{manifest.est_tokens_per_s:.1f} tokens/s[/bold] "
         f"({manifest.ms_per_token:.2f} ms/token = {manifest.compute_ms:.2f} ms compute "
-        f"+ {manifest.link_ms:.2f} ms links)"
+        f"+ {manifest.link_ms:.2f} ms links); under load ≤ {manifest.est_loaded_tokens_per_s:.1f} tokens/s "
+        f"(busiest rank or link {manifest.bottleneck_ms:.2f} ms/token)"
     )
     if manifest.unused:
         unused = Table(title="unused devices", title_justify="left")

@@ -1,4 +1,5 @@
-"""``kvasir ring up [MODEL.gguf] [--stages N | --splits ...] [--prompt TEXT ...]``: a whole ring on this machine."""
+"""``kvasir ring up [MODEL.gguf] [--stages N [--split balanced|even] | --splits ...] [--prompt TEXT ...]``: a whole
+ring on this machine."""
 
 from __future__ import annotations
 
@@ -27,8 +28,26 @@ def add_parser(sub: Any) -> None:
     up = ring_sub.add_parser("up", help="start N nodes, wait for the ring, answer a prompt or keep serving")
     add_model_arg(up, optional=True)
     g = up.add_mutually_exclusive_group()
-    g.add_argument("--stages", type=int, default=3, help="number of nodes (even split; default 3)")
+    g.add_argument("--stages", type=int, default=3, help="number of nodes (default 3)")
     g.add_argument("--splits", help="layer cuts, e.g. 0,6,12,18")
+    up.add_argument(
+        "--split",
+        choices=("balanced", "even"),
+        default="balanced",
+        help="how --stages cuts the layers: balanced by measured stage cost, head and embedding included (default), "
+        "or even layer counts",
+    )
+    up.add_argument(
+        "--no-calibrate",
+        dest="calibrate",
+        action="store_false",
+        help="balance by the byte estimate instead of timing the model's stages on this machine (cached per model)",
+    )
+    up.add_argument(
+        "--recalibrate",
+        action="store_true",
+        help="time the stages again instead of reading the cached costs (after a hardware change or a noisy first run)",
+    )
     add_text_args(
         up,
         prompt_required=False,
@@ -58,7 +77,20 @@ def run_up(args: argparse.Namespace) -> int:
     with _stop_signals() as stopper:
         try:
             stopper.arm()
-            # The slow part, before any process exists: a signal stops it at once (both are cached, written atomically).
+            # The slow part, before any process exists: a signal stops it at once (all cached, written atomically).
+            if args.splits is None and args.split == "balanced":
+                from kvasir.local.balance import split_windows  # lazy: loads llama.cpp to calibrate
+
+                windows = split_windows(
+                    model,
+                    cache,
+                    args.stages,
+                    calibrate=args.calibrate,
+                    recalibrate=args.recalibrate,
+                    threads=threads,
+                    gpu_layers=args.gpu_layers or 0,
+                )
+                print("balanced split: layers " + " ".join(f"{a}:{b}" for a, b in windows), file=sys.stderr)
             stage_files(model, windows, cache)
             model_sha256(model, cache)
             stopper.defer()  # processes start next: a signal now waits until the ring exists to stop it

@@ -74,8 +74,14 @@ def hop_ms(src: Device, dst: Device, payload_bytes: int) -> float:
     """One message from ``src`` to ``dst``: it crosses both devices' links, at the slower one's bandwidth."""
     if src.name == dst.name:
         return 0.0  # a ring of one: the token never leaves the process
-    bandwidth_bps = min(src.link_bandwidth_mbps, dst.link_bandwidth_mbps) * 1e6
-    return src.link_latency_ms + dst.link_latency_ms + payload_bytes * 8 / bandwidth_bps * 1e3
+    return src.link_latency_ms + dst.link_latency_ms + transfer_ms(src, dst, payload_bytes)
+
+
+def transfer_ms(src: Device, dst: Device, payload_bytes: int) -> float:
+    """How long one message occupies the hop's slower link: what limits a link's throughput (latency does not)."""
+    if src.name == dst.name:
+        return 0.0
+    return payload_bytes * 8 / (min(src.link_bandwidth_mbps, dst.link_bandwidth_mbps) * 1e6) * 1e3
 
 
 def boundary_bytes(profile: ModelProfile) -> int:
@@ -97,6 +103,7 @@ class RankWindow:
     compute_ms: float
     hop_ms: float  # to the next rank (for the last rank: the token back to rank 0)
     next_device: str
+    transfer_ms: float = 0.0  # of hop_ms, the time the message occupies the link (bandwidth, not latency)
 
     @property
     def n_layers(self) -> int:
@@ -125,6 +132,7 @@ class RankManifest:
     n_seq: int
     windows: tuple[RankWindow, ...]
     unused: tuple[UnusedDevice, ...] = ()
+    objective: str = "latency"  # what chose the windows: "latency" or "throughput" (kvasir.planner.solve)
 
     @property
     def compute_ms(self) -> float:
@@ -143,6 +151,16 @@ class RankManifest:
         return 1e3 / self.ms_per_token if self.ms_per_token > 0 else float("inf")
 
     @property
+    def bottleneck_ms(self) -> float:
+        """The busiest resource's time per token (a rank's compute or a link's transfer): with enough requests in
+        flight the stages pipeline and the ring's total throughput is bounded by ``1000 / bottleneck_ms``."""
+        return max(max(w.compute_ms, w.transfer_ms) for w in self.windows)
+
+    @property
+    def est_loaded_tokens_per_s(self) -> float:
+        return 1e3 / self.bottleneck_ms if self.bottleneck_ms > 0 else float("inf")
+
+    @property
     def fits(self) -> bool:
         return all(w.fits for w in self.windows)
 
@@ -154,6 +172,7 @@ class RankManifest:
             "n_layers": self.n_layers,
             "n_ctx": self.n_ctx,
             "n_seq": self.n_seq,
+            "objective": self.objective,
             "windows": [
                 {
                     "rank": w.rank,
@@ -175,6 +194,8 @@ class RankManifest:
             "ms_per_token": round(self.ms_per_token, 4),
             "compute_ms": round(self.compute_ms, 4),
             "link_ms": round(self.link_ms, 4),
+            "bottleneck_ms": round(self.bottleneck_ms, 4),
+            "est_loaded_tokens_per_s": round(self.est_loaded_tokens_per_s, 3),
             "unused": [{"device": u.device.name, "reason": u.reason} for u in self.unused],
         }
 
@@ -186,6 +207,7 @@ def estimate(
     n_ctx: int = DEFAULT_N_CTX,
     n_seq: int = 1,
     unused: Sequence[UnusedDevice] = (),
+    objective: str = "latency",
 ) -> RankManifest:
     """Score a given ring: ``(device, start, stop)`` per rank, in ring order from rank 0.
 
@@ -228,6 +250,7 @@ def estimate(
                 compute_ms=compute_ms(device, cost.active_bytes),
                 hop_ms=hop_ms(device, nxt, payload),
                 next_device=nxt.name,
+                transfer_ms=transfer_ms(device, nxt, payload),
             )
         )
     return RankManifest(
@@ -239,4 +262,5 @@ def estimate(
         n_seq=n_seq,
         windows=tuple(windows),
         unused=tuple(unused),
+        objective=objective,
     )

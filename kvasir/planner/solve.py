@@ -7,6 +7,10 @@ device) for every rotation of the order; :func:`plan` runs it over a few candida
 latencies and the slower end's bandwidth per hop (see ``estimate.hop_ms``), the latency total depends only on
 which devices are used, and the bandwidth term is smallest when the ring visits devices sorted by link
 bandwidth, so a handful of sorted orders covers what ordering can win; small fleets try every order.
+
+Each partial plan carries a second number beside its time: its busiest rank's compute (or link's transfer) per token,
+the bound on throughput once requests pipeline. Equally fast plans are told apart by it (the balanced split, head
+included, wins), and ``objective="throughput"`` minimises it first (docs/planner.md, "Balanced stages").
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
+from typing import Literal
 
 from kvasir.errors import InputError
 from kvasir.planner.devices import Device, check_unique
@@ -28,6 +33,7 @@ from kvasir.planner.estimate import (
     compute_ms,
     estimate,
     hop_ms,
+    transfer_ms,
     window_cost,
 )
 from kvasir.planner.profile import ModelProfile
@@ -38,6 +44,10 @@ EXHAUSTIVE_ORDER_LIMIT = 5
 _GB = 1e9
 
 Assignment = tuple[tuple[Device, int, int], ...]
+Objective = Literal["latency", "throughput"]
+OBJECTIVES: tuple[Objective, ...] = ("latency", "throughput")
+#: (ms per token, bottleneck ms): one request's decode time, and the busiest rank's or link's time per token.
+Score = tuple[float, float]
 
 
 def plan(
@@ -47,8 +57,14 @@ def plan(
     order: Sequence[str] | None = None,
     n_ctx: int = DEFAULT_N_CTX,
     n_seq: int = 1,
+    objective: Objective = "latency",
 ) -> RankManifest:
-    """The fastest plan (estimated decode time per token) whose every rank fits its device's memory.
+    """The fastest plan whose every rank fits its device's memory.
+
+    ``objective``: ``latency`` (default) minimises the estimated decode time of one request per token, and among
+    equally fast plans takes the one whose busiest rank is least busy (the head and the embedding included);
+    ``throughput`` minimises that bottleneck first (what bounds the total tokens/s of many requests in flight),
+    then the time per token.
 
     ``order`` fixes the cyclic ring order by device name (every device once); the planner still picks rank 0
     and may leave devices out. Without it the planner tries several orders. Raises :class:`InputError` when no
@@ -58,6 +74,8 @@ def plan(
         raise InputError("no devices to plan for")
     if n_ctx < 1 or n_seq < 1:
         raise InputError("n_ctx and n_seq must be >= 1")
+    if objective not in OBJECTIVES:
+        raise InputError(f"objective must be one of {', '.join(OBJECTIVES)}, not {objective!r}")
     check_unique(devices)
     allowed = allowed_boundaries(profile)
     by_name = {d.name: d for d in devices}
@@ -69,23 +87,23 @@ def plan(
         candidates = _candidate_orders(tuple(devices))
 
     costs = _window_costs(profile, allowed, n_ctx=n_ctx, n_seq=n_seq)
-    best: tuple[float, Assignment] | None = None
+    best: tuple[Score, Assignment] | None = None
     for ring in candidates:
-        found = _solve_order(profile, ring, costs)
-        if found is not None and (best is None or _better(found, best)):
+        found = _solve_order(profile, ring, costs, objective)
+        if found is not None and (best is None or _better(found, best, objective)):
             best = found
     if best is None:
         raise InputError(_no_fit_reason(profile, devices, costs))
     used = {device.name for device, _, _ in best[1]}
     manifest = estimate(profile, best[1], n_ctx=n_ctx, n_seq=n_seq)
     unused = tuple(UnusedDevice(d, _unused_reason(profile, d, manifest, costs)) for d in devices if d.name not in used)
-    return estimate(profile, best[1], n_ctx=n_ctx, n_seq=n_seq, unused=unused)
+    return estimate(profile, best[1], n_ctx=n_ctx, n_seq=n_seq, unused=unused, objective=objective)
 
 
-def _better(a: tuple[float, Assignment], b: tuple[float, Assignment]) -> bool:
-    """Lower cost wins; within float noise, fewer ranks (fewer things to go wrong)."""
-    if not math.isclose(a[0], b[0], rel_tol=1e-12, abs_tol=1e-12):
-        return a[0] < b[0]
+def _better(a: tuple[Score, Assignment], b: tuple[Score, Assignment], objective: Objective) -> bool:
+    """The better score wins; within float noise, fewer ranks (fewer things to go wrong)."""
+    if _less(a[0], b[0], objective) or _less(b[0], a[0], objective):
+        return _less(a[0], b[0], objective)
     return len(a[1]) < len(b[1])
 
 
@@ -122,31 +140,39 @@ def _window_costs(
 
 
 def _solve_order(
-    profile: ModelProfile, ring: Sequence[Device], costs: dict[tuple[int, int], WindowCost]
-) -> tuple[float, Assignment] | None:
+    profile: ModelProfile,
+    ring: Sequence[Device],
+    costs: dict[tuple[int, int], WindowCost],
+    objective: Objective = "latency",
+) -> tuple[Score, Assignment] | None:
     """Best plan over every rotation of ``ring`` (each rotation fixes rank 0), or None when nothing fits."""
-    best: tuple[float, Assignment] | None = None
+    best: tuple[Score, Assignment] | None = None
     for shift in range(len(ring)):
         rotated = tuple(ring[shift:]) + tuple(ring[:shift])
-        found = _solve_rotation(profile, rotated, costs)
-        if found is not None and (best is None or _better(found, best)):
+        found = _solve_rotation(profile, rotated, costs, objective)
+        if found is not None and (best is None or _better(found, best, objective)):
             best = found
     return best
 
 
 def _solve_rotation(
-    profile: ModelProfile, devs: tuple[Device, ...], costs: dict[tuple[int, int], WindowCost]
-) -> tuple[float, Assignment] | None:
+    profile: ModelProfile,
+    devs: tuple[Device, ...],
+    costs: dict[tuple[int, int], WindowCost],
+    objective: Objective = "latency",
+) -> tuple[Score, Assignment] | None:
     """DP for a fixed device sequence whose first device is rank 0; later devices may be skipped.
 
-    ``f[b][j]``: least cost of layers ``[0, b)`` with device ``j`` the last used, its window ending at ``b``.
-    ``g[a][j]``: least ``f[a][i] + hop(i, j)`` over earlier devices ``i``, i.e. the cost of handing layer
-    ``a`` to device ``j``. Both keep back-pointers.
+    ``f[b][j]``: best score of layers ``[0, b)`` with device ``j`` the last used, its window ending at ``b``.
+    ``g[a][j]``: best ``f[a][i] + hop(i, j)`` over earlier devices ``i``, i.e. the score of handing layer
+    ``a`` to device ``j``. Both keep back-pointers. A score is (ms per token, bottleneck ms): a step adds its
+    time to the first and raises the second to its own busy time; ``objective`` says which is compared first.
     """
     n, m = profile.n_layers, len(devs)
-    inf = math.inf
+    inf: Score = (math.inf, math.inf)
     boundary = boundary_bytes(profile)
     hop = [[hop_ms(devs[i], devs[j], boundary) for j in range(m)] for i in range(m)]
+    busy = [[transfer_ms(devs[i], devs[j], boundary) for j in range(m)] for i in range(m)]
     budget = [d.memory_bytes for d in devs]
     cuts = sorted({a for a, _ in costs} | {n})
     f = {b: [inf] * m for b in cuts}
@@ -158,7 +184,8 @@ def _solve_rotation(
             if j == 0:
                 cost = costs[0, b]
                 if cost.memory_bytes <= budget[0]:
-                    f[b][0] = compute_ms(devs[0], cost.active_bytes)
+                    t = compute_ms(devs[0], cost.active_bytes)
+                    f[b][0] = (t, t)
                     f_from[b, 0] = (0, -1)
                 continue
             for a in cuts:
@@ -167,24 +194,31 @@ def _solve_rotation(
                 cost = costs[a, b]
                 if cost.memory_bytes > budget[j]:
                     continue
-                value = g[a][j] + compute_ms(devs[j], cost.active_bytes)
-                if value < f[b][j]:
+                value = _step(g[a][j], compute_ms(devs[j], cost.active_bytes))
+                if _less(value, f[b][j], objective):
                     f[b][j] = value
                     f_from[b, j] = (a, g_from[a, j])
         if b == n:
             break
         for j in range(1, m):
             for i in range(j):
-                value = f[b][i] + hop[i][j]
-                if value < g[b][j]:
+                if f[b][i] == inf:
+                    continue
+                value = _step(f[b][i], hop[i][j], busy[i][j])
+                if _less(value, g[b][j], objective):
                     g[b][j] = value
                     g_from[b, j] = i
 
-    best_total, best_j = inf, -1
+    best, best_j = inf, -1
     for j in range(m):
-        total = f[n][j] + (hop_ms(devs[j], devs[0], TOKEN_FRAME_BYTES) if j else 0.0)
-        if total < best_total:
-            best_total, best_j = total, j
+        if f[n][j] == inf:
+            continue
+        closing = TOKEN_FRAME_BYTES
+        total = (
+            _step(f[n][j], hop_ms(devs[j], devs[0], closing), transfer_ms(devs[j], devs[0], closing)) if j else f[n][j]
+        )
+        if best_j < 0 or _less(total, best, objective):
+            best, best_j = total, j
     if best_j < 0:
         return None
     windows: list[tuple[Device, int, int]] = []
@@ -193,7 +227,22 @@ def _solve_rotation(
         a, i = f_from[b, j]
         windows.append((devs[j], a, b))
         b, j = a, i
-    return best_total, tuple(reversed(windows))
+    return best, tuple(reversed(windows))
+
+
+def _step(score: Score, ms: float, busy_ms: float | None = None) -> Score:
+    """``score`` after one more step taking ``ms`` of the token's time and occupying its resource ``busy_ms``
+    (a rank's compute: all of it; a hop: the transfer, not the latency)."""
+    return score[0] + ms, max(score[1], ms if busy_ms is None else busy_ms)
+
+
+def _less(a: Score, b: Score, objective: Objective) -> bool:
+    """``a`` strictly better than ``b``; values within float noise of each other are equal."""
+    order = (0, 1) if objective == "latency" else (1, 0)
+    for k in order:
+        if not math.isclose(a[k], b[k], rel_tol=1e-12, abs_tol=1e-12):
+            return a[k] < b[k]
+    return False
 
 
 def _gb(n: float) -> str:
