@@ -99,7 +99,7 @@ def soak(
     size = len(ring.processes)
     jobs = []
     for k in range(clients):
-        params = {"temperature": 0.0} if k % 2 == 0 else {"temperature": 0.8, "seed": 100 + k}
+        params: dict[str, Any] = {"temperature": 0.0} if k % 2 == 0 else {"temperature": 0.8, "seed": 100 + k}
         ids = prompt_ids(24 + 8 * k, 1000 + k)
         jobs.append((ids, params, stream(ring.sockets[0], tokens=ids, max_tokens=max_tokens, **params).tokens))
     counts = dict.fromkeys(
