@@ -172,6 +172,6 @@ def test_repeated_faults_under_concurrent_clients(gemma_ring: LocalRing) -> None
     wait_ready(gemma_ring)
     res = faults.soak(gemma_ring, seconds=60, every=10, clients=8, seed=5)
     print(res)
-    assert res["errors"] == 0, res["messages"]
+    assert res["errors"] == 0, (res["messages"], res["notes"])
     assert res["different"] == 0 and res["completed"] >= 8, res
     assert res["kills"] >= 5 and res["restarts"] >= res["kills"], res

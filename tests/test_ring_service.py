@@ -197,13 +197,13 @@ def test_supervisor_kills_a_node_that_stopped_answering_and_restarts_it(tmp_path
         Manifest(model_sha256="0" * 64, n_layers=2, ranks=()), tmp_path, list(procs), [], None, commands=[(cmd, {})] * 2
     )
     answers = {0: [True, False, False, False], 1: [False] * 4}  # rank 1 never answered: loading, not hung
-    sup = Supervisor(ring, hang_strikes=3, probe_interval_s=1.0, probe=lambda rank: answers[rank].pop(0))
+    sup = Supervisor(ring, hang_strikes=3, hang_s=2.5, probe_interval_s=1.0, probe=lambda rank: answers[rank].pop(0))
     try:
         assert sup.check(now=0.0) == []
         assert sup.check(now=1.0) == [] and sup.check(now=2.0) == []
         assert sup.check(now=2.5) == []  # between probes: nothing asked
         notes = sup.check(now=3.0)
-        assert notes == ["rank 0 stopped answering (3 probes); killed it"]
+        assert notes == ["rank 0 stopped answering (3 probes, 3.0 s); killed it"]
         assert procs[0].returncode == -signal.SIGKILL and procs[1].poll() is None
         sup.probe = lambda rank: True
         notes = sup.check(now=3.5)

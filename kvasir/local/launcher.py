@@ -143,14 +143,17 @@ class Supervisor:
     ring: LocalRing
     max_restarts: int = 5
     window_s: float = 60.0
-    #: A node that answered once and then misses this many probes in a row is killed (and then restarted).
+    #: A node that answered once and then misses this many probes in a row, for at least ``hang_s`` since its last
+    #: answer, is killed (and then restarted). Both, so that a node slowed by a loaded machine is not taken for hung.
     hang_strikes: int = 3
+    hang_s: float = 6.0
     probe_interval_s: float = 1.0
     probe: Callable[[int], bool] | None = None
     restarts: dict[int, list[float]] = attrs.field(factory=dict)
     strikes: dict[int, int] = attrs.field(factory=dict)
     #: Ranks that answered since their last (re)start: only those can be hung (one still loading is not).
     answered: set[int] = attrs.field(factory=set)
+    last_answer: dict[int, float] = attrs.field(factory=dict)
     last_probe: float = -1e9
 
     def _count_restart(self, key: int, now: float, what: str) -> None:
@@ -176,10 +179,10 @@ class Supervisor:
             notes.append(f"rank {rank} exited with code {code}; restarted as pid {self.ring.processes[rank].pid}")
         if now - self.last_probe >= self.probe_interval_s:
             self.last_probe = now
-            notes += self._probe_all()
+            notes += self._probe_all(now)
         return notes
 
-    def _probe_all(self) -> list[str]:
+    def _probe_all(self, now: float) -> list[str]:
         probe = self.probe or self.ring.answers
         notes = []
         for rank, proc in enumerate(self.ring.processes):
@@ -187,15 +190,17 @@ class Supervisor:
                 continue
             if probe(rank):
                 self.answered.add(rank)
+                self.last_answer[rank] = now
                 self.strikes.pop(rank, None)
                 continue
             if rank not in self.answered:
                 continue
             self.strikes[rank] = self.strikes.get(rank, 0) + 1
-            if self.strikes[rank] >= self.hang_strikes:
+            silent = now - self.last_answer.get(rank, now)
+            if self.strikes[rank] >= self.hang_strikes and silent >= self.hang_s:
                 proc.kill()  # SIGKILL works on a stopped process too; the next check restarts it
                 proc.wait()
-                notes.append(f"rank {rank} stopped answering ({self.strikes[rank]} probes); killed it")
+                notes.append(f"rank {rank} stopped answering ({self.strikes[rank]} probes, {silent:.1f} s); killed it")
         return notes
 
 

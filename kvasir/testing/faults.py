@@ -159,4 +159,5 @@ def soak(
         for t in threads:
             t.join(timeout=300)
         restarts = sum("exited" in n for n in sup.notes)
-    return {**counts, "restarts": restarts, "messages": messages}
+        notes = list(sup.notes)
+    return {**counts, "restarts": restarts, "messages": messages, "notes": notes}
