@@ -50,9 +50,9 @@ def wait_ready(ring: LocalRing, limit: float = 90.0) -> None:
 
 @pytest.fixture(scope="module")
 def gemma_ring(gemma_path: Path, cache_dir: Path) -> Iterator[LocalRing]:
-    # 16 sequences for 8 clients: requests that entered at a killed node hold theirs until it is back and the replay
+    # 24 sequences for 8 clients: requests that entered at a killed node hold theirs until it is back and the replay
     # of their START tells the ring their client is gone.
-    with running_ring(gemma_path, WINDOWS, cache_dir, seqs=16) as ring:
+    with running_ring(gemma_path, WINDOWS, cache_dir, seqs=24) as ring:
         yield ring
 
 
