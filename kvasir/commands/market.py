@@ -60,6 +60,11 @@ def add_parser(sub: Any) -> None:
     how.add_argument("--windows", metavar="A:B,B:C,…", help="explicit windows")
     how.add_argument("--devices", type=Path, metavar="devices.toml", help="windows from the planner for this fleet")
     pub.add_argument("--weights", default=None, metavar="W,W,…", help="reward weights of --windows (default 1 each)")
+    pub.add_argument(
+        "--probes",
+        action="store_true",
+        help="run each window's probe and record its hash, so nodes of this machine's kernel class must reproduce it",
+    )
     add_identity_argument(pub)
     pub.set_defaults(run=run_publish)
 
@@ -100,7 +105,9 @@ def run_publish(args: argparse.Namespace) -> int:
     from kvasir.market.agent.publish import publish_signed
 
     identity = load_or_create_identity(args.identity or default_identity_path())
-    record = model_record(args.model, windows, args.source, default_cache_dir(), args.name).signed(identity)
+    record = model_record(
+        args.model, windows, args.source, default_cache_dir(), args.name, probes=args.probes
+    ).signed(identity)
 
     async def publish() -> None:
         async with MarketClient(args.url, identity=identity) as market:
