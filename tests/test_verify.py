@@ -41,8 +41,8 @@ from kvasir.verify.commit import (
     sample_payload,
     step_hash,
 )
-from kvasir.verify.probe import AdmissionRefused, check_probe, probe_hash
 from kvasir.verify.kernel import stage_kernel_class
+from kvasir.verify.probe import AdmissionRefused, check_probe, probe_hash
 from tests.conftest import run_cli
 
 WINDOWS = [(0, 2), (2, 4), (4, 6)]
@@ -68,9 +68,7 @@ def _perturb(src: Path, dst: Path) -> Path:
     """A copy of a stage file with 16 weights of its last layer's ffn_down nudged by 1e-3."""
     shutil.copyfile(src, dst)
     gg = read_gguf(dst)
-    last = max(
-        (t for t in gg.tensors if t.name.endswith("ffn_down.weight")), key=lambda t: int(t.name.split(".")[1])
-    )
+    last = max((t for t in gg.tensors if t.name.endswith("ffn_down.weight")), key=lambda t: int(t.name.split(".")[1]))
     data = np.memmap(dst, dtype=np.float32, mode="r+", offset=last.offset, shape=(last.nbytes // 4,))
     data[:16] += np.float32(1e-3)
     data.flush()

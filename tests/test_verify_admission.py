@@ -19,9 +19,7 @@ from kvasir.verify.kernel import stage_kernel_class
 from tests.marketutil import Proc, procs, wait_for
 
 
-def test_a_window_that_does_not_reproduce_its_probe_is_refused(
-    tiny_model: Callable[..., Path], tmp_path: Path
-) -> None:
+def test_a_window_that_does_not_reproduce_its_probe_is_refused(tiny_model: Callable[..., Path], tmp_path: Path) -> None:
     model = tiny_model("llama", "q8_0")
     # 0:3 pays more, so the node tries it first; its recorded probe is not what the window computes.
     windows = parse_windows("0:3,3:6", "3,1")

@@ -47,7 +47,9 @@ def run_audit(args: argparse.Namespace) -> int:
     if args.json:
         print_json({**attrs.asdict(result), "node": r.key.fingerprint, "request": r.request})
     elif result.ok:
-        print(f"ok: node {r.key.fingerprint}, layers {r.start}:{r.end}, request {r.request}: {result.steps} steps equal")
+        print(
+            f"ok: node {r.key.fingerprint}, layers {r.start}:{r.end}, request {r.request}: {result.steps} steps equal"
+        )
     else:
         where = f" (proof: {args.proof_out})" if args.proof_out is not None else ""
         print(

@@ -105,9 +105,8 @@ def run_publish(args: argparse.Namespace) -> int:
     from kvasir.market.agent.publish import publish_signed
 
     identity = load_or_create_identity(args.identity or default_identity_path())
-    record = model_record(
-        args.model, windows, args.source, default_cache_dir(), args.name, probes=args.probes
-    ).signed(identity)
+    record = model_record(args.model, windows, args.source, default_cache_dir(), args.name, probes=args.probes)
+    record = record.signed(identity)
 
     async def publish() -> None:
         async with MarketClient(args.url, identity=identity) as market:

@@ -7,6 +7,7 @@ outputs than it computed. The result is each rank's :class:`~kvasir.verify.audit
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 
 import attrs
@@ -27,6 +28,10 @@ Cheat = Callable[[int, int, StepOutput], tuple[StepOutput, StepOutput]]
 class Served:
     logs: list[WindowLog]
     tokens: list[int]
+    #: Per rank: CPU seconds of the process (all llama.cpp threads) in the window's steps (llama.cpp, encoding, the
+    #: output hash), and in hashing the inputs.
+    compute_s: list[float]
+    hash_s: list[float]
 
 
 def serve_request(
@@ -57,6 +62,7 @@ def serve_request(
         chunk = list(prompt[i : i + PREFILL_CHUNK])
         steps.append((Boundary.of_tokens(i, chunk), i + len(chunk) == len(prompt)))
     n_prefill = len(steps)
+    compute_s, hash_s = [0.0] * len(stages), [0.0] * len(stages)
     tokens: list[int] = []
     try:
         k = 0
@@ -64,11 +70,17 @@ def serve_request(
             b, sample = steps[k]
             for rank, (runner, rec) in enumerate(zip(runners, recorders, strict=True)):
                 inputs[rank].append(b)
+                t0 = time.process_time()
                 rec.on_input(b.pos, b.n_tokens, b.payload, b.dtype)
+                t1 = time.process_time()
                 computed = runner.step(b, sample=sample)
+                hash_s[rank] += t1 - t0
+                compute_s[rank] += time.process_time() - t1
                 sent, signed = cheat(rank, k, computed) if cheat is not None else (computed, computed)
                 if runner.stage.info.last:
-                    rec.on_sample(signed.pos, signed.n_tokens, signed.payload, NO_TOKEN if signed.token is None else signed.token)
+                    rec.on_sample(
+                        signed.pos, signed.n_tokens, signed.payload, NO_TOKEN if signed.token is None else signed.token
+                    )
                     if sent.token is not None and sent.token != NO_TOKEN:
                         tokens.append(sent.token)
                         if len(steps) - n_prefill < n_decode:
@@ -85,4 +97,4 @@ def serve_request(
         for rec, ident, inp in zip(recorders, identities, inputs, strict=True)
     ]
     logs = [attrs.evolve(log, predecessor=logs[i - 1].receipt if i else None) for i, log in enumerate(logs)]
-    return Served(logs, tokens)
+    return Served(logs, tokens, compute_s, hash_s)

@@ -198,9 +198,13 @@ def check_inputs(receipt: WindowReceipt, inputs: Sequence[Boundary]) -> None:
 def _check_stage(stage: Stage, receipt: WindowReceipt) -> None:
     info = stage.info
     if (info.start, info.end) != (receipt.start, receipt.end):
-        raise VerificationError(f"stage holds layers {info.start}:{info.end}, the receipt {receipt.start}:{receipt.end}")
+        raise VerificationError(
+            f"stage holds layers {info.start}:{info.end}, the receipt {receipt.start}:{receipt.end}"
+        )
     if info.model_sha256 is not None and info.model_sha256 != receipt.model_sha256:
-        raise VerificationError(f"stage is of model {info.model_sha256[:12]}…, the receipt {receipt.model_sha256[:12]}…")
+        raise VerificationError(
+            f"stage is of model {info.model_sha256[:12]}…, the receipt {receipt.model_sha256[:12]}…"
+        )
     mine = stage_kernel_class(stage)
     if mine != receipt.kernel_class:
         raise VerificationError(f"this auditor's kernel class {mine} is not the receipt's {receipt.kernel_class}")
