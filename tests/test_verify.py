@@ -18,12 +18,14 @@ import pytest
 
 from kvasir.core.identity import Identity
 from kvasir.core.sampling import SamplingParams
+from kvasir.errors import InputError
 from kvasir.shard.cache import default_cache_dir, model_sha256, stage_files
 from kvasir.shard.gguf_io import read_gguf
 from kvasir.stage.engine import Stage, StageConfig
 from kvasir.testing.audits import Cheat, Served, serve_request
 from kvasir.testing.tinymodels import tiny_model_cached
 from kvasir.verify.audit import (
+    Boundary,
     FraudProof,
     StepOutput,
     WindowLog,
@@ -135,6 +137,20 @@ def test_receipt_wire_signature_and_chain(fx: Fixture) -> None:
     # Successors: each rank's inputs are its predecessor's outputs, step for step.
     for a, b in zip(served.logs, served.logs[1:], strict=False):
         assert first_mismatch(a.receipt.output_hashes, b.receipt.input_hashes) is None
+
+
+def test_logged_inputs_are_checked_before_use() -> None:
+    good = Boundary.of_tokens(3, [5, 6]).to_wire()
+    assert Boundary.from_wire(good).tokens() == [5, 6]
+    for bad, why in (
+        ({**good, "n_tokens": 3}, "token ids take 12 bytes"),
+        ({**good, "dtype": 7}, "neither a boundary dtype"),
+        ({**good, "pos": -1}, "pos in"),
+        ({**good, "dtype": 0, "n_tokens": 3}, "rows of F32"),
+        ({**good, "payload": 5}, "base64url"),
+    ):
+        with pytest.raises(InputError, match=why):
+            Boundary.from_wire(bad)
 
 
 def test_first_mismatch() -> None:

@@ -27,11 +27,11 @@ from kvasir.verify.commit import (
     TOKENS,
     VerificationError,
     WindowReceipt,
-    _b64,
-    _unb64,
+    b64,
     first_mismatch,
     sample_payload,
     step_hash,
+    unb64,
 )
 from kvasir.verify.kernel import stage_kernel_class
 from kvasir.wire.boundary import BoundaryDType, decode_boundary, encode_boundary
@@ -66,7 +66,7 @@ class Boundary:
         return list(struct.unpack(f"<{self.n_tokens}i", self.payload))
 
     def to_wire(self) -> Json:
-        return {"pos": self.pos, "n_tokens": self.n_tokens, "dtype": self.dtype, "payload": _b64(self.payload)}
+        return {"pos": self.pos, "n_tokens": self.n_tokens, "dtype": self.dtype, "payload": b64(self.payload)}
 
     @classmethod
     def from_wire(cls, data: Any, where: str = "input") -> Boundary:
@@ -75,7 +75,18 @@ class Boundary:
         payload = data.get("payload")
         if not isinstance(payload, str):
             raise InputError(f"{where}: payload must be base64url text")
-        return cls(data["pos"], data["n_tokens"], data["dtype"], _unb64(payload, f"{where}: payload"))
+        pos, n, dtype, raw = data["pos"], data["n_tokens"], data["dtype"], unb64(payload, f"{where}: payload")
+        if not (0 <= pos < 2**32 and 0 < n < 2**32):
+            raise InputError(f"{where}: needs pos in [0, 2^32) and n_tokens in [1, 2^32)")
+        if dtype == TOKENS:
+            if len(raw) != 4 * n:
+                raise InputError(f"{where}: {n} token ids take {4 * n} bytes, not {len(raw)}")
+        elif dtype in tuple(BoundaryDType):
+            if len(raw) % (n * BoundaryDType(dtype).itemsize):
+                raise InputError(f"{where}: {len(raw)} bytes are not {n} rows of {BoundaryDType(dtype).name}")
+        else:
+            raise InputError(f"{where}: dtype {dtype} is neither a boundary dtype nor token ids ({TOKENS})")
+        return cls(pos, n, dtype, raw)
 
 
 @attrs.frozen

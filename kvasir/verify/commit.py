@@ -92,11 +92,11 @@ def _hex(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
         raise InputError(f"{attribute.name} must be a sha256 in lowercase hex")
 
 
-def _b64(data: bytes) -> str:
+def b64(data: bytes) -> str:
     return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
 
 
-def _unb64(text: str, what: str) -> bytes:
+def unb64(text: str, what: str) -> bytes:
     try:
         return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
     except (binascii.Error, ValueError, TypeError):
@@ -133,6 +133,10 @@ class WindowReceipt:
 
     def __attrs_post_init__(self) -> None:
         n = len(self.schedule)
+        if not 0 <= self.request < 2**64:
+            raise InputError("receipt request id must be in [0, 2^64)")
+        if n > MAX_STEPS or not all(len(step) == 2 and step[0] >= 0 and step[1] > 0 for step in self.schedule):
+            raise InputError(f"receipt schedule must list at most {MAX_STEPS} (position >= 0, n_tokens > 0) steps")
         if not 0 <= self.start < self.end:
             raise InputError(f"receipt window [{self.start}, {self.end}] is not a window")
         if not (len(self.input_hashes) == len(self.output_hashes) == n):
@@ -157,11 +161,11 @@ class WindowReceipt:
     def signed(self, identity: Identity) -> WindowReceipt:
         if identity.public != self.key:
             raise InputError("a receipt is signed by the key it names")
-        return attrs.evolve(self, signature=_b64(identity.sign(self.message())))
+        return attrs.evolve(self, signature=b64(identity.sign(self.message())))
 
     def verify(self) -> None:
         """VerificationError unless the signature is the named key's and the chain heads match the step lists."""
-        if not self.key.verify(_unb64(self.signature, "receipt signature"), self.message()):
+        if not self.key.verify(unb64(self.signature, "receipt signature"), self.message()):
             raise VerificationError(f"receipt of request {self.request}: the signature is not {self.key.fingerprint}'s")
         if chain_head(self.request, "in", self.input_hashes) != self.input_head:
             raise VerificationError(f"receipt of request {self.request}: input hashes do not make the input head")
