@@ -30,6 +30,7 @@ _COMMAND_MODULES = (
     "kvasir.commands.market",
     "kvasir.commands.fetch",
     "kvasir.commands.config",
+    "kvasir.commands.audit",
     "kvasir.relay.cli",
 )
 

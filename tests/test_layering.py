@@ -27,6 +27,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # The planner and the shipped profiles read GGUF metadata only.
     ("stage", ("kvasir.stage.*", "kvasir.planner.*", "kvasir.profiles.*")),
     ("wire", ("kvasir.wire.*",)),
+    # Commitments, audits and probes: re-run windows (stage) on wire payloads; the ring records receipts with it.
+    ("verify", ("kvasir.verify.*",)),
     ("ring", ("kvasir.ring.*",)),
     (
         "services",

@@ -65,6 +65,11 @@ def add_parser(sub: Any) -> None:
     how.add_argument("--devices", type=Path, metavar="devices.toml", help="windows from the planner for this fleet")
     pub.add_argument("--weights", default=None, metavar="W,W,…", help="reward weights of --windows (default 1 each)")
     add_ca_argument(pub)
+    pub.add_argument(
+        "--probes",
+        action="store_true",
+        help="run each window's probe and record its hash, so nodes of this machine's kernel class must reproduce it",
+    )
     add_identity_argument(pub)
     pub.set_defaults(run=run_publish)
 
@@ -134,7 +139,8 @@ def run_publish(args: argparse.Namespace) -> int:
     from kvasir.util.tls import client_context
 
     identity = load_or_create_identity(args.identity or default_identity_path())
-    record = model_record(args.model, windows, args.source, default_cache_dir(), args.name).signed(identity)
+    record = model_record(args.model, windows, args.source, default_cache_dir(), args.name, probes=args.probes)
+    record = record.signed(identity)
 
     async def publish() -> None:
         async with MarketClient(args.url, identity=identity, tls=client_context(args.market_ca)) as market:

@@ -152,9 +152,22 @@ class _Body(_Record):
 # ---------------------------------------------------------------------------------------------- models
 
 
+_kernel_class = _rule(lambda v: isinstance(v, str) and 0 < len(v) <= 64, "must be 1-64 characters")
+
+
+@attrs.frozen
+class Probe(_Body):
+    """The publisher's probe hash of one window in one kernel class (kvasir.verify.probe): admission by reproduction."""
+
+    WHERE: ClassVar[str] = "probe"
+
+    kernel_class: str = attrs.field(validator=_kernel_class)
+    sha256: str = attrs.field(validator=_sha256)
+
+
 @attrs.frozen
 class StageHash(_Body):
-    """The stage file ``kvasir slice`` writes for one window: its sha256 and size."""
+    """The stage file ``kvasir slice`` writes for one window: its sha256 and size, and its probe hashes."""
 
     WHERE: ClassVar[str] = "stage"
 
@@ -162,6 +175,10 @@ class StageHash(_Body):
     end: int = attrs.field(validator=_window_end)
     sha256: str = attrs.field(validator=_sha256)
     bytes: int = attrs.field(validator=_count(1))
+    probes: tuple[Probe, ...] = attrs.field(default=(), validator=_rule(lambda v: len(v) <= 16, "at most 16 probes"))
+
+    def probe_map(self) -> dict[str, str]:
+        return {p.kernel_class: p.sha256 for p in self.probes}
 
 
 @attrs.frozen
@@ -447,8 +464,10 @@ def coverage_from_wire(data: Any, skipped: list[str] | None = None) -> list[Cove
     return out
 
 
-for _cls in (StageHash, WindowSpec, LeaseRef, CreditReport):
+for _cls in (WindowSpec, LeaseRef, CreditReport):
     register_record(_cls, window=True)
+register_record(Probe)
+register_record(StageHash, window=True, omit_if_empty=("probes",))
 register_record(CoverageEntry, window=True, omit_if_none=("holder_key",))
 register_record(Lease, window=True, omit_if_none=("ticket",), omit_if_empty=("grants",))
 register_record(ClaimRequest, window=True, omit_if_none=("lease_id",))

@@ -67,6 +67,7 @@ from kvasir.stage.engine import Stage, StageConfig
 from kvasir.util.addr import format_hostport, parse_hostport
 from kvasir.util.progress import byte_bar
 from kvasir.util.tls import client_context
+from kvasir.verify.probe import check_probe
 
 log = logging.getLogger("kvasir.enroll")
 
@@ -385,6 +386,7 @@ class Enrollment:
             self.state = "loading"
             stage = await trio.to_thread.run_sync(Stage.load, cfg.stage_config(path))
             try:
+                await self._admit(window, stage)
                 await trio.to_thread.run_sync(lambda: stage.vocab)
                 coverage = await self.market.coverage(window.model)
                 manifest = manifest_from_coverage(
@@ -443,6 +445,18 @@ class Enrollment:
                 stage.close()
         if lost:
             raise LeaseLost(lost[0])
+
+    async def _admit(self, window: CoverageEntry, stage: Stage) -> None:
+        """Admission by reproduction: AdmissionRefused (the window is released and avoided) when the loaded window
+        does not reproduce the probe hash the signed record holds for this node's kernel class."""
+        record = (await self.verified_model(window.model)).stage(window.start, window.end)
+        if record is None or not record.probes:
+            return
+        self.state = "probing"
+        checked = await trio.to_thread.run_sync(check_probe, stage, record.probe_map(), (window.start, window.end))
+        if checked is not None:
+            log.info("node %s reproduces the probe of window %d:%d (%s)", self.config.node_id, window.start,
+                     window.end, checked)  # fmt: skip
 
     # ------------------------------------------------------------------------------------------ fetching
 

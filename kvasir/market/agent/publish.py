@@ -9,7 +9,7 @@ from kvasir.core.identity import Identity, PublicKey
 from kvasir.errors import InputError
 from kvasir.market import auth
 from kvasir.market.agent.client import MarketClient
-from kvasir.market.records import ManifestRecord, ModelRecord, StageHash, WindowSpec
+from kvasir.market.records import ManifestRecord, ModelRecord, Probe, StageHash, WindowSpec
 from kvasir.shard.cache import file_sha256, model_sha256, stage_files
 from kvasir.shard.gguf_file import describe
 from kvasir.shard.gguf_io import read_gguf
@@ -43,16 +43,36 @@ def planner_windows(model: Path, devices: Path) -> list[WindowSpec]:
     return [WindowSpec(w.start, w.stop, w.weight_bytes / total) for w in manifest.windows]
 
 
+def window_probes(path: Path) -> tuple[Probe, ...]:
+    """The probe hash of one stage file in this machine's kernel class (kvasir.verify.probe): runs llama.cpp."""
+    from kvasir.stage.engine import Stage, StageConfig
+    from kvasir.verify.kernel import stage_kernel_class
+    from kvasir.verify.probe import probe_hash
+
+    with Stage.load(StageConfig(path, n_ctx=256, n_seq_max=1)) as stage:
+        return (Probe(stage_kernel_class(stage), probe_hash(stage)),)
+
+
 def model_record(
-    model: Path, windows: Sequence[WindowSpec], sources: Sequence[str], cache_dir: Path, name: str | None = None
+    model: Path,
+    windows: Sequence[WindowSpec],
+    sources: Sequence[str],
+    cache_dir: Path,
+    name: str | None = None,
+    *,
+    probes: bool = False,
 ) -> ModelRecord:
-    """The market's record of ``model``: cuts (or reuses) each window's stage file to hash it."""
+    """The market's record of ``model``: cuts (or reuses) each window's stage file to hash it; with ``probes``,
+    runs each window's probe too, so that nodes of this machine's kernel class are admitted by reproduction."""
     gg = read_gguf(model)
     info = describe(model, gg)
     n_main = info.n_main
     spans = [(w.start, w.end) for w in windows]
     paths = stage_files(model, spans, cache_dir)
-    stages = tuple(StageHash(a, b, file_sha256(p), p.stat().st_size) for (a, b), p in zip(spans, paths, strict=True))
+    stages = tuple(
+        StageHash(a, b, file_sha256(p), p.stat().st_size, window_probes(p) if probes else ())
+        for (a, b), p in zip(spans, paths, strict=True)
+    )
     return ModelRecord(
         sha256=model_sha256(model, cache_dir),
         name=name or model.stem,

@@ -1,0 +1,398 @@
+"""Audits: re-execute one window of one request from its logged input boundaries and compare output bytes.
+
+Within a kernel class the window's output is a function of the stage file, the inputs and the schedule
+(docs/verification.md), so an audit is a byte comparison: equal, the receipt stands; different, the auditor holds
+a :class:`FraudProof` that anyone of the class checks with ``kvasir audit verify-proof FILE --stage STAGE``.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+
+from kvasir.core.sampling import SamplingParams
+from kvasir.core.schema import Json
+from kvasir.errors import InputError
+from kvasir.stage.engine import Stage, StageConfig
+from kvasir.util.files import atomic_output
+from kvasir.verify.commit import (
+    LOGITS_TOKEN,
+    TOKENS,
+    VerificationError,
+    WindowReceipt,
+    b64,
+    first_mismatch,
+    sample_payload,
+    step_hash,
+    unb64,
+)
+from kvasir.verify.kernel import stage_kernel_class
+from kvasir.wire.boundary import BoundaryDType, decode_boundary, encode_boundary
+
+#: Token id a last-rank step records when it does not sample (a prefill chunk before the prompt's last).
+NO_TOKEN = -1
+PROOF_DOMAIN = "kvasir-fraud-proof/v1"
+
+
+@attrs.frozen
+class Boundary:
+    """One logged input of a window: a boundary frame's payload (rank 0: token ids) at its position."""
+
+    pos: int
+    n_tokens: int
+    dtype: int
+    payload: bytes
+
+    @property
+    def hash(self) -> str:
+        return step_hash(self.pos, self.n_tokens, self.dtype, self.payload)
+
+    @classmethod
+    def of_tokens(cls, pos: int, tokens: Sequence[int]) -> Boundary:
+        return cls(pos, len(tokens), TOKENS, struct.pack(f"<{len(tokens)}i", *tokens))
+
+    @classmethod
+    def of_hidden(cls, pos: int, hidden: np.ndarray, dtype: BoundaryDType = BoundaryDType.F32) -> Boundary:
+        return cls(pos, int(hidden.shape[0]), int(dtype), encode_boundary(hidden, dtype))
+
+    def tokens(self) -> list[int]:
+        return list(struct.unpack(f"<{self.n_tokens}i", self.payload))
+
+    def to_wire(self) -> Json:
+        return {"pos": self.pos, "n_tokens": self.n_tokens, "dtype": self.dtype, "payload": b64(self.payload)}
+
+    @classmethod
+    def from_wire(cls, data: Any, where: str = "input") -> Boundary:
+        if not isinstance(data, dict) or not all(type(data.get(k)) is int for k in ("pos", "n_tokens", "dtype")):
+            raise InputError(f"{where}: needs integer pos, n_tokens and dtype")
+        payload = data.get("payload")
+        if not isinstance(payload, str):
+            raise InputError(f"{where}: payload must be base64url text")
+        pos, n, dtype, raw = data["pos"], data["n_tokens"], data["dtype"], unb64(payload, f"{where}: payload")
+        if not (0 <= pos < 2**32 and 0 < n < 2**32):
+            raise InputError(f"{where}: needs pos in [0, 2^32) and n_tokens in [1, 2^32)")
+        if dtype == TOKENS:
+            if len(raw) != 4 * n:
+                raise InputError(f"{where}: {n} token ids take {4 * n} bytes, not {len(raw)}")
+        elif dtype in tuple(BoundaryDType):
+            if len(raw) % (n * BoundaryDType(dtype).itemsize):
+                raise InputError(f"{where}: {len(raw)} bytes are not {n} rows of {BoundaryDType(dtype).name}")
+        else:
+            raise InputError(f"{where}: dtype {dtype} is neither a boundary dtype nor token ids ({TOKENS})")
+        return cls(pos, n, dtype, raw)
+
+
+@attrs.frozen
+class StepOutput:
+    """One step's output as the window computed it; ``payload`` is the boundary (or the last row's logits)."""
+
+    pos: int
+    n_tokens: int
+    dtype: int
+    payload: bytes
+    token: int | None
+    hash: str
+
+    def as_input(self) -> Boundary:
+        """The successor's logged input for this step (non-last ranks)."""
+        return Boundary(self.pos, self.n_tokens, self.dtype, self.payload)
+
+
+class WindowRunner:
+    """One request on one window, step by step, on a fresh sequence (what a node serves and an auditor re-runs).
+
+    On the last rank a step samples when asked, with a sampler built from ``sampling`` that first accepts
+    ``history``; its output is the last row's logits and the token (NO_TOKEN when it does not sample).
+    """
+
+    def __init__(
+        self,
+        stage: Stage,
+        *,
+        out_dtype: BoundaryDType = BoundaryDType.F32,
+        sampling: SamplingParams | None = None,
+        history: Sequence[int] = (),
+        seq_id: int = 0,
+    ) -> None:
+        self.stage, self.out_dtype, self.seq_id = stage, out_dtype, seq_id
+        stage.free_sequence(seq_id)
+        self._sampler = stage.new_sampler(sampling or SamplingParams.GREEDY) if stage.info.last else None
+        if self._sampler is not None:
+            for t in history:
+                self._sampler.accept(t)
+
+    def step(self, b: Boundary, *, sample: bool = True) -> StepOutput:
+        stage, info = self.stage, self.stage.info
+        if b.dtype == TOKENS:
+            result = stage.forward(self.seq_id, b.pos, tokens=b.tokens())
+        else:
+            hidden = decode_boundary(b.payload, b.n_tokens, info.n_embd, BoundaryDType(b.dtype))
+            result = stage.forward(self.seq_id, b.pos, hidden=hidden)
+        if self._sampler is not None:
+            token = stage.sample(self._sampler) if sample else NO_TOKEN
+            payload = stage.logits().tobytes()
+            h = step_hash(b.pos, b.n_tokens, LOGITS_TOKEN, sample_payload(payload, token))
+            return StepOutput(b.pos, b.n_tokens, LOGITS_TOKEN, payload, token, h)
+        assert result is not None
+        payload = encode_boundary(result, self.out_dtype)
+        h = step_hash(b.pos, b.n_tokens, int(self.out_dtype), payload)
+        return StepOutput(b.pos, b.n_tokens, int(self.out_dtype), payload, None, h)
+
+    def close(self) -> None:
+        if self._sampler is not None:
+            self._sampler.close()
+            self._sampler = None
+        self.stage.free_sequence(self.seq_id)
+
+    def __enter__(self) -> WindowRunner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def execute(
+    stage: Stage,
+    inputs: Sequence[Boundary],
+    *,
+    out_dtype: BoundaryDType = BoundaryDType.F32,
+    sampling: SamplingParams | None = None,
+    history: Sequence[int] = (),
+    samples: Sequence[bool] | None = None,
+) -> list[StepOutput]:
+    """Run ``inputs`` through the window in order, one llama.cpp call per step (the schedule); on the last rank
+    step ``i`` samples when ``samples[i]`` (default: every step)."""
+    with WindowRunner(stage, out_dtype=out_dtype, sampling=sampling, history=history) as runner:
+        return [runner.step(b, sample=samples is None or samples[i]) for i, b in enumerate(inputs)]
+
+
+@attrs.frozen
+class AuditResult:
+    """The verdict of one audit: ``ok`` when every recomputed output hash equals the signed one."""
+
+    ok: bool
+    steps: int
+    #: First step whose output differs (None when ok).
+    step: int | None
+    seconds: float
+    signed_hash: str | None = None
+    recomputed_hash: str | None = None
+    #: Last rank: the first step whose signed token is not the re-sampled one (None when they agree).
+    token_step: int | None = None
+
+
+def load_stage(path: Path, inputs: Sequence[Boundary]) -> Stage:
+    """A stage sized for one request's re-execution (n_ctx, n_batch and one sequence: none of them changes bits)."""
+    n_ctx = max((b.pos + b.n_tokens for b in inputs), default=1)
+    n_batch = max(512, *(b.n_tokens for b in inputs)) if inputs else 512
+    return Stage.load(StageConfig(path, n_ctx=max(256, n_ctx), n_seq_max=1, n_batch=n_batch, n_threads=None))
+
+
+def check_inputs(receipt: WindowReceipt, inputs: Sequence[Boundary]) -> None:
+    """VerificationError unless ``inputs`` are the boundaries the receipt commits to, step for step."""
+    if len(inputs) > len(receipt.input_hashes):
+        raise VerificationError(f"{len(inputs)} logged inputs for a receipt of {len(receipt.input_hashes)} steps")
+    bad = first_mismatch(receipt.input_hashes[: len(inputs)], [b.hash for b in inputs])
+    if bad is not None:
+        raise VerificationError(f"logged input {bad} is not the boundary the receipt commits to")
+    if [(b.pos, b.n_tokens) for b in inputs] != list(receipt.schedule[: len(inputs)]):
+        raise VerificationError("the logged inputs do not follow the receipt's schedule")
+
+
+def _check_stage(stage: Stage, receipt: WindowReceipt) -> None:
+    info = stage.info
+    if (info.start, info.end) != (receipt.start, receipt.end):
+        raise VerificationError(
+            f"stage holds layers {info.start}:{info.end}, the receipt {receipt.start}:{receipt.end}"
+        )
+    if info.model_sha256 is not None and info.model_sha256 != receipt.model_sha256:
+        raise VerificationError(
+            f"stage is of model {info.model_sha256[:12]}…, the receipt {receipt.model_sha256[:12]}…"
+        )
+    mine = stage_kernel_class(stage)
+    if mine != receipt.kernel_class:
+        raise VerificationError(f"this auditor's kernel class {mine} is not the receipt's {receipt.kernel_class}")
+
+
+def audit_window(stage: Stage | Path, inputs: Sequence[Boundary], receipt: WindowReceipt) -> AuditResult:
+    """Re-execute the receipt's window from the logged ``inputs`` (all steps, or the first k) and compare hashes.
+
+    Raises VerificationError when the receipt's signature fails, the inputs are not the committed ones, or this
+    machine cannot judge (another window, model or kernel class): none of those is evidence against the node.
+    """
+    receipt.verify()
+    check_inputs(receipt, inputs)
+    if isinstance(stage, Path):
+        with load_stage(stage, inputs) as loaded:
+            return audit_window(loaded, inputs, receipt)
+    _check_stage(stage, receipt)
+    t0 = time.perf_counter()
+    n = len(inputs)
+    outputs = execute(
+        stage,
+        inputs,
+        out_dtype=BoundaryDType(receipt.out_dtype) if not receipt.last else BoundaryDType.F32,
+        sampling=receipt.sampling,
+        history=receipt.history,
+        samples=[t != NO_TOKEN for t in receipt.tokens[:n]] if receipt.last else None,
+    )
+    seconds = time.perf_counter() - t0
+    got = [o.hash for o in outputs]
+    step = first_mismatch(receipt.output_hashes[:n], got)
+    token_step = None
+    if receipt.last:
+        token_step = first_mismatch([str(t) for t in receipt.tokens[:n]], [str(o.token) for o in outputs])
+    return AuditResult(
+        ok=step is None,
+        steps=n,
+        step=step,
+        seconds=seconds,
+        signed_hash=receipt.output_hashes[step] if step is not None else None,
+        recomputed_hash=got[step] if step is not None else None,
+        token_step=token_step,
+    )
+
+
+def check_tokens(stage: Stage | Path, inputs: Sequence[Boundary], receipt: WindowReceipt) -> int | None:
+    """Token receipt: re-sample every step of a last-rank receipt from its logged final boundaries with its sampler
+    settings and seed; the first step whose signed token differs, or None."""
+    if not receipt.last:
+        raise InputError("only a last-rank receipt carries tokens")
+    return audit_window(stage, inputs, receipt).token_step
+
+
+# ---------------------------------------------------------------------------------------------- fraud proofs
+
+
+@attrs.frozen
+class FraudProof:
+    """Self-contained evidence that ``suspect`` signed an output its window does not compute from its inputs.
+
+    ``predecessor`` (absent on rank 0) is the previous rank's signed receipt: its output hashes are the suspect's
+    input hashes, so neither can disown the inputs. ``inputs`` are the boundaries of steps 0..``step``.
+    """
+
+    suspect: WindowReceipt
+    inputs: tuple[Boundary, ...]
+    step: int
+    predecessor: WindowReceipt | None = None
+
+    def to_wire(self) -> Json:
+        out: Json = {
+            "kind": PROOF_DOMAIN,
+            "suspect": self.suspect.to_wire(),
+            "step": self.step,
+            "inputs": [b.to_wire() for b in self.inputs],
+        }
+        if self.predecessor is not None:
+            out["predecessor"] = self.predecessor.to_wire()
+        return out
+
+    @classmethod
+    def from_wire(cls, data: Any, where: str = "proof") -> FraudProof:
+        if not isinstance(data, dict) or data.get("kind") != PROOF_DOMAIN:
+            raise InputError(f"{where}: not a {PROOF_DOMAIN} document")
+        inputs = data.get("inputs")
+        if not isinstance(inputs, list) or type(data.get("step")) is not int:
+            raise InputError(f"{where}: needs a list of inputs and an integer step")
+        pred = data.get("predecessor")
+        return cls(
+            suspect=WindowReceipt.from_wire(data.get("suspect"), f"{where}: suspect"),
+            inputs=tuple(Boundary.from_wire(b, f"{where}: inputs[{i}]") for i, b in enumerate(inputs)),
+            step=data["step"],
+            predecessor=None if pred is None else WindowReceipt.from_wire(pred, f"{where}: predecessor"),
+        )
+
+
+def make_proof(
+    receipt: WindowReceipt, inputs: Sequence[Boundary], result: AuditResult, predecessor: WindowReceipt | None = None
+) -> FraudProof:
+    if result.ok or result.step is None:
+        raise InputError("an audit that found the outputs equal proves nothing")
+    return FraudProof(receipt, tuple(inputs[: result.step + 1]), result.step, predecessor)
+
+
+def verify_proof(proof: FraudProof, stage: Stage | Path) -> AuditResult:
+    """Check a fraud proof from scratch: signatures, the inputs against both receipts, then re-execution.
+
+    Returns the re-execution's verdict (``ok`` False: the proof holds); VerificationError when the proof itself is
+    malformed or this machine cannot judge it.
+    """
+    s = proof.suspect
+    s.verify()
+    if not 0 <= proof.step < len(s.output_hashes) or len(proof.inputs) != proof.step + 1:
+        raise VerificationError(f"a proof of step {proof.step} needs the inputs of steps 0..{proof.step}")
+    check_inputs(s, proof.inputs)
+    p = proof.predecessor
+    if p is not None:
+        p.verify()
+        if (p.request, p.model_sha256, p.end) != (s.request, s.model_sha256, s.start):
+            raise VerificationError("the predecessor's receipt is not of the same request on the window before")
+        bad = first_mismatch(p.output_hashes[: proof.step + 1], s.input_hashes[: proof.step + 1])
+        if bad is not None:
+            raise VerificationError(f"at step {bad} the suspect's input is not the predecessor's output")
+    result = audit_window(stage, proof.inputs, s)
+    return result
+
+
+def proof_summary(proof: FraudProof, result: AuditResult) -> str:
+    s = proof.suspect
+    who = f"node {s.key.fingerprint} (layers {s.start}:{s.end}, request {s.request})"
+    if result.ok:
+        return f"proof does NOT hold: {who} computed every step of the proof correctly"
+    return (
+        f"proof holds: {who} signed output {result.signed_hash} at step {result.step}, "
+        f"but its window computes {result.recomputed_hash}"
+    )
+
+
+# ---------------------------------------------------------------------------------------------- files
+
+
+@attrs.frozen
+class WindowLog:
+    """What a node (or its auditor) keeps of one request on one window: the signed receipt, the input boundaries
+    and, when it has it, the predecessor's signed receipt. The file ``kvasir audit run`` reads."""
+
+    receipt: WindowReceipt
+    inputs: tuple[Boundary, ...]
+    predecessor: WindowReceipt | None = None
+
+    def to_wire(self) -> Json:
+        out: Json = {"receipt": self.receipt.to_wire(), "inputs": [b.to_wire() for b in self.inputs]}
+        if self.predecessor is not None:
+            out["predecessor"] = self.predecessor.to_wire()
+        return out
+
+    @classmethod
+    def from_wire(cls, data: Any, where: str = "log") -> WindowLog:
+        inputs = data.get("inputs") if isinstance(data, dict) else None
+        if not isinstance(inputs, list):
+            raise InputError(f"{where}: needs a receipt and a list of inputs")
+        pred = data.get("predecessor")
+        return cls(
+            WindowReceipt.from_wire(data.get("receipt"), f"{where}: receipt"),
+            tuple(Boundary.from_wire(b, f"{where}: inputs[{i}]") for i, b in enumerate(inputs)),
+            None if pred is None else WindowReceipt.from_wire(pred, f"{where}: predecessor"),
+        )
+
+
+def write_json(path: Path, data: Json) -> None:
+    with atomic_output(path) as tmp:
+        tmp.write_text(json.dumps(data, separators=(",", ":")) + "\n")
+
+
+def read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except OSError as exc:
+        raise InputError(f"cannot read {path}: {exc.strerror}") from exc
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InputError(f"{path} is not JSON: {exc}") from exc
