@@ -1,9 +1,9 @@
 """Market load benchmark: simulated enrolling nodes against a real ``kvasir market`` process on loopback.
 
-Run: ``python bench/market_load.py`` (defaults: 1000 nodes, 250 one-layer windows, 60 s of load after a 20 s ramp;
-about two minutes). Each node has its own Ed25519 key and signs its claims and renewals through the real client
-(kvasir/market/agent/client.py); the market runs in its own process on its own SQLite file, so its CPU seconds and
-peak RSS are its own. A baseline of a few nodes runs first on the same market, in the same run.
+Run: ``python bench/market_load.py`` (defaults: 1000 nodes on 10 models of 8 one-layer windows, 60 s of load after
+a 40 s ramp; about two and a half minutes). Each node has its own Ed25519 key and signs its claims and renewals
+through the real client (kvasir/market/agent/client.py); the market runs in its own process on its own SQLite file,
+so its CPU seconds and peak RSS are its own. A baseline of a few nodes runs first on the same market, in the same run.
 
 The run fails (exit 1) if two leases on one window ever overlapped, if the market's database disagrees with what
 the nodes were told, or if any request went unanswered.
@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import attrs
 import trio
 
 REPO = Path(__file__).resolve().parent.parent
@@ -53,13 +54,14 @@ def start_market(tmp: Path) -> tuple[subprocess.Popen[str], str]:
     return p, line.split("listening on ", 1)[1].split()[0]
 
 
-def phase(url: str, model: str, cfg: LoadConfig, pid: int, db: Path) -> dict[str, Any]:
+def phase(url: str, cfg: LoadConfig, pid: int, db: Path) -> dict[str, Any]:
     cpu0, t0 = process_cpu_s(pid), time.monotonic()
-    tally = trio.run(drive, url, model, cfg)
+    tally = trio.run(drive, url, cfg)
     wall = time.monotonic() - t0
     out = summary(tally)
-    out["store_disagreements"] = len(store_disagreements(db, model, tally.grants, time.time()))
+    out["store_disagreements"] = len(store_disagreements(db, tally.grants, time.time()))
     out["market_cpu_s"] = process_cpu_s(pid) - cpu0
+    out["requests"] = len(tally.claim_s) + len(tally.renew_s) + len(tally.poll_s) + len(tally.map_s)
     out["wall_s"] = wall
     out["overlaps"] = [str(p) for p in double_holders(tally.grants)[:3]]
     return out
@@ -68,28 +70,32 @@ def phase(url: str, model: str, cfg: LoadConfig, pid: int, db: Path) -> dict[str
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", type=int, default=1000)
-    ap.add_argument("--windows", type=int, default=250)
+    ap.add_argument("--models", type=int, default=10)
+    ap.add_argument("--windows", type=int, default=8, help="windows per model")
     ap.add_argument("--duration", type=float, default=60.0, help="seconds of load after the ramp")
-    ap.add_argument("--ramp", type=float, default=20.0, help="nodes start spread over this many seconds")
-    ap.add_argument("--lease", type=float, default=10.0)
-    ap.add_argument("--poll", type=float, default=2.0)
-    ap.add_argument("--drop", type=float, default=0.02, help="chance a holder goes silent at a renewal")
-    ap.add_argument("--connections", type=int, default=64, help="requests in flight at most")
+    ap.add_argument("--ramp", type=float, default=40.0, help="nodes start spread over this many seconds")
+    ap.add_argument("--lease", type=float, default=30.0)
+    ap.add_argument("--poll", type=float, default=5.0, help="a holder's poll of its model's map (s)")
+    ap.add_argument("--spare-poll", type=float, default=60.0, help="a spare's poll of the whole map (s)")
+    ap.add_argument("--drop", type=float, default=0.05, help="chance a holder goes silent at a renewal")
+    ap.add_argument("--connections", type=int, default=24, help="requests in flight at most")
     ap.add_argument("--baseline-nodes", type=int, default=8)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    load = LoadConfig(args.nodes, args.windows, args.duration, args.ramp, args.lease, args.poll, args.drop,
-                      args.connections)  # fmt: skip
-    base = LoadConfig(args.baseline_nodes, args.windows, 10.0, 1.0, args.lease, args.poll, args.drop, 8, seed=2)
+    load = LoadConfig(args.nodes, args.models, args.windows, args.duration, args.ramp, args.lease, args.poll,
+                      args.spare_poll, args.drop, args.connections)  # fmt: skip
+    # The baseline: a few nodes on the same market, short leases so the map is empty again soon after.
+    base = attrs.evolve(load, nodes=args.baseline_nodes, duration_s=10.0, ramp_s=1.0, connections=8, seed=2,
+                        lease_s=min(args.lease, 5.0), poll_s=1.0, spare_poll_s=1.0)  # fmt: skip
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
         operator = load_or_create_identity(tmp / "operator.pem")
         market, url = start_market(tmp)
         try:
-            model = trio.run(publish, url, operator, args.windows)
-            rows = {"baseline": phase(url, model, base, market.pid, tmp / "m.sqlite")}
-            time.sleep(args.lease * 1.5)  # the baseline's leases run out: the load starts on an empty map
-            rows["load"] = phase(url, model, load, market.pid, tmp / "m.sqlite")
+            trio.run(publish, url, operator, args.windows, args.models)
+            rows = {"baseline": phase(url, base, market.pid, tmp / "m.sqlite")}
+            time.sleep(base.lease_s + 1)  # the baseline's leases run out: the load starts on an empty map
+            rows["load"] = phase(url, load, market.pid, tmp / "m.sqlite")
             peak = process_peak_rss(market.pid)
         finally:
             market.kill()
@@ -97,20 +103,26 @@ def main() -> int:
     if args.json:
         print(json.dumps({"rows": rows, "market_peak_rss": peak, "config": vars(args)}, indent=1))
     else:
-        print(f"market load: {args.windows} windows, lease {args.lease} s, poll {args.poll} s, drop {args.drop},"
-              f" {args.connections} connections; market peak RSS {peak / 2**20:.1f} MiB")  # fmt: skip
-        head = (f"{'run':9} {'nodes':>5} {'wall s':>6} {'claims':>7} {'won':>5} {'claim p50/p99 ms':>17}"
-                f" {'renews':>6} {'renew p50/p99 ms':>17} {'polls':>6} {'poll p50/p99 ms':>16} {'mkt cpu s':>9}"
-                f" {'errors':>6} {'overlaps':>8} {'store diff':>10}")  # fmt: skip
-        print(head)
+        print(f"market load: {args.models} models x {args.windows} windows, lease {args.lease} s, holder poll"
+              f" {args.poll} s, spare poll {args.spare_poll} s, drop {args.drop}, {args.connections} connections;"
+              f" market peak RSS {peak / 2**20:.1f} MiB")  # fmt: skip
+        print("latencies in ms, p50/p99 (n)")
+        print(f"{'run':9} {'nodes':>5} {'wall s':>6} {'claims (won)':>13} {'claim':>22} {'renewal':>22}"
+              f" {'holder poll':>22} {'spare poll (map)':>22} {'req/s':>6} {'mkt cpu s':>9} {'ms/req':>6} {'errors':>6}"
+              f" {'overlaps':>8} {'store diff':>10}")  # fmt: skip
+
+        def lat(x: dict[str, Any]) -> str:
+            return f"{x['p50_ms']:.1f}/{x['p99_ms']:.1f} ({x['n']})"
+
         for name, r in rows.items():
             n = args.nodes if name == "load" else args.baseline_nodes
-            c, rn, p = r["claims"], r["renewals"], r["coverage_polls"]
+            c = r["claims"]
             print(
-                f"{name:9} {n:5d} {r['wall_s']:6.1f} {c['n']:7d} {c['won']:5d}"
-                f" {c['p50_ms']:8.1f}/{c['p99_ms']:<8.1f} {rn['n']:6d} {rn['p50_ms']:8.1f}/{rn['p99_ms']:<8.1f}"
-                f" {p['n']:6d} {p['p50_ms']:7.1f}/{p['p99_ms']:<8.1f} {r['market_cpu_s']:9.1f}"
-                f" {r['errors']:6d} {r['double_holders']:8d} {r['store_disagreements']:10d}"
+                f"{name:9} {n:5d} {r['wall_s']:6.1f} {c['n']:7d} ({c['won']:4d}) {lat(c):>22} {lat(r['renewals']):>22}"
+                f" {lat(r['holder_polls']):>22} {lat(r['spare_polls']):>22} {r['requests'] / r['wall_s']:6.1f}"
+                f" {r['market_cpu_s']:9.1f}"
+                f" {1000 * r['market_cpu_s'] / max(1, r['requests']):6.2f} {r['errors']:6d} {r['double_holders']:8d}"
+                f" {r['store_disagreements']:10d}"
             )
         for name, r in rows.items():
             if r["first_errors"] or r["overlaps"]:
