@@ -108,7 +108,8 @@ def main() -> int:
               f" market peak RSS {peak / 2**20:.1f} MiB")  # fmt: skip
         print("latencies in ms, p50/p99 (n)")
         print(f"{'run':9} {'nodes':>5} {'wall s':>6} {'claims (won)':>13} {'claim':>22} {'renewal':>22}"
-              f" {'holder poll':>22} {'spare poll (map)':>22} {'req/s':>6} {'mkt cpu s':>9} {'ms/req':>6} {'errors':>6}"
+              f" {'holder poll':>22} {'spare poll (map)':>22} {'slot wait':>22} {'lost':>4} {'drops':>5} {'req/s':>6}"
+              f" {'mkt cpu s':>9} {'ms/req':>6} {'errors':>6}"
               f" {'overlaps':>8} {'store diff':>10}")  # fmt: skip
 
         def lat(x: dict[str, Any]) -> str:
@@ -119,7 +120,8 @@ def main() -> int:
             c = r["claims"]
             print(
                 f"{name:9} {n:5d} {r['wall_s']:6.1f} {c['n']:7d} ({c['won']:4d}) {lat(c):>22} {lat(r['renewals']):>22}"
-                f" {lat(r['holder_polls']):>22} {lat(r['spare_polls']):>22} {r['requests'] / r['wall_s']:6.1f}"
+                f" {lat(r['holder_polls']):>22} {lat(r['spare_polls']):>22} {lat(r['slot_wait']):>22}"
+                f" {r['renewals']['lost']:4d} {r['drops']:5d} {r['requests'] / r['wall_s']:6.1f}"
                 f" {r['market_cpu_s']:9.1f}"
                 f" {1000 * r['market_cpu_s'] / max(1, r['requests']):6.2f} {r['errors']:6d} {r['double_holders']:8d}"
                 f" {r['store_disagreements']:10d}"

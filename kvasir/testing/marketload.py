@@ -78,6 +78,7 @@ class Tally:
     renew_s: list[float] = attrs.field(factory=list)
     poll_s: list[float] = attrs.field(factory=list)  # a holder's poll of its model
     map_s: list[float] = attrs.field(factory=list)  # a spare's poll of the whole map
+    wait_s: list[float] = attrs.field(factory=list)  # waiting for a slot (offered load beyond what is answered)
     claims_won: int = 0
     claims_taken: int = 0  # refused: the window was held (the compare-and-set working)
     renewals_lost: int = 0  # refused: the lease had expired (a late renewal)
@@ -138,7 +139,9 @@ class _Node:
         """Run one request and time its answer: (value, refused). A 409 is an answer (refused); no answer, or any
         other error, is tallied in ``errors`` and gives (None, False). The time is the market's answer's, from when
         the request had one of the ``connections`` slots."""
+        t0 = time.perf_counter()
         async with self.slots:  # signed once it has a slot (``call`` has not started), so it never goes stale here
+            self.tally.wait_s.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             try:
                 value = await call
@@ -276,9 +279,9 @@ def store_disagreements(db: Path, grants: Sequence[Grant], now: float) -> list[s
         if expires <= now:
             continue
         live[model, start] = (node, lease_id)
-        g = latest.get((model, start))
-        if g is None or (g.node, g.lease_id) != (node, lease_id) or abs(g.end - expires) > TIME_EPS:
-            out.append(f"{model[:12]} [{start}, {end}): the store has {node}/{lease_id} until {expires}; told: {g}")
+        told = latest.get((model, start))
+        if told is None or (told.node, told.lease_id) != (node, lease_id) or abs(told.end - expires) > TIME_EPS:
+            out.append(f"{model[:12]} [{start}, {end}): the store has {node}/{lease_id} until {expires}; told: {told}")
     for key, g in latest.items():
         if g.end > now + TIME_EPS and live.get(key) != (g.node, g.lease_id):
             out.append(f"{key}: {g.node} was told it holds it until {g.end}; the store has {live.get(key)}")
@@ -320,6 +323,7 @@ def summary(tally: Tally) -> dict[str, Any]:
     return {
         "claims": lat(tally.claim_s) | {"won": tally.claims_won, "refused": tally.claims_taken},
         "renewals": lat(tally.renew_s) | {"lost": tally.renewals_lost},
+        "slot_wait": lat(tally.wait_s),
         "holder_polls": lat(tally.poll_s),
         "spare_polls": lat(tally.map_s),
         "drops": tally.drops,
