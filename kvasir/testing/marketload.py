@@ -19,7 +19,7 @@ import os
 import random
 import sqlite3
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Coroutine, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -134,14 +134,18 @@ class _Node:
         self.rng = random.Random(seed)
         self.node_id = market.identity.node_id
         self.endpoint = f"127.0.0.1:{self.rng.randrange(1024, 65536)}"  # announced, never dialled
+        self.deadline = 0.0
 
-    async def _call(self, what: str, samples: list[float], call: Awaitable[T]) -> tuple[T | None, bool]:
+    async def _call(self, what: str, samples: list[float], call: Coroutine[Any, Any, T]) -> tuple[T | None, bool]:
         """Run one request and time its answer: (value, refused). A 409 is an answer (refused); no answer, or any
-        other error, is tallied in ``errors`` and gives (None, False). The time is the market's answer's, from when
-        the request had one of the ``connections`` slots."""
+        other error, is tallied in ``errors`` and gives (None, False). The latency runs from when the request gets
+        one of the ``connections`` slots; the wait for the slot is tallied apart (``wait_s``)."""
         t0 = time.perf_counter()
         async with self.slots:  # signed once it has a slot (``call`` has not started), so it never goes stale here
             self.tally.wait_s.append(time.perf_counter() - t0)
+            if time.monotonic() >= self.deadline:  # the run is over: do not drain the queue
+                call.close()
+                return None, False
             t0 = time.perf_counter()
             try:
                 value = await call
@@ -161,6 +165,7 @@ class _Node:
         await trio.sleep(max(0.0, min(seconds, deadline - time.monotonic())))
 
     async def run(self, deadline: float) -> None:
+        self.deadline = deadline
         await trio.sleep(self.rng.uniform(0, self.cfg.ramp_s))
         while time.monotonic() < deadline:
             lease = await self._spare(deadline)
