@@ -1,7 +1,8 @@
 """The market's HTTP JSON API (docs/protocol.md § Market API) on the shared HTTP plumbing (kvasir.net.http).
 
 Routes parse bodies into records (bad input → 400, nothing stored), then run one store transaction in a worker
-thread through a limiter of one (sqlite3 blocks; the one connection is never shared across threads at once).
+thread, at most ``store.concurrency`` at once (the SQLite store's one connection is never shared across threads at
+once). The routes know the store only as :class:`~kvasir.market.server.backend.MarketBackend`.
 
 Every write is signed (kvasir.market.auth): models, manifests and the delegation by the operator's key; claims,
 renewals, releases, demand and credit reports by the node whose ``node_id`` is its key's fingerprint.
@@ -37,7 +38,7 @@ from kvasir.market.records import (
     ReceiptBatch,
     sha256_field,
 )
-from kvasir.market.server.store import MarketStore
+from kvasir.market.server.backend import MarketBackend
 from kvasir.market.tickets import MAX_TICKET_S, WindowTicket, issue_ticket
 from kvasir.net.http import ApiLimits, HttpConnection, HttpError, HttpRequest, serve_http
 from kvasir.relay.grant import EdgeGrant, sign_grant
@@ -55,11 +56,11 @@ class MarketService:
     """The routes. ``identity``: the market's own key (it signs window tickets); ``operator``: the key whose
     signature publishing needs (default: the market's own)."""
 
-    def __init__(self, store: MarketStore, identity: Identity, operator: PublicKey | None = None) -> None:
+    def __init__(self, store: MarketBackend, identity: Identity, operator: PublicKey | None = None) -> None:
         self.store = store
         self.identity = identity
         self.operator = operator or identity.public
-        self.limiter = trio.CapacityLimiter(1)
+        self.limiter = trio.CapacityLimiter(store.concurrency)
         self.nonces = auth.NonceCache()
         self.delegation: str | None = store.get_meta("delegation")
         if self.operator == identity.public:
@@ -249,13 +250,14 @@ async def serve_market(
     host: str,
     port: int,
     *,
-    store: MarketStore | None = None,
+    store: MarketBackend | None = None,
     identity: Identity | None = None,
     operator: PublicKey | None = None,
     tls: ssl.SSLContext | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run the market on ``host:port`` (0: any free port) with its state in ``db``; ``started(bound_port)``.
+    """Run the market on ``host:port`` (0: any free port) with its state in ``db`` (SQLite) or in ``store`` (any
+    engine; the caller closes it); ``started(bound_port)``.
 
     ``identity``: the market's key (default: this machine's node identity); ``operator``: the publisher's key
     (default: the market's own); ``tls``: serve HTTPS (kvasir.util.tls.server_context).
@@ -263,7 +265,10 @@ async def serve_market(
     if identity is None:
         identity = await trio.to_thread.run_sync(machine_identity)
     own = store is None
-    store = store if store is not None else await trio.to_thread.run_sync(MarketStore, db)
+    if store is None:
+        from kvasir.market.server.store import MarketStore  # the default engine: SQLite at ``db``
+
+        store = await trio.to_thread.run_sync(MarketStore, db)
     service = MarketService(store, identity, operator)
     try:
         await serve_http(

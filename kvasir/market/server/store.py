@@ -1,6 +1,7 @@
 """The market's state in SQLite (WAL): models, rank manifests, leases, demand and the contribution ledger.
 
-Every method is synchronous and runs one transaction (``BEGIN IMMEDIATE`` for writes, so a claim's read and write
+The SQLite engine behind :class:`kvasir.market.server.backend.MarketBackend` (the contracts are there). Every
+method is synchronous and runs one transaction (``BEGIN IMMEDIATE`` for writes, so a claim's read and write
 are one atomic compare-and-set: two nodes never hold one window). The service calls them from worker threads
 through a limiter of one, so the single connection is never used concurrently. Time comes from ``clock`` (unix
 seconds) so tests can move it.
@@ -124,6 +125,9 @@ def reward_of(weight: float, multiplier: float) -> float:
 
 
 class MarketStore:
+    #: One connection: the service never runs two calls at once.
+    concurrency = 1
+
     def __init__(
         self, path: Path | str, *, clock: Callable[[], float] = time.time, max_tokens_per_s: float = MAX_TOKENS_PER_S
     ) -> None:
