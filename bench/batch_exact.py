@@ -94,6 +94,37 @@ def exactness(console: Console, chain: Chain, prompts: list[list[int]], trials: 
     console.print(table)
 
 
+def ordering(console: Console, chain: Chain, prompts: list[list[int]]) -> None:
+    """llama.cpp puts sequences of one batch into one micro-batch only when their ids ascend consecutively (its
+    split for per-sequence caches); other orders run as several micro-batches. Which compositions keep the bits?"""
+    lens = [len(p) for p in prompts]
+    nxt = [p[-1] for p in prompts]
+    ref = []
+    for s in range(N_SEQ):
+        ref.append(chain.alone(s, lens[s], nxt[s]))
+        chain.truncate(s, lens[s])
+    table = Table(title="Batched vs alone by sequence order (first stage's boundary, last stage's logits)")
+    for col in ("sequences, in batch order", "boundary bit-equal", "logits bit-equal", "max |Δ logit|"):
+        table.add_column(col, justify="right")
+    for members in (
+        [0, 1, 2],
+        [2, 1, 0],
+        [0, 1, 2, 3],
+        [0, 2, 4, 6],
+        [0, 1, 2, 3, 4, 5, 6, 7],
+        [7, 6, 5, 4, 3, 2, 1, 0],
+    ):
+        got = chain.batched([(s, lens[s], nxt[s]) for s in members])
+        b_eq = sum(h.tobytes() == ref[s][0].tobytes() for s, (h, _) in zip(members, got, strict=True))
+        l_eq = sum(lg.tobytes() == ref[s][1].tobytes() for s, (_, lg) in zip(members, got, strict=True))
+        worst = max(float(np.max(np.abs(lg - ref[s][1]))) for s, (_, lg) in zip(members, got, strict=True))
+        for s in members:
+            chain.truncate(s, lens[s])
+        n = len(members)
+        table.add_row(",".join(map(str, members)), f"{b_eq}/{n}", f"{l_eq}/{n}", f"{worst:.3g}")
+    console.print(table)
+
+
 def throughput(console: Console, chain: Chain, prompts: list[list[int]], steps: int, repeats: int) -> None:
     lens = [len(p) for p in prompts]
 
@@ -138,6 +169,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--trials", type=int, default=4)
+    ap.add_argument("--skip-throughput", action="store_true")
     args = ap.parse_args()
     cache = default_cache_dir()
     paths = stage_files(demo_model_path(cache), parse_splits("0,9,18", 18), cache)
@@ -151,7 +183,9 @@ def main() -> None:
             b.forward(s, 0, hidden=hidden)
         console = Console(width=150)
         exactness(console, chain, prompts, args.trials)
-        throughput(console, chain, prompts, args.steps, args.repeats)
+        ordering(console, chain, prompts)
+        if not args.skip_throughput:
+            throughput(console, chain, prompts, args.steps, args.repeats)
 
 
 if __name__ == "__main__":

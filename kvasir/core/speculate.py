@@ -20,7 +20,9 @@ NGRAM_MIN = 1
 K_LIMIT = 16
 
 
-def draft_lookup(history: Sequence[int], k: int, *, ngram_max: int = NGRAM_MAX, ngram_min: int = NGRAM_MIN) -> list[int]:
+def draft_lookup(
+    history: Sequence[int], k: int, *, ngram_max: int = NGRAM_MAX, ngram_min: int = NGRAM_MIN
+) -> list[int]:
     """Prompt-lookup drafts: up to ``k`` tokens that followed the most recent earlier occurrence of the history's
     longest matching suffix n-gram (``ngram_max`` down to ``ngram_min`` tokens). Empty when nothing matches."""
     if k <= 0 or len(history) < 2:
