@@ -2,8 +2,9 @@
 
 Per model (Gemma 3 270M, SmolLM2-135M-Instruct) and prompt kind (self-repeating, non-repeating): decode tokens/s of
 plain `generate` and of `generate --speculate K` (runs interleaved, median with min–max), the drafts' acceptance,
-and the ratio. Then, over many prompts: greedy tokens where the speculative output differs from the plain one (the
-verify batch's shape changes llama.cpp's numbers), and whether a speculative rerun with the same K is identical.
+and the ratio (wall clock, and tokens per CPU-second of the process: steadier on a shared machine). Then, over
+many prompts: greedy tokens where the speculative output differs from the plain one (the verify batch's shape
+changes llama.cpp's numbers), and whether a speculative rerun with the same K is identical.
 
     python3 bench/speculate.py [--repeats 3] [--tokens 96] [--k 6] [--threads 2] [--prompts 16] [--models gemma,smol]
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -81,7 +83,18 @@ def bench_model(console: Console, name: str, path: Path, args: argparse.Namespac
             title=f"{name}: plain vs --speculate {args.k}, {args.tokens} tokens, {args.threads} threads, "
             f"{args.repeats} repeats (interleaved)"
         )
-        for col in ("prompt", "plain tok/s", "spread", f"K={args.k} tok/s", "spread", "ratio", "acceptance", "same"):
+        cols = (
+            "prompt",
+            "plain tok/s",
+            "spread",
+            f"K={args.k} tok/s",
+            "spread",
+            "ratio",
+            "CPU ratio",
+            "acceptance",
+            "same",
+        )
+        for col in cols:
             table.add_column(col, justify="right")
         # A small base model soon loops on any prompt under greedy decoding, so the case where drafts fail is
         # sampled text (T=1, seeded: plain and speculative draw the same tokens where the logits agree).
@@ -94,13 +107,20 @@ def bench_model(console: Console, name: str, path: Path, args: argparse.Namespac
         for label, text, params in cases:
             prompt = vocab.tokenize(text, add_special=True, parse_special=False)
             pipe.generate(prompt, params, 8)  # warm caches and page-ins; not counted
-            plain, spec = [], []
+            plain, spec, plain_cpu, spec_cpu = [], [], [], []
             rp = rs = None
             for _ in range(args.repeats):
+                c0 = time.process_time()
                 rp = pipe.generate(prompt, params, args.tokens)
+                c1 = time.process_time()
                 rs = pipe.generate(prompt, params, args.tokens, speculate=args.k)
+                c2 = time.process_time()
                 plain.append(tokens_per_s(rp))
                 spec.append(tokens_per_s(rs))
+                # Tokens per CPU-second of this process (prefill included, the same in both): on a machine
+                # shared with other work this is steadier than wall-clock tokens/s.
+                plain_cpu.append(len(rp.tokens) / (c1 - c0))
+                spec_cpu.append(len(rs.tokens) / (c2 - c1))
             assert rp is not None and rs is not None and rs.speculation is not None
             mp, ms = statistics.median(plain), statistics.median(spec)
             table.add_row(
@@ -110,6 +130,7 @@ def bench_model(console: Console, name: str, path: Path, args: argparse.Namespac
                 f"{ms:.1f}",
                 f"{min(spec):.1f}–{max(spec):.1f}",
                 f"{ms / mp:.2f}x" if mp else "n/a",
+                f"{statistics.median(spec_cpu) / statistics.median(plain_cpu):.2f}x",
                 f"{rs.speculation.accepted}/{rs.speculation.drafted}",
                 "yes" if rp.tokens == rs.tokens else f"from token {first_diff(rp.tokens, rs.tokens)}",
             )

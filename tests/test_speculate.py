@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from kvasir.core.speculate import SpeculationStats, adapt_k, draft_lookup
-from kvasir.stage.engine import Stage, StageConfig
+from kvasir.errors import InputError
+from kvasir.shard.cache import parse_splits, stage_files
+from kvasir.stage.engine import BatchItem, Stage, StageConfig
 from kvasir.stage.pipeline import LocalPipeline
 from kvasir.wire import SamplingParams
 from tests.conftest import run_cli
@@ -96,3 +100,41 @@ def test_generate_cli_speculate(gemma_path: Path) -> None:
     assert json.loads(plain.stdout)["tokens"] == out["tokens"] and "speculation" not in json.loads(plain.stdout)
     bad = run_cli(*common, "--speculate", "99")
     assert bad.returncode != 0 and "--speculate" in bad.stderr
+
+
+def test_forward_batch_rows_follow_items_and_truncate_rolls_back(
+    tiny_model: Callable[..., Path], cache_dir: Path
+) -> None:
+    """The engine calls a ring will use: a batched step's rows belong to their items (same argmax, close numbers:
+    batching is not bit-exact, docs/speculation.md), and truncate() restores a sequence's cache exactly."""
+    paths = stage_files(tiny_model("llama", "q8_0"), parse_splits("0,3,6", 6), cache_dir)
+    configs = [StageConfig(p, n_ctx=64, n_seq_max=3, n_threads=1) for p in paths]
+    with Stage.load(configs[0]) as a, Stage.load(configs[1]) as b:
+        prompts = [[1, 5, 9, 2], [7, 3, 3, 8], [4, 4, 6, 2]]
+        for s, p in enumerate(prompts):
+            hidden = a.forward(s, 0, tokens=p)
+            assert hidden is not None
+            b.forward(s, 0, hidden=hidden)
+
+        def alone(s: int) -> tuple[np.ndarray, np.ndarray]:
+            hidden = a.forward(s, 4, tokens=[s + 10])
+            assert hidden is not None
+            b.forward(s, 4, hidden=hidden)
+            out = hidden.copy(), b.logits()
+            a.truncate(s, 4)
+            b.truncate(s, 4)
+            return out
+
+        ref = [alone(s) for s in range(3)]
+        assert all(np.array_equal(alone(s)[1], ref[s][1]) for s in range(3))  # rolled back: the same bits again
+        members = [2, 0, 1]
+        hidden = a.forward_batch([BatchItem(s, 4, tokens=[s + 10]) for s in members])
+        assert b.forward_batch([BatchItem(s, 4, hidden=h) for s, h in zip(members, hidden, strict=True)]) == [None] * 3
+        for i, s in enumerate(members):
+            h, logits = hidden[i], b.logits(Stage.batch_index(i, 1))
+            assert h is not None and np.allclose(h, ref[s][0], atol=1e-3)
+            assert np.allclose(logits, ref[s][1], atol=1e-2) and np.argmax(logits) == np.argmax(ref[s][1])
+        with pytest.raises(InputError):
+            a.forward_batch([BatchItem(0, 5, tokens=[1]), BatchItem(0, 6, tokens=[2])])
+        with pytest.raises(InputError):
+            a.forward_batch([BatchItem(0, 5, tokens=[1]), BatchItem(1, 5, tokens=[2, 3])])

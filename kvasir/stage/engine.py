@@ -284,10 +284,14 @@ class Stage:
     def forward_batch(self, items: Sequence[BatchItem]) -> list[FloatArray | None]:
         """Several sequences' chunks in one llama_decode (batched decode across requests).
 
-        Every item is one distinct sequence with the same number of tokens, so llama.cpp computes them in one
-        micro-batch whose rows keep the items' order. Returns each item's boundary on non-last stages, Nones on the
-        last stage, where item ``i``'s logits are row ``index = (i + 1) * n - 1`` (see :meth:`batch_index`).
-        See docs/speculation.md for what batching does to a sequence's bits.
+        Every item is one distinct sequence with the same number of tokens. llama.cpp (per-sequence caches) puts
+        items whose ids ascend consecutively into one micro-batch and splits other orders into several; rows keep
+        the items' order either way. Returns each item's boundary on non-last stages, Nones on the last stage, where
+        item ``i``'s logits are row ``index = (i + 1) * n - 1`` (see :meth:`batch_index`).
+
+        Not bit-exact: one micro-batch of several sequences can change a sequence's numbers against that sequence
+        alone (measured in bench/batch_exact.py; docs/speculation.md), so a ring that promises `generate`'s exact
+        output must not batch.
         """
         if not items:
             raise InputError("forward_batch() needs at least one item")
