@@ -74,11 +74,17 @@ def tokens_per_s(r: GenerationResult) -> float:
     return 1e3 / r.decode_ms_per_token if r.decode_ms_per_token else 0.0
 
 
-def bench_model(console: Console, name: str, path: Path, args: argparse.Namespace) -> None:
+def bench_model(console: Console, name: str, path: Path, args: argparse.Namespace, *, chat: bool = False) -> None:
     greedy = SamplingParams.GREEDY
     with Stage.load(StageConfig(path, n_ctx=1024, n_seq_max=1, n_threads=args.threads)) as stage:
         pipe = LocalPipeline([stage])
         vocab = stage.vocab
+
+        def encode(text: str) -> list[int]:
+            if not chat:
+                return vocab.tokenize(text, add_special=True, parse_special=False)
+            return vocab.tokenize_chat(vocab.chat_prompt([("user", text)], stage.chat_template()))
+
         table = Table(
             title=f"{name}: plain vs --speculate {args.k}, {args.tokens} tokens, {args.threads} threads, "
             f"{args.repeats} repeats (interleaved)"
@@ -105,7 +111,7 @@ def bench_model(console: Console, name: str, path: Path, args: argparse.Namespac
             ("story, T=1 sampled", NON_REPEATING, sampled),
         )
         for label, text, params in cases:
-            prompt = vocab.tokenize(text, add_special=True, parse_special=False)
+            prompt = encode(text)
             pipe.generate(prompt, params, 8)  # warm caches and page-ins; not counted
             plain, spec, plain_cpu, spec_cpu = [], [], [], []
             rp = rs = None
@@ -139,7 +145,7 @@ def bench_model(console: Console, name: str, path: Path, args: argparse.Namespac
         diverged = differing = total = reruns_equal = drafted = accepted = 0
         firsts: list[int] = []
         for text in divergence_prompts(args.prompts):
-            prompt = vocab.tokenize(text, add_special=True, parse_special=False)
+            prompt = encode(text)
             rp = pipe.generate(prompt, greedy, args.div_tokens)
             rs = pipe.generate(prompt, greedy, args.div_tokens, speculate=args.k)
             rr = pipe.generate(prompt, greedy, args.div_tokens, speculate=args.k)
@@ -188,7 +194,7 @@ def main() -> None:
     if "gemma" in args.models:
         bench_model(console, "Gemma 3 270M Q4_K_M", demo_model_path(default_cache_dir()), args)
     if "smol" in args.models:
-        bench_model(console, "SmolLM2-135M-Instruct Q4_1", chat_model_path(), args)
+        bench_model(console, "SmolLM2-135M-Instruct Q4_1 (chat template)", chat_model_path(), args, chat=True)
 
 
 if __name__ == "__main__":

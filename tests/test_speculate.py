@@ -28,9 +28,11 @@ def test_draft_lookup_continues_the_most_recent_longest_match() -> None:
 
 
 def test_draft_lookup_falls_back_to_shorter_ngrams_and_stops_at_the_end() -> None:
-    assert draft_lookup([5, 1, 2, 6, 2], 3) == [6, 2]  # only the 1-gram (2,) matches, 2 tokens follow it
+    assert draft_lookup([5, 1, 2, 6, 2], 3, ngram_min=1) == [6, 2]  # only the 1-gram (2,) matches, 2 tokens follow
+    assert draft_lookup([5, 1, 2, 6, 2], 3) == []  # by default a single token is too weak a match
     assert draft_lookup([1, 2, 3, 4], 3) == []  # nothing repeats
-    assert draft_lookup([7, 7], 5) == [7]  # the match may overlap the suffix
+    assert draft_lookup([7, 7, 7], 5) == [7]  # the match may overlap the suffix
+    assert draft_lookup([4, 1, 2, 5, 1, 2], 3) == [5, 1, 2]  # a 2-gram is enough
     assert draft_lookup([1, 2, 1, 2], 0) == []
     assert draft_lookup([3], 4) == []
     assert draft_lookup([], 4) == []
@@ -39,7 +41,7 @@ def test_draft_lookup_falls_back_to_shorter_ngrams_and_stops_at_the_end() -> Non
 def test_draft_lookup_respects_the_ngram_bounds() -> None:
     history = [4, 1, 2, 9, 2]
     assert draft_lookup(history, 2, ngram_min=2) == []  # (9, 2) never occurred before
-    assert draft_lookup(history, 2, ngram_max=1) == [9, 2]
+    assert draft_lookup(history, 2, ngram_max=1, ngram_min=1) == [9, 2]
 
 
 def test_adapt_k_grows_on_full_acceptance_and_shrinks_to_what_was_accepted() -> None:
@@ -127,7 +129,7 @@ def test_forward_batch_rows_follow_items_and_truncate_rolls_back(
 
         ref = [alone(s) for s in range(3)]
         assert all(np.array_equal(alone(s)[1], ref[s][1]) for s in range(3))  # rolled back: the same bits again
-        members = [2, 0, 1]
+        members = [0, 1, 2]
         hidden = a.forward_batch([BatchItem(s, 4, tokens=[s + 10]) for s in members])
         assert b.forward_batch([BatchItem(s, 4, hidden=h) for s, h in zip(members, hidden, strict=True)]) == [None] * 3
         for i, s in enumerate(members):
@@ -136,5 +138,7 @@ def test_forward_batch_rows_follow_items_and_truncate_rolls_back(
             assert np.allclose(logits, ref[s][1], atol=1e-2) and np.argmax(logits) == np.argmax(ref[s][1])
         with pytest.raises(InputError):
             a.forward_batch([BatchItem(0, 5, tokens=[1]), BatchItem(0, 6, tokens=[2])])
+        with pytest.raises(InputError):  # llama.cpp would hand the boundary rows back in id order
+            a.forward_batch([BatchItem(2, 5, tokens=[1]), BatchItem(1, 5, tokens=[2])])
         with pytest.raises(InputError):
             a.forward_batch([BatchItem(0, 5, tokens=[1]), BatchItem(1, 5, tokens=[2, 3])])

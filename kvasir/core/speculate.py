@@ -14,8 +14,9 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 #: Longest and shortest suffix n-gram searched for in the history (longest first: a longer match predicts better).
+#: Single-token matches (a comma, "the") are common and rarely predict the continuation: each costs a verify batch.
 NGRAM_MAX = 3
-NGRAM_MIN = 1
+NGRAM_MIN = 2
 #: Drafts per verify batch never exceed this, whatever ``--speculate K`` asks.
 K_LIMIT = 16
 

@@ -284,9 +284,10 @@ class Stage:
     def forward_batch(self, items: Sequence[BatchItem]) -> list[FloatArray | None]:
         """Several sequences' chunks in one llama_decode (batched decode across requests).
 
-        Every item is one distinct sequence with the same number of tokens. llama.cpp (per-sequence caches) puts
-        items whose ids ascend consecutively into one micro-batch and splits other orders into several; rows keep
-        the items' order either way. Returns each item's boundary on non-last stages, Nones on the last stage, where
+        Items are distinct sequences in ascending id order with the same number of tokens. llama.cpp (per-sequence
+        caches) puts each run of consecutive ids into one micro-batch and computes the micro-batches in id order,
+        so the boundary rows come out in the items' order only when the ids ascend (``1,5,2`` would come back as
+        ``1,2,5``: refused). Returns each item's boundary on non-last stages, Nones on the last stage, where
         item ``i``'s logits are row ``index = (i + 1) * n - 1`` (see :meth:`batch_index`).
 
         Not bit-exact: one micro-batch of several sequences can change a sequence's numbers against that sequence
@@ -295,8 +296,9 @@ class Stage:
         """
         if not items:
             raise InputError("forward_batch() needs at least one item")
-        if len({it.seq_id for it in items}) != len(items) or len({it.n for it in items}) != 1:
-            raise InputError("forward_batch() takes distinct sequences with equal token counts")
+        ids = [it.seq_id for it in items]
+        if any(a >= b for a, b in itertools.pairwise(ids)) or len({it.n for it in items}) != 1:
+            raise InputError("forward_batch() takes distinct sequences in ascending order with equal token counts")
         return self._decode(items, all_outputs=not self.info.last)
 
     @staticmethod
