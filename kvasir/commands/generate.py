@@ -8,6 +8,8 @@ import sys
 from typing import Any
 
 from kvasir.commands.common import add_model_arg, add_text_args, model_windows, print_json, sampling_from_args
+from kvasir.core.speculate import K_LIMIT
+from kvasir.errors import InputError
 from kvasir.shard.cache import default_cache_dir, stage_files
 from kvasir.stage.engine import Stage, StageConfig
 from kvasir.stage.pipeline import LocalPipeline
@@ -21,11 +23,21 @@ def add_parser(sub: Any) -> None:
         p, prompt_required=True, prompt_help=None, json_help="print one JSON object instead of streaming text"
     )
     p.add_argument("--gpu-layers", type=int, default=0, help="layers to offload to a GPU backend (-1: all)")
+    p.add_argument(
+        "--speculate",
+        type=int,
+        metavar="K",
+        default=None,
+        help=f"draft up to K tokens per step by prompt lookup and verify them in one batch (0..{K_LIMIT}; "
+        "see docs/speculation.md for what stays exact)",
+    )
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     params = sampling_from_args(args)
+    if args.speculate is not None and not 0 <= args.speculate <= K_LIMIT:
+        raise InputError(f"--speculate must be in [0, {K_LIMIT}]")
     model, windows = model_windows(args, lambda n_main: [(0, n_main)], chat=args.chat)
     paths = stage_files(model, windows, default_cache_dir())
     with contextlib.ExitStack() as stack:
@@ -49,14 +61,23 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.write(delta)
             sys.stdout.flush()
 
-        result = pipe.generate(prompt, params, args.max_tokens, stop=args.stop, on_token=None if args.json else echo)
+        result = pipe.generate(
+            prompt,
+            params,
+            args.max_tokens,
+            stop=args.stop,
+            on_token=None if args.json else echo,
+            speculate=args.speculate,
+        )
     if args.json:
         print_json(result.to_json())
     else:
         sys.stdout.write("\n")
+        spec = result.speculation
+        accepted = "" if spec is None else f", drafts accepted {spec.accepted}/{spec.drafted}"
         print(
             f"[{len(result.tokens)} tokens, prefill {result.prefill_ms:.1f} ms, "
-            f"decode {result.decode_ms_per_token:.1f} ms/token, stop: {result.stop_reason}]",
+            f"decode {result.decode_ms_per_token:.1f} ms/token{accepted}, stop: {result.stop_reason}]",
             file=sys.stderr,
         )
     return 0

@@ -11,6 +11,7 @@ All methods block; call them from a worker thread (:meth:`Stage.run`), one at a 
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -96,18 +97,37 @@ class _Batch:
         self.batch.seq_id = ctypes.cast(self.seq_ptrs, ctypes.POINTER(ctypes.POINTER(ctypes.c_int32)))
         self.batch.logits = self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
 
-    def fill(self, seq_id: int, pos0: int, n: int, all_outputs: bool) -> None:
-        positions = np.arange(pos0, pos0 + n, dtype=np.int32)
+    def fill(self, spans: Sequence[tuple[int, int, int]], all_outputs: bool) -> None:
+        """Lay out ``(seq_id, pos0, n)`` spans one after another; the last token of each span is always an output."""
+        n = sum(span[2] for span in spans)
+        positions = np.concatenate([np.arange(p0, p0 + k, dtype=np.int32) for _, p0, k in spans])
         if self.ppt == 1:
             self.pos[:n] = positions
         else:
             # M-RoPE/IMROPE embedding batches read ppt planes of n positions: [p…][p…][p…][0…].
             for plane in range(self.ppt):
                 self.pos[plane * n : (plane + 1) * n] = positions if plane < 3 else 0
-        self.seq[:n] = seq_id
         self.logits[:n] = 1 if all_outputs else 0
-        self.logits[n - 1] = 1
+        i = 0
+        for seq_id, _, k in spans:
+            self.seq[i : i + k] = seq_id
+            i += k
+            self.logits[i - 1] = 1
         self.batch.n_tokens = n
+
+
+@attrs.frozen(eq=False)
+class BatchItem:
+    """One sequence's chunk in a :meth:`Stage.forward_batch`: token ids (first stage) or hidden states."""
+
+    seq_id: int
+    pos0: int
+    tokens: Sequence[int] | None = None
+    hidden: FloatArray | None = None
+
+    @property
+    def n(self) -> int:
+        return len(self.tokens) if self.tokens is not None else len(self.hidden) if self.hidden is not None else 0
 
 
 class Stage:
@@ -244,68 +264,134 @@ class Stage:
         Returns the boundary ``[n, n_embd]`` on non-last stages, None on the last stage (its logits stay in the
         context for :meth:`sample` / :meth:`logits`).
         """
+        return self._decode([BatchItem(seq_id, pos0, tokens, hidden)], all_outputs=not self.info.last)[0]
+
+    def forward_verify(
+        self,
+        seq_id: int,
+        pos0: int,
+        *,
+        tokens: Sequence[int] | None = None,
+        hidden: FloatArray | None = None,
+    ) -> FloatArray | None:
+        """:meth:`forward` with every token an output: a speculative verify batch (the current token + drafts).
+
+        Non-last stages return the boundary, exactly as :meth:`forward` (they output every row anyway); the last
+        stage keeps one logits row per token, read with :meth:`logits` / :meth:`sample` at ``index`` 0…n-1.
+        """
+        return self._decode([BatchItem(seq_id, pos0, tokens, hidden)], all_outputs=True)[0]
+
+    def forward_batch(self, items: Sequence[BatchItem]) -> list[FloatArray | None]:
+        """Several sequences' chunks in one llama_decode (batched decode across requests).
+
+        Items are distinct sequences in ascending id order with the same number of tokens. llama.cpp (per-sequence
+        caches) puts each run of consecutive ids into one micro-batch and computes the micro-batches in id order,
+        so the boundary rows come out in the items' order only when the ids ascend (``1,5,2`` would come back as
+        ``1,2,5``: refused). Returns each item's boundary on non-last stages, Nones on the last stage, where
+        item ``i``'s logits are row ``index = (i + 1) * n - 1`` (see :meth:`batch_index`).
+
+        Not bit-exact: one micro-batch of several sequences can change a sequence's numbers against that sequence
+        alone (measured in bench/batch_exact.py; docs/speculation.md), so a ring that promises `generate`'s exact
+        output must not batch.
+        """
+        if not items:
+            raise InputError("forward_batch() needs at least one item")
+        ids = [it.seq_id for it in items]
+        if any(a >= b for a, b in itertools.pairwise(ids)) or len({it.n for it in items}) != 1:
+            raise InputError("forward_batch() takes distinct sequences in ascending order with equal token counts")
+        return self._decode(items, all_outputs=not self.info.last)
+
+    @staticmethod
+    def batch_index(item: int, n: int) -> int:
+        """The output row of item ``item``'s last token in a :meth:`forward_batch` of ``n``-token items."""
+        return (item + 1) * n - 1
+
+    def _decode(self, items: Sequence[BatchItem], *, all_outputs: bool) -> list[FloatArray | None]:
         info = self.info
-        if not 0 <= seq_id < self.config.n_seq_max:
-            raise InputError(f"sequence id {seq_id} outside [0, {self.config.n_seq_max})")
-        if (tokens is None) == (hidden is None):
-            raise InputError("forward() takes tokens or hidden states, not both")
-        if tokens is not None:
-            if not info.first:
-                raise InputError("only the first stage takes token ids")
-            if self._embedding is not None:
-                hidden = self._embedding.lookup(tokens)
-                tokens = None
-        n = len(tokens) if tokens is not None else len(hidden) if hidden is not None else 0
-        if n == 0 or n > self.config.n_batch:
-            raise InputError(f"chunk of {n} tokens outside [1, {self.config.n_batch}]")
-        if pos0 < 0 or pos0 + n > self.config.n_ctx:
-            raise InputError(f"positions {pos0}..{pos0 + n} exceed the context of {self.config.n_ctx}")
+        embedded: list[tuple[int, int, Sequence[int] | None, FloatArray | None]] = []
+        for it in items:
+            if not 0 <= it.seq_id < self.config.n_seq_max:
+                raise InputError(f"sequence id {it.seq_id} outside [0, {self.config.n_seq_max})")
+            tokens, hidden = it.tokens, it.hidden
+            if (tokens is None) == (hidden is None):
+                raise InputError("forward() takes tokens or hidden states, not both")
+            if tokens is not None:
+                if not info.first:
+                    raise InputError("only the first stage takes token ids")
+                if self._embedding is not None:
+                    hidden = self._embedding.lookup(tokens)
+                    tokens = None
+            if hidden is not None and (hidden.ndim != 2 or hidden.shape[1] != info.n_embd):
+                raise ShapeError(f"hidden state of shape {tuple(hidden.shape)}, expected (n, {info.n_embd})")
+            n = it.n
+            if n == 0:
+                raise InputError(f"chunk of {n} tokens outside [1, {self.config.n_batch}]")
+            if it.pos0 < 0 or it.pos0 + n > self.config.n_ctx:
+                raise InputError(f"positions {it.pos0}..{it.pos0 + n} exceed the context of {self.config.n_ctx}")
+            embedded.append((it.seq_id, it.pos0, tokens, hidden))
+        total = sum(it.n for it in items)
+        if total > self.config.n_batch:
+            raise InputError(f"chunk of {total} tokens outside [1, {self.config.n_batch}]")
+        if len({tokens is None for _, _, tokens, _ in embedded}) != 1:
+            raise InputError("a batch takes token ids or hidden states for all its items, not a mix")
         b = self._b
-        b.fill(seq_id, pos0, n, all_outputs=not info.last)
-        if tokens is not None:
+        b.fill([(seq, p0, it.n) for (seq, p0, _, _), it in zip(embedded, items, strict=True)], all_outputs)
+        if embedded[0][2] is not None:
+            ids = [t for _, _, tokens, _ in embedded for t in (tokens or ())]
             if self._vocab is not None:
-                self._vocab.check_tokens(tokens)
-            b.token[:n] = tokens
+                self._vocab.check_tokens(ids)
+            b.token[:total] = ids
             b.batch.token = b.token.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
             b.batch.embd = None
         else:
-            assert hidden is not None
-            if hidden.ndim != 2 or hidden.shape[1] != info.n_embd:
-                raise ShapeError(f"hidden state of shape {tuple(hidden.shape)}, expected (n, {info.n_embd})")
-            emb = np.ascontiguousarray(hidden, dtype=np.float32)
+            parts = [h for _, _, _, h in embedded if h is not None]
+            emb = np.ascontiguousarray(parts[0] if len(parts) == 1 else np.concatenate(parts), dtype=np.float32)
             b.batch.token = None
             b.batch.embd = emb.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
-        out = np.empty((n, info.n_embd), np.float32)
+        out = np.empty((total, info.n_embd), np.float32)
         if self._capture is not None:
             self._capture.begin(out)
         rc = runtime().llama.llama_decode(self._ctx, b.batch)
         if rc != 0:
-            raise StageError(f"llama_decode failed with code {rc} (sequence {seq_id}, positions {pos0}..{pos0 + n})")
+            where = ", ".join(f"sequence {it.seq_id}, positions {it.pos0}..{it.pos0 + it.n}" for it in items)
+            raise StageError(f"llama_decode failed with code {rc} ({where})")
         if self._capture is None:
-            return None
-        if self._capture.rows() != n:
-            raise StageError(f"boundary capture failed: got {self._capture.rows()} of {n} rows")
-        return out
+            return [None] * len(items)
+        if self._capture.rows() != total:
+            raise StageError(f"boundary capture failed: got {self._capture.rows()} of {total} rows")
+        if len(items) == 1:
+            return [out]
+        bounds = np.cumsum([0] + [it.n for it in items])
+        return [out[a:z] for a, z in itertools.pairwise(bounds)]
 
-    def logits(self) -> FloatArray:
-        """A copy of the last output row's logits (last stage only)."""
+    def logits(self, index: int = -1) -> FloatArray:
+        """A copy of one output row's logits (last stage only): the last row, or batch position ``index``."""
         if not self.info.last:
             raise StageError("only the last stage has logits")
-        ptr = runtime().llama.llama_get_logits_ith(self._ctx, -1)
+        ptr = runtime().llama.llama_get_logits_ith(self._ctx, index)
+        if not ptr:
+            raise StageError(f"no logits at batch position {index}")
         return np.ctypeslib.as_array(ptr, shape=(self.info.n_vocab,)).copy()
 
     def new_sampler(self, params: SamplingParams) -> Sampler:
         return Sampler(params, self.info.n_vocab, self.config.n_ctx)
 
-    def sample(self, sampler: Sampler) -> int:
+    def sample(self, sampler: Sampler, index: int = -1) -> int:
+        """Sample from the last output row, or from batch position ``index`` (a verify or batched decode)."""
         if not self.info.last:
             raise StageError("only the last stage samples")
-        return sampler.sample(self._ctx)
+        return sampler.sample(self._ctx, index)
 
     def free_sequence(self, seq_id: int) -> None:
         """Drop one sequence's cache, leaving the others untouched."""
         L = runtime().llama
         L.llama_memory_seq_rm(L.llama_get_memory(self._ctx), seq_id, -1, -1)
+
+    def truncate(self, seq_id: int, pos: int) -> None:
+        """Forget one sequence's cache from position ``pos`` on (rejected speculative drafts), keeping ``[0, pos)``."""
+        L = runtime().llama
+        if not L.llama_memory_seq_rm(L.llama_get_memory(self._ctx), seq_id, pos, -1):
+            raise StageError(f"this model's cache cannot roll sequence {seq_id} back to position {pos}")
 
     def clear(self) -> None:
         L = runtime().llama

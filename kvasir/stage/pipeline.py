@@ -14,6 +14,7 @@ import attrs
 
 from kvasir.core.sampling import SamplingParams
 from kvasir.core.schedule import PREFILL_CHUNK
+from kvasir.core.speculate import K_LIMIT, SpeculationStats, adapt_k, draft_lookup
 from kvasir.core.stops import find_stop
 from kvasir.errors import InputError
 from kvasir.stage.engine import FloatArray, Stage
@@ -28,8 +29,11 @@ class GenerationResult:
     stop_reason: str  # "eog" | "max_tokens" | "stop"
     prefill_ms: float
     decode_ms_per_token: float
+    #: Set by a speculative generation only.
+    speculation: SpeculationStats | None = None
 
     def to_json(self) -> dict[str, Any]:
+        extra = {} if self.speculation is None else {"speculation": self.speculation.to_json()}
         return {
             "tokens": self.tokens,
             "text": self.text,
@@ -37,6 +41,7 @@ class GenerationResult:
             "stop_reason": self.stop_reason,
             "prefill_ms": round(self.prefill_ms, 3),
             "decode_ms_per_token": round(self.decode_ms_per_token, 3),
+            **extra,
         }
 
 
@@ -61,6 +66,19 @@ class LocalPipeline:
             assert hidden is not None
             hidden = stage.forward(seq_id, pos0, hidden=hidden)
 
+    def verify(self, seq_id: int, pos0: int, tokens: Sequence[int]) -> None:
+        """Run a verify batch (the current token + drafts) through every stage; the last stage then holds one logits
+        row per token, batch positions 0…n-1."""
+        hidden: FloatArray | None = self.stages[0].forward_verify(seq_id, pos0, tokens=tokens)
+        for stage in self.stages[1:]:
+            assert hidden is not None
+            hidden = stage.forward_verify(seq_id, pos0, hidden=hidden)
+
+    def truncate(self, seq_id: int, pos: int) -> None:
+        """Roll every stage's cache of one sequence back to positions ``[0, pos)``."""
+        for stage in self.stages:
+            stage.truncate(seq_id, pos)
+
     def prefill(self, seq_id: int, tokens: Sequence[int], pos0: int = 0) -> None:
         for i in range(0, len(tokens), self.chunk):
             self.step(seq_id, pos0 + i, tokens[i : i + self.chunk])
@@ -78,7 +96,12 @@ class LocalPipeline:
         seq_id: int = 0,
         stop: Sequence[str] = (),
         on_token: Callable[[int, str], None] | None = None,
+        speculate: int | None = None,
     ) -> GenerationResult:
+        """Generate up to ``max_tokens`` after ``prompt``. ``speculate=K`` drafts up to K tokens per step by prompt
+        lookup and verifies them in one batch (:meth:`_generate_speculative`); None is the plain one-token loop."""
+        if speculate is not None:
+            return self._generate_speculative(prompt, params, max_tokens, speculate, seq_id, stop, on_token)
         if not prompt:
             raise InputError("empty prompt")
         n_ctx = min(s.config.n_ctx for s in self.stages)
@@ -132,4 +155,107 @@ class LocalPipeline:
             stop_reason=reason,
             prefill_ms=(t1 - t0) * 1e3,
             decode_ms_per_token=(t2 - t1) * 1e3 / steps if steps else 0.0,
+        )
+
+    def _generate_speculative(
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        max_tokens: int,
+        k_max: int,
+        seq_id: int,
+        stop: Sequence[str],
+        on_token: Callable[[int, str], None] | None,
+    ) -> GenerationResult:
+        """Prompt-lookup speculative decoding. Each step feeds the current token plus up to ``k`` drafts in one verify
+        batch, samples row by row with the request's sampler while the sampled token equals the next draft, keeps
+        the sampled tokens (the accepted drafts and one more) and rolls every cache back past the rejected drafts.
+
+        The sampler sees exactly the calls of the plain loop (one per emitted token, same order, same penalty
+        history, same seeded draws), so the output differs from the plain loop only where the verify batch's
+        logits differ from one-token steps'. A step without drafts is a plain one-token step.
+        """
+        if not 0 <= k_max <= K_LIMIT:
+            raise InputError(f"speculate {k_max} outside [0, {K_LIMIT}]")
+        if not prompt:
+            raise InputError("empty prompt")
+        n_ctx = min(s.config.n_ctx for s in self.stages)
+        if len(prompt) + max_tokens > n_ctx:
+            raise InputError(f"prompt ({len(prompt)}) + max tokens ({max_tokens}) exceed the context of {n_ctx}")
+        vocab = self.last.vocab
+        vocab.check_tokens(prompt)
+        sampler = self.last.new_sampler(params)
+        stream = TextStream(vocab)
+        history = list(prompt)
+        out: list[int] = []
+        text = ""
+        reason = "max_tokens"
+        stats = SpeculationStats()
+        k = k_max
+        try:
+            for t in prompt:
+                sampler.accept(t)
+            t0 = time.perf_counter()
+            self.prefill(seq_id, prompt)
+            new = [self.last.sample(sampler)]
+            t1 = time.perf_counter()
+            pos = len(prompt)  # where new[-1] is fed
+            steps = 0
+            done = False
+            while True:
+                for token in new:
+                    if vocab.is_eog(token):
+                        reason = "eog"
+                        done = True
+                        break
+                    out.append(token)
+                    history.append(token)
+                    delta = stream.push(token)
+                    text += delta
+                    if on_token is not None:
+                        on_token(token, delta)
+                    cut = find_stop(text, stop)
+                    if cut is not None:
+                        text = text[:cut]
+                        reason = "stop"
+                        done = True
+                        break
+                    if len(out) >= max_tokens:
+                        done = True
+                        break
+                if done:
+                    break
+                # At most max_tokens - len(out) tokens may still be emitted: drafts + the one sampled after them.
+                drafts = draft_lookup(history, min(k, max_tokens - len(out) - 1))
+                fed = [new[-1], *drafts]
+                if drafts:
+                    self.verify(seq_id, pos, fed)
+                else:
+                    self.step(seq_id, pos, fed)
+                new = []
+                for i in range(len(fed)):
+                    token = self.last.sample(sampler, i if drafts else -1)
+                    new.append(token)
+                    if i >= len(drafts) or token != drafts[i]:
+                        break
+                accepted = len(new) - 1
+                if accepted < len(drafts):
+                    self.truncate(seq_id, pos + 1 + accepted)
+                pos += 1 + accepted
+                steps += len(new)
+                stats = stats.after(len(drafts), accepted)
+                k = adapt_k(k, len(drafts), accepted, k_max)
+            t2 = time.perf_counter()
+            text += stream.flush() if reason != "stop" else ""
+        finally:
+            sampler.close()
+            self.free(seq_id)
+        return GenerationResult(
+            tokens=out,
+            text=text,
+            prompt_tokens=len(prompt),
+            stop_reason=reason,
+            prefill_ms=(t1 - t0) * 1e3,
+            decode_ms_per_token=(t2 - t1) * 1e3 / steps if steps else 0.0,
+            speculation=stats,
         )

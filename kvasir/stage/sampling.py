@@ -48,9 +48,9 @@ class Sampler:
         """Feed a prompt token into the penalty history."""
         self._L.llama_sampler_accept(self._chain, token)
 
-    def sample(self, ctx: ctypes.c_void_p) -> int:
-        """Sample from the last output row of ``ctx`` (the token is accepted into the history)."""
-        return int(self._L.llama_sampler_sample(self._chain, ctx, -1))
+    def sample(self, ctx: ctypes.c_void_p, index: int = -1) -> int:
+        """Sample from output row ``index`` of ``ctx`` (default the last; the token is accepted into the history)."""
+        return int(self._L.llama_sampler_sample(self._chain, ctx, index))
 
     def close(self) -> None:
         if self._chain is not None:

@@ -1,0 +1,76 @@
+"""Speculative decoding's decisions: which tokens to draft (prompt lookup) and how many (adapted to acceptance).
+
+Both are pure functions of the token history and the acceptance so far, so every node of a ring (and a rerun of
+``kvasir generate --speculate K``) derives the same drafts and the same verify-batch shapes from the same tokens.
+See docs/speculation.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+#: Longest and shortest suffix n-gram searched for in the history (longest first: a longer match predicts better).
+#: Single-token matches (a comma, "the") are common and rarely predict the continuation: each costs a verify batch.
+NGRAM_MAX = 3
+NGRAM_MIN = 2
+#: Drafts per verify batch never exceed this, whatever ``--speculate K`` asks.
+K_LIMIT = 16
+
+
+def draft_lookup(
+    history: Sequence[int], k: int, *, ngram_max: int = NGRAM_MAX, ngram_min: int = NGRAM_MIN
+) -> list[int]:
+    """Prompt-lookup drafts: up to ``k`` tokens that followed the most recent earlier occurrence of the history's
+    longest matching suffix n-gram (``ngram_max`` down to ``ngram_min`` tokens). Empty when nothing matches."""
+    if k <= 0 or len(history) < 2:
+        return []
+    arr = np.asarray(history, dtype=np.int64)
+    for n in range(min(ngram_max, len(arr) - 1), ngram_min - 1, -1):
+        # Windows start at i <= len - 1 - n, so each has a following token and the suffix itself is excluded.
+        windows = sliding_window_view(arr[:-1], n)
+        hits = np.flatnonzero((windows == arr[-n:]).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return [int(t) for t in arr[start : start + k]]
+    return []
+
+
+def adapt_k(k: int, drafted: int, accepted: int, k_max: int) -> int:
+    """The next draft budget: grow by 2 after a fully accepted batch, else shrink to one more than was accepted (at
+    least 1). A step without drafts says nothing about them and keeps ``k``."""
+    if drafted == 0:
+        return k
+    if accepted >= drafted:
+        return min(k_max, k + 2)
+    return max(1, min(k - 1, accepted + 1))
+
+
+@attrs.frozen
+class SpeculationStats:
+    """What a speculative generation did: verify batches run, drafts offered and accepted, plain steps."""
+
+    verify_batches: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    plain_steps: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def after(self, drafted: int, accepted: int) -> SpeculationStats:
+        if drafted == 0:
+            return attrs.evolve(self, plain_steps=self.plain_steps + 1)
+        return attrs.evolve(
+            self,
+            verify_batches=self.verify_batches + 1,
+            drafted=self.drafted + drafted,
+            accepted=self.accepted + accepted,
+        )
+
+    def to_json(self) -> dict[str, int | float]:
+        return {**attrs.asdict(self), "acceptance": round(self.acceptance, 4)}

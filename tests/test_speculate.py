@@ -1,0 +1,144 @@
+"""Speculative decoding: the pure draft and K decisions, and `generate --speculate K` on the real Gemma 3 270M."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvasir.core.speculate import SpeculationStats, adapt_k, draft_lookup
+from kvasir.errors import InputError
+from kvasir.shard.cache import parse_splits, stage_files
+from kvasir.stage.engine import BatchItem, Stage, StageConfig
+from kvasir.stage.pipeline import LocalPipeline
+from kvasir.wire import SamplingParams
+from tests.conftest import run_cli
+
+
+def test_draft_lookup_continues_the_most_recent_longest_match() -> None:
+    # Suffix 3-gram (1, 2, 3) occurred at 0 and 5; the most recent (5) is followed by 9, 9.
+    history = [1, 2, 3, 4, 5, 1, 2, 3, 9, 9, 1, 2, 3]
+    assert draft_lookup(history, 4) == [9, 9, 1, 2]
+    assert draft_lookup(history, 1) == [9]
+    # A longer match wins over a more recent shorter one: (7, 8) last occurs at 4 but (6, 7, 8) at 0.
+    assert draft_lookup([6, 7, 8, 1, 7, 8, 2, 6, 7, 8], 2) == [1, 7]
+
+
+def test_draft_lookup_falls_back_to_shorter_ngrams_and_stops_at_the_end() -> None:
+    assert draft_lookup([5, 1, 2, 6, 2], 3, ngram_min=1) == [6, 2]  # only the 1-gram (2,) matches, 2 tokens follow
+    assert draft_lookup([5, 1, 2, 6, 2], 3) == []  # by default a single token is too weak a match
+    assert draft_lookup([1, 2, 3, 4], 3) == []  # nothing repeats
+    assert draft_lookup([7, 7, 7], 5) == [7]  # the match may overlap the suffix
+    assert draft_lookup([4, 1, 2, 5, 1, 2], 3) == [5, 1, 2]  # a 2-gram is enough
+    assert draft_lookup([1, 2, 1, 2], 0) == []
+    assert draft_lookup([3], 4) == []
+    assert draft_lookup([], 4) == []
+
+
+def test_draft_lookup_respects_the_ngram_bounds() -> None:
+    history = [4, 1, 2, 9, 2]
+    assert draft_lookup(history, 2, ngram_min=2) == []  # (9, 2) never occurred before
+    assert draft_lookup(history, 2, ngram_max=1, ngram_min=1) == [9, 2]
+
+
+def test_adapt_k_grows_on_full_acceptance_and_shrinks_to_what_was_accepted() -> None:
+    assert adapt_k(4, 4, 4, 8) == 6
+    assert adapt_k(7, 7, 7, 8) == 8  # capped at k_max
+    assert adapt_k(6, 6, 2, 8) == 3  # one more than accepted
+    assert adapt_k(6, 6, 5, 8) == 5  # but always shrinks after a rejection
+    assert adapt_k(3, 3, 0, 8) == 1  # never below 1
+    assert adapt_k(5, 0, 0, 8) == 5  # no drafts: nothing learned
+    assert adapt_k(4, 2, 2, 8) == 6  # fewer drafts than k (short match), all accepted: still grows
+
+
+def test_speculation_stats_count_batches_and_plain_steps() -> None:
+    stats = SpeculationStats().after(4, 3).after(0, 0).after(2, 2)
+    assert (stats.verify_batches, stats.drafted, stats.accepted, stats.plain_steps) == (2, 6, 5, 1)
+    assert stats.to_json()["acceptance"] == pytest.approx(5 / 6, abs=1e-4)
+    assert SpeculationStats().acceptance == 0.0
+
+
+REPEATING = "The cat sat on the mat. The dog sat on the log. The cat sat on the mat. The dog sat on the log. The cat"
+STORY = "Write a short story about a lighthouse keeper who finds a strange map"
+
+
+def test_speculative_generation_on_gemma(gemma_path: Path) -> None:
+    """Greedy: `--speculate K` reruns are identical, K=0 is the plain loop, and on these prompts (measured) the
+    verify batches' logits keep every argmax, so the output equals the plain loop's. Seeded sampling: the sampler
+    sees the plain loop's calls, so its output equals the plain loop's where the logits agree (checked here too)."""
+    with Stage.load(StageConfig(gemma_path, n_ctx=512, n_seq_max=1, n_threads=1)) as stage:
+        pipe = LocalPipeline([stage])
+        greedy = SamplingParams.GREEDY
+        for text in (REPEATING, STORY):
+            prompt = stage.vocab.tokenize(text)
+            plain = pipe.generate(prompt, greedy, 40)
+            k0 = pipe.generate(prompt, greedy, 40, speculate=0)
+            assert k0.tokens == plain.tokens and k0.speculation is not None and k0.speculation.drafted == 0
+            first = pipe.generate(prompt, greedy, 40, speculate=6)
+            again = pipe.generate(prompt, greedy, 40, speculate=6)
+            assert first.tokens == again.tokens and first.speculation == again.speculation
+            assert first.tokens == plain.tokens
+            assert first.speculation is not None
+            if text is REPEATING:
+                assert first.speculation.accepted >= 20, first.speculation
+        seeded = SamplingParams.GREEDY.with_fields({"temperature": 0.8, "seed": 11})
+        prompt = stage.vocab.tokenize(REPEATING)
+        spec = pipe.generate(prompt, seeded, 32, speculate=4)
+        assert spec.tokens == pipe.generate(prompt, seeded, 32, speculate=4).tokens
+        assert spec.tokens == pipe.generate(prompt, seeded, 32).tokens
+
+
+def test_generate_cli_speculate(gemma_path: Path) -> None:
+    common = ["generate", str(gemma_path), "--prompt", REPEATING, "--max-tokens", "24", "--threads", "1", "--json"]
+    spec = run_cli(*common, "--speculate", "4", "--splits", "0,9,18")
+    assert spec.returncode == 0, spec.stderr
+    out = json.loads(spec.stdout)
+    assert out["speculation"]["accepted"] > 0
+    plain = run_cli(*common)
+    assert plain.returncode == 0, plain.stderr
+    assert json.loads(plain.stdout)["tokens"] == out["tokens"] and "speculation" not in json.loads(plain.stdout)
+    bad = run_cli(*common, "--speculate", "99")
+    assert bad.returncode != 0 and "--speculate" in bad.stderr
+
+
+def test_forward_batch_rows_follow_items_and_truncate_rolls_back(
+    tiny_model: Callable[..., Path], cache_dir: Path
+) -> None:
+    """The engine calls a ring will use: a batched step's rows belong to their items (same argmax, close numbers:
+    batching is not bit-exact, docs/speculation.md), and truncate() restores a sequence's cache exactly."""
+    paths = stage_files(tiny_model("llama", "q8_0"), parse_splits("0,3,6", 6), cache_dir)
+    configs = [StageConfig(p, n_ctx=64, n_seq_max=3, n_threads=1) for p in paths]
+    with Stage.load(configs[0]) as a, Stage.load(configs[1]) as b:
+        prompts = [[1, 5, 9, 2], [7, 3, 3, 8], [4, 4, 6, 2]]
+        for s, p in enumerate(prompts):
+            hidden = a.forward(s, 0, tokens=p)
+            assert hidden is not None
+            b.forward(s, 0, hidden=hidden)
+
+        def alone(s: int) -> tuple[np.ndarray, np.ndarray]:
+            hidden = a.forward(s, 4, tokens=[s + 10])
+            assert hidden is not None
+            b.forward(s, 4, hidden=hidden)
+            out = hidden.copy(), b.logits()
+            a.truncate(s, 4)
+            b.truncate(s, 4)
+            return out
+
+        ref = [alone(s) for s in range(3)]
+        assert all(np.array_equal(alone(s)[1], ref[s][1]) for s in range(3))  # rolled back: the same bits again
+        members = [0, 1, 2]
+        hidden = a.forward_batch([BatchItem(s, 4, tokens=[s + 10]) for s in members])
+        assert b.forward_batch([BatchItem(s, 4, hidden=h) for s, h in zip(members, hidden, strict=True)]) == [None] * 3
+        for i, s in enumerate(members):
+            h, logits = hidden[i], b.logits(Stage.batch_index(i, 1))
+            assert h is not None and np.allclose(h, ref[s][0], atol=1e-3)
+            assert np.allclose(logits, ref[s][1], atol=1e-2) and np.argmax(logits) == np.argmax(ref[s][1])
+        with pytest.raises(InputError):
+            a.forward_batch([BatchItem(0, 5, tokens=[1]), BatchItem(0, 6, tokens=[2])])
+        with pytest.raises(InputError):  # llama.cpp would hand the boundary rows back in id order
+            a.forward_batch([BatchItem(2, 5, tokens=[1]), BatchItem(1, 5, tokens=[2])])
+        with pytest.raises(InputError):
+            a.forward_batch([BatchItem(0, 5, tokens=[1]), BatchItem(1, 5, tokens=[2, 3])])
