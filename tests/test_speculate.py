@@ -130,10 +130,10 @@ def test_forward_batch_rows_follow_items_and_truncate_rolls_back(
         ref = [alone(s) for s in range(3)]
         assert all(np.array_equal(alone(s)[1], ref[s][1]) for s in range(3))  # rolled back: the same bits again
         members = [0, 1, 2]
-        hidden = a.forward_batch([BatchItem(s, 4, tokens=[s + 10]) for s in members])
-        assert b.forward_batch([BatchItem(s, 4, hidden=h) for s, h in zip(members, hidden, strict=True)]) == [None] * 3
+        batch = a.forward_batch([BatchItem(s, 4, tokens=[s + 10]) for s in members])
+        assert b.forward_batch([BatchItem(s, 4, hidden=h) for s, h in zip(members, batch, strict=True)]) == [None] * 3
         for i, s in enumerate(members):
-            h, logits = hidden[i], b.logits(Stage.batch_index(i, 1))
+            h, logits = batch[i], b.logits(Stage.batch_index(i, 1))
             assert h is not None and np.allclose(h, ref[s][0], atol=1e-3)
             assert np.allclose(logits, ref[s][1], atol=1e-2) and np.argmax(logits) == np.argmax(ref[s][1])
         with pytest.raises(InputError):
