@@ -26,7 +26,7 @@ from kvasir.testing.marketload import (
 
 OPERATOR = Identity.generate()
 # Everyone starts within half a second on a map of 10 windows: spares race for the same free windows.
-SMALL = LoadConfig(nodes=50, models=2, windows=5, duration_s=6.0, ramp_s=0.5, lease_s=1.5, poll_s=0.5,
+SMALL = LoadConfig(nodes=50, models=2, windows=5, duration_s=6.0, ramp_s=0.5, lease_s=2.0, poll_s=0.25,
                    spare_poll_s=0.5, drop_p=0.2, connections=16)  # fmt: skip
 WINDOWS = SMALL.models * SMALL.windows
 
