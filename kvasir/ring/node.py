@@ -113,6 +113,8 @@ class NodeConfig:
     relay_connect: RelayConnect | None = None
     #: Boundary encoding this node sends when its successor accepts it (f32 is bit-exact; f16/bf16 halve the bytes).
     boundary_dtype: BoundaryDType = BoundaryDType.F32
+    #: A standby (``Manifest.as_standby``): dormant, linked to nothing until a predecessor fails over to it.
+    standby: bool = False
 
 
 @attrs.define
@@ -223,6 +225,7 @@ class Node:
             credentials=credentials,
             peer_policy=config.peer_policy,
             ticket=config.ticket,
+            dormant=config.standby,
         )
 
     @property
