@@ -201,4 +201,14 @@ def test_a_standby_takes_over_the_window_and_the_answer_is_unchanged(standby_rin
     assert end.get("error") is None and again == want
     assert _status(ring, standby)["ready"] and not _status(ring, primary)["ready"]
     # Entered at the last rank, the request also goes round through the standby.
-    assert stream(ring.sockets[2])[0] == want
+    want2, _ = stream(ring.sockets[2])
+    assert want2 == want
+
+    # A second fault: rank 0's primary dies mid-answer. Rank 2 dials rank 0's standby, which dials rank 1's holders in
+    # order: the dormant primary first, which its successor refuses (the standby is linked there), so it hands its
+    # predecessor back and rank 0's standby goes on to rank 1's standby. The answer does not change.
+    got, end = stream(ring.sockets[2], fault=lambda: ring.processes[0].kill())
+    assert end.get("error") is None and got == want2, end
+    assert _status(ring, ring.standby_start)["ready"] and _status(ring, standby)["ready"]
+    assert _wait_status(ring, primary, lambda s: s["links"]["successor"]["state"].startswith("dormant"))
+    assert stream(ring.sockets[2])[0] == want2

@@ -190,7 +190,7 @@ class LinkManager:
         #: Dormant: another node may hold this window, so this one does not dial its successor until a predecessor
         #: links to it (a standby from its start; a node its successor refused while another holder is linked there).
         self.dormant = dormant
-        self._woken = trio.Event()
+        self._woken = trio.Event()  # set when a predecessor links
         #: Which holder of the successor's window (0 the primary, then its standbys) the dial loop tries next.
         self._succ_pick = 0
 
@@ -225,7 +225,11 @@ class LinkManager:
         try:
             await link.send(frame)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
-            raise RingError("the successor link was lost") from None
+            # The successor died under this frame. Not an error of the request: the node keeps every data frame in
+            # its request's replay log and every END/CANCEL/ERROR in its terminal memory, and the next successor
+            # link replays them first (docs/architecture.md § Failover); like any frame in flight, one kept in
+            # neither (a refusal of a START) is lost with the link.
+            log.info("rank %d: the successor link broke under a frame; the next link replays it", self.rank)
 
     def status(self) -> tuple[LinkStatus, LinkStatus]:
         """(predecessor, successor) as the status record shows them."""
@@ -424,11 +428,21 @@ class LinkManager:
             await link.aclose()
 
     async def _wait_while_dormant(self) -> None:
-        while self.dormant and self.predecessor is None:
+        if self.dormant:
             self.successor_state = "dormant: waiting for a predecessor to link here (another node may hold the window)"
-            self._woken = trio.Event()
             await self._woken.wait()
-        self.dormant = False
+            self.dormant = False
+
+    async def _go_dormant(self) -> None:
+        """The successor refused this node's link (it has a predecessor linked: another holder of this window, which
+        carries the ring now). Two holders redialing would fight for that slot: this one stops dialing until a
+        predecessor links to it, and hands back the predecessor it has, whose node then dials this window's next
+        holder (the dial loop moves on after a lost link)."""
+        log.warning("rank %d: the successor refused this node's link; dormant until a predecessor links", self.rank)
+        self.dormant = True
+        self._woken = trio.Event()
+        if self.predecessor is not None:
+            await self.predecessor.aclose()  # no ERROR: its node must not take it for a refusal of its own
 
     def _has_other_holders(self) -> bool:
         """Whether the manifest names another node for this node's window (a standby, or the primary of a standby)."""
@@ -463,11 +477,9 @@ class LinkManager:
                         self.successor_state = f"lost rank {target.rank}{which}; redialing"
                 except SuccessorUnreachable as exc:
                     self.successor_state = str(exc)
-                    if len(holders) > 1:  # the window's next holder (a standby, or the primary again) at once
-                        self._succ_pick = (pick + 1) % len(holders)
-                        misses += 1
-                        next_holder = misses < len(holders)
-                        misses %= len(holders)
+                    misses += 1
+                    next_holder = misses < len(holders)  # the window's next holder at once, then the backoff
+                    misses %= len(holders)
                 except LinkAuthError as exc:
                     self.successor_state = f"rank {target.rank}: {exc}"
                     log.warning("rank %d: successor link not authenticated: %s", self.rank, exc)
@@ -482,13 +494,14 @@ class LinkManager:
             self._succ_scope = None
             if scope.cancelled_caught:
                 self.successor_state = f"rank {target.rank} moved; redialing"
+            else:
+                # Whatever ended this try (the holder died, does not answer, refused us, or handed us back), the next
+                # goes to the window's next holder: the one that carries it now, if another does.
+                self._succ_pick = (pick + 1) % len(holders)
             if refused:
-                at_least = 1.0
-                if self._has_other_holders() and self.predecessor is None:
-                    # The successor has another holder of this window linked (it refuses a second predecessor):
-                    # that one carries the ring now. Two holders redialing would fight for the slot.
-                    log.warning("rank %d: successor refused the link; dormant until a predecessor links", self.rank)
-                    self.dormant = True
+                at_least = 1.0  # refused: no point in hammering it
+                if self._has_other_holders():
+                    await self._go_dormant()
                     continue
             if next_holder:
                 continue
