@@ -3,22 +3,33 @@ rank's node dies its predecessor dials the standby and replays the requests in f
 
 from __future__ import annotations
 
+import functools
 import os
+import random
 import time
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
+import trio
+import trio.testing
 
 from kvasir.control.client import ControlClient
 from kvasir.core.identity import Identity
 from kvasir.errors import InputError, RingError
 from kvasir.local.launcher import LocalRing
 from kvasir.ring.manifest import Manifest, RankEntry, StandbyEntry, load_manifest, parse_manifest
+from kvasir.ring.node import Node, NodeConfig, open_node
+from kvasir.testing.fakestage import MemoryNetwork, expected_tokens, fake_ring
 from tests.ringutil import running_ring
+from tests.streams import wait_for
 from tests.test_failover import FAULT_AT, MAX_TOKENS, WINDOWS, failover_status, stream, wait_ready
+from tests.test_failover_flow import PROMPT as FLOW_PROMPT
+from tests.test_failover_flow import WINDOWS as FLOW_WINDOWS
+from tests.test_failover_flow import Ring, answer, fresh
 
 
 def _manifest(*, keyed: bool) -> Manifest:
@@ -212,3 +223,67 @@ def test_a_standby_takes_over_the_window_and_the_answer_is_unchanged(standby_rin
     assert _status(ring, ring.standby_start)["ready"] and _status(ring, standby)["ready"]
     assert _wait_status(ring, primary, lambda s: s["links"]["successor"]["state"].startswith("dormant"))
     assert stream(ring.sockets[2])[0] == want2
+
+
+# ---------------------------------------------------------------------------------------------- fast, in one process
+
+
+async def _start_standby(ring: Ring, rank: int) -> Node:
+    """Rank ``rank``'s standby 0 on a fresh (empty) stage, as ``kvasir node --standby 0`` runs it."""
+
+    async def run(task_status: trio.TaskStatus[Node]) -> None:
+        view = ring.manifest.as_standby(rank, 0)
+        config = NodeConfig(view, rank, node_id=f"standby{rank}", standby=True, **ring.config)
+        async with open_node(config, fresh(FLOW_WINDOWS, rank), transport=ring.net, rng=random.Random(10 + rank)) as n:
+            task_status.started(n)
+            await trio.sleep_forever()
+
+    node: Node = await ring.nursery.start(run)
+    return node
+
+
+async def test_standbys_take_windows_over_and_two_holders_never_fight(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Four ranks with a standby each (FakeStages on memory streams): standbys stay dormant; rank 1 dies mid-answer
+    and rank 0 fails over to its standby; the primary, restarted, turns dormant at its successor's refusal; then
+    rank 0 dies mid-answer, its standby takes over and reaches rank 1's standby after the dormant primary hands it
+    back. Both answers are the fault-free ones."""
+    net = MemoryNetwork()
+    manifest, stages = fake_ring(FLOW_WINDOWS, net, compute_s=0.01)
+    manifest = attrs.evolve(
+        manifest, ranks=tuple(attrs.evolve(r, standby=(StandbyEntry("mem", net.port() + 100),)) for r in manifest.ranks)
+    )
+    async with trio.open_nursery() as nursery:
+        ring = Ring(nursery, manifest, net)
+        for rank, stage in enumerate(stages):
+            await ring.start(rank, stage)
+        await wait_for(lambda: all(n.ready for n in ring.live()), "the ring to link")
+        standbys = [await _start_standby(ring, k) for k in range(len(FLOW_WINDOWS))]
+        await trio.sleep(5)
+        assert all(s.links.dormant and s.links.successor is None and s.links.predecessor is None for s in standbys)
+
+        async def kill(rank: int) -> None:
+            ring.kill(rank)
+
+        n0 = ring.nodes[0]
+        assert n0 is not None
+        tokens, end = await answer(n0, 40, 8, functools.partial(kill, 1))
+        assert end.reason == "max_tokens" and end.error is None, end
+        assert tokens == expected_tokens(FLOW_PROMPT, 40)
+        assert standbys[1].ready and n0.failover.last_window == FLOW_WINDOWS[1]
+
+        back = await ring.start(1, fresh(FLOW_WINDOWS, 1))  # the primary restarted: its successor refuses it
+        await wait_for(lambda: back.links.dormant, "the restarted primary to turn dormant")
+        assert standbys[1].ready and not back.ready
+
+        n2 = ring.nodes[2]
+        assert n2 is not None
+        tokens, end = await answer(n2, 40, 8, functools.partial(kill, 0))
+        assert end.reason == "max_tokens" and end.error is None, end
+        assert tokens == expected_tokens(FLOW_PROMPT, 40)
+        await wait_for(lambda: standbys[0].ready and standbys[1].ready, "rank 0's and rank 1's standbys to hold on")
+        assert back.links.dormant and not back.ready
+        refusals = [r for r in caplog.records if "refused this node's link" in r.getMessage()]
+        assert [r.getMessage().split(":")[0] for r in refusals] == ["rank 1"] * 2  # restarted; then woken, handed back
+        nursery.cancel_scope.cancel()

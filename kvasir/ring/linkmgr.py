@@ -442,7 +442,8 @@ class LinkManager:
         self.dormant = True
         self._woken = trio.Event()
         if self.predecessor is not None:
-            await self.predecessor.aclose()  # no ERROR: its node must not take it for a refusal of its own
+            with trio.move_on_after(2):
+                await self.predecessor.aclose()  # no ERROR: its node must not take it for a refusal of its own
 
     def _has_other_holders(self) -> bool:
         """Whether the manifest names another node for this node's window (a standby, or the primary of a standby)."""
@@ -494,9 +495,10 @@ class LinkManager:
             self._succ_scope = None
             if scope.cancelled_caught:
                 self.successor_state = f"rank {target.rank} moved; redialing"
-            else:
-                # Whatever ended this try (the holder died, does not answer, refused us, or handed us back), the next
-                # goes to the window's next holder: the one that carries it now, if another does.
+            elif not refused:
+                # The holder died, does not answer, or handed us back (its successor has another holder of its
+                # window): the next try goes to the window's next holder, the one that carries it now if another does.
+                # A refusal is different: this holder is linked on, it is this node's window that has two holders.
                 self._succ_pick = (pick + 1) % len(holders)
             if refused:
                 at_least = 1.0  # refused: no point in hammering it
