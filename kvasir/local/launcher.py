@@ -102,32 +102,38 @@ class LocalRing:
             return ""
 
     def wait_ready(self, timeout: float = 180.0) -> None:
-        """Wait until every rank's node has both links; with standbys, then start them (a standby started with the
-        primaries could be dialed by a predecessor while its primary is still loading, and hold the window from the
-        start) and wait until each has loaded (a standby stays dormant: linked to nothing)."""
+        """Wait until a node of every rank has both links (the rank's primary or, after a failover, its standby); then
+        start the standbys not started yet (one started with the primaries could be dialed while its primary is still
+        loading, and hold the window from the start) and wait until every node answers (a standby stays dormant)."""
         deadline = time.monotonic() + timeout
-        primaries = len(self.processes) if self.standby_start is None else self.standby_start
-        self._wait_for(set(range(primaries)), deadline, timeout, linked=True)
-        if self.standby_start is not None:
-            for i in range(len(self.processes), len(self.commands)):
-                cmd, env = self.commands[i]
-                self.processes.append(spawn(cmd, env, self.log_path(i), tied=self.tied))
-            self._wait_for(set(range(self.standby_start, len(self.processes))), deadline, timeout, linked=False)
+        ranks = len(self.processes) if self.standby_start is None else self.standby_start
+        self._wait_for({k: self.holders(k) for k in range(ranks)}, deadline, timeout, linked=True)
+        for i in range(len(self.processes), len(self.commands)):
+            cmd, env = self.commands[i]
+            self.processes.append(spawn(cmd, env, self.log_path(i), tied=self.tied))
+        self._wait_for({i: [i] for i in range(len(self.processes))}, deadline, timeout, linked=False)
 
-    def _wait_for(self, pending: set[int], deadline: float, timeout: float, *, linked: bool) -> None:
+    def holders(self, rank: int) -> list[int]:
+        """The processes (indices) that hold ``rank``'s window: its primary, and its standby once started."""
+        standby = None if self.standby_start is None else self.standby_start + rank
+        return [rank] if standby is None or standby >= len(self.processes) else [rank, standby]
+
+    def _wait_for(self, pending: dict[int, list[int]], deadline: float, timeout: float, *, linked: bool) -> None:
+        """Until, for each key of ``pending``, one of its processes answers (and, ``linked``, has both links)."""
         while pending:
-            for k in sorted(pending):
-                code = self.processes[k].poll()
-                if code is not None:
-                    raise RingError(f"{self.label(k)} exited with code {code}:\n{self.log_tail(k)}")
-                if not self.sockets[k].exists():
-                    continue
-                try:
-                    with ControlClient(self.sockets[k], timeout=5) as c:
-                        if c.status()["ready"] or not linked:
-                            pending.discard(k)
-                except (RingError, OSError):
-                    pass
+            for key, members in sorted(pending.items()):
+                for k in members:
+                    code = self.processes[k].poll()
+                    if code is not None:
+                        raise RingError(f"{self.label(k)} exited with code {code}:\n{self.log_tail(k)}")
+                    if not self.sockets[k].exists():
+                        continue
+                    try:
+                        with ControlClient(self.sockets[k], timeout=5) as c:
+                            if c.status()["ready"] or not linked:
+                                pending.pop(key, None)
+                    except (RingError, OSError):
+                        pass
             if time.monotonic() > deadline:
                 waiting = ", ".join(self.label(k) for k in sorted(pending))
                 raise RingError(f"ring not ready after {timeout:.0f} s (waiting for {waiting})")
