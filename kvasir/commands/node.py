@@ -1,5 +1,7 @@
 """``kvasir node --manifest ring.toml --rank K [--model MODEL.gguf | --stage STAGE.gguf]``: run one ring node.
 
+``kvasir node --manifest ring.toml --rank K --standby I``: run standby I of rank K (loaded, dormant until needed).
+
 ``kvasir node --market URL [--memory-budget 4GiB] [--relay URL]``: start empty and self-enroll (docs/market.md).
 """
 
@@ -38,6 +40,13 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("node", help="run one ring node (its stage, both links, control socket, optional API)")
     p.add_argument("--manifest", type=Path, help="rank manifest (TOML)")
     p.add_argument("--rank", type=int)
+    p.add_argument(
+        "--standby",
+        type=int,
+        default=None,
+        metavar="I",
+        help="run the rank's standby I from the manifest (its address and key): idle until its predecessor needs it",
+    )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", type=Path, help="whole GGUF to cut this rank's window from")
     src.add_argument("--stage", type=Path, help="this rank's stage GGUF")
@@ -151,6 +160,15 @@ def parse_size(text: str) -> int:
     return int(value * units[unit])
 
 
+def standby_view(manifest: Manifest, rank: int, index: int, relay: str | None) -> Manifest:
+    """The manifest as standby ``index`` of ``rank`` runs it; InputError where a standby cannot work (relayed links:
+    a relay edge joins one pair of keys, and a predecessor reaches a standby by dialing its address)."""
+    successor = manifest.successor(rank)
+    if relay is not None or manifest.rank(rank).link != "direct" or successor.link != "direct":
+        raise InputError("a standby needs direct links to its neighbours (no --relay, no relayed rank next to it)")
+    return manifest.as_standby(rank, index)
+
+
 def stage_path_for(manifest: Manifest, rank: int, model: Path | None, stage: Path | None, manifest_dir: Path) -> Path:
     if stage is not None:
         return stage
@@ -166,22 +184,24 @@ def stage_path_for(manifest: Manifest, rank: int, model: Path | None, stage: Pat
 def run(args: argparse.Namespace) -> int:
     # Unset flags take their values from the environment and config.toml; the market only for a node given no window.
     keys = ["identity", "relay", "memory_budget", "threads", "gpu_layers", "api_key_file"]
-    given_window = any(getattr(args, a) is not None for a in ("manifest", "rank", "model", "stage"))
+    given_window = any(getattr(args, a) is not None for a in ("manifest", "rank", "model", "stage", "standby"))
     fill_from_config(args, keys if given_window else [*keys, "market", "market_ca"])
     if not 0 < args.failover_wait <= 3600:
         raise InputError(f"--failover-wait must be in (0, 3600] seconds, got {args.failover_wait}")
     if args.market is not None:
-        if args.manifest is not None or args.rank is not None or args.model is not None or args.stage is not None:
-            raise InputError("--market starts an empty node: drop --manifest, --rank, --model and --stage")
+        if given_window:
+            raise InputError("--market starts an empty node: drop --manifest, --rank, --standby, --model and --stage")
         return run_enrolled(args)
     if args.manifest is None or args.rank is None:
         raise InputError("pass --manifest and --rank (or --market URL to self-enroll)")
+    who = f"rank{args.rank}" if args.standby is None else f"rank{args.rank}-standby{args.standby}"
     logging.basicConfig(
-        level=logging.INFO if args.verbose else logging.WARNING,
-        format=f"%(asctime)s rank{args.rank} %(levelname)s %(message)s",
+        level=logging.INFO if args.verbose else logging.WARNING, format=f"%(asctime)s {who} %(levelname)s %(message)s"
     )
     manifest = load_manifest(args.manifest)
     manifest.rank(args.rank)
+    if args.standby is not None:
+        manifest = standby_view(manifest, args.rank, args.standby, args.relay)
     path = stage_path_for(manifest, args.rank, args.model, args.stage, args.manifest.parent)
     config = StageConfig(
         path, n_ctx=args.ctx, n_seq_max=args.seqs, n_threads=args.threads, n_gpu_layers=args.gpu_layers
@@ -211,6 +231,7 @@ async def serve_node(manifest: Manifest, rank: int, config: StageConfig, args: a
             boundary_dtype=BoundaryDType[args.boundary_dtype.upper()],
             failover_wait=args.failover_wait,
             link_wait=max(30.0, args.failover_wait + 5.0),
+            standby=args.standby is not None,
         )
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with open_node(node_config, stage) as node, trio.open_nursery() as nursery:
@@ -223,8 +244,9 @@ async def serve_node(manifest: Manifest, rank: int, config: StageConfig, args: a
                         functools.partial(serve_api, access=api_access(args)), node, args.api_host, args.api_port
                     )
                 log.warning(
-                    "rank %d ready to link: layers %d:%d on %s, control %s",
+                    "rank %d%s ready to link: layers %d:%d on %s, control %s",
                     rank,
+                    "" if args.standby is None else f" (standby {args.standby}, dormant until needed)",
                     stage.info.start,
                     stage.info.end,
                     stage.info.backend,

@@ -59,6 +59,11 @@ def add_parser(sub: Any) -> None:
         "--api-key-file", type=Path, default=None, metavar="FILE", help="bearer keys the API requires (mode 0600)"
     )
     up.add_argument("--relay", action="store_true", help="start a local relay and send every link through it")
+    up.add_argument(
+        "--standby",
+        action="store_true",
+        help="also run one standby node per rank (loaded, idle): a window that dies comes back from it at once",
+    )
     up.add_argument("--seqs", type=int, default=8, help="concurrent requests per node")
     up.add_argument("--gpu-layers", type=int, default=None, help="layers on the GPU per node (-1 all; default 0)")
     up.set_defaults(run=run_up)
@@ -72,6 +77,8 @@ def run_up(args: argparse.Namespace) -> int:
     model, windows = model_windows(args, lambda n_main: even_splits(n_main, args.stages), chat=chat)
     if len(windows) < 2:
         raise InputError("a ring needs at least 2 stages (for one stage use `kvasir generate`)")
+    if args.standby and args.relay:
+        raise InputError("--standby needs direct links: drop --relay")
     threads = args.threads or default_threads(len(windows))
     cache = default_cache_dir()
     with _stop_signals() as stopper:
@@ -106,6 +113,7 @@ def run_up(args: argparse.Namespace) -> int:
             ctx=args.ctx,
             seqs=args.seqs,
             relay=args.relay,
+            standby=args.standby,
             default_control=args.prompt is None,
             tied=True,
             extra_args=("--gpu-layers", str(args.gpu_layers)) if args.gpu_layers else (),
@@ -238,8 +246,10 @@ def _run(ring: LocalRing, args: argparse.Namespace, windows: list[tuple[int, int
 def _serve_forever(ring: LocalRing, args: argparse.Namespace) -> int:
     print(f"ring up: {len(ring.processes)} nodes, manifest {ring.run_dir / 'ring.toml'}")
     for k, sock in enumerate(ring.sockets):
-        w = ring.manifest.ranks[k]
-        print(f"  rank {k}: layers {w.start}:{w.end} at {w.address}, pid {ring.processes[k].pid}, control {sock}")
+        first = ring.standby_start
+        w = ring.manifest.ranks[k if first is None or k < first else k - first]
+        at = w.address if first is None or k < first else f"{w.standby[0].address} (standby, dormant until needed)"
+        print(f"  {ring.label(k)}: layers {w.start}:{w.end} at {at}, pid {ring.processes[k].pid}, control {sock}")
     if ring.relay is not None:
         print(f"  relay: {ring.relay_url}, pid {ring.relay.pid} (every link goes through it)")
     if args.api_port is not None:
@@ -250,7 +260,8 @@ def _serve_forever(ring: LocalRing, args: argparse.Namespace) -> int:
         found = None
     # Another node in the runtime directory may sort first; then the bare command would watch that one.
     print("watch it:   kvasir tui" + ("" if found == ring.sockets[0] else f" --socket {ring.sockets[0]}"))
-    print("Ctrl-C (or SIGTERM/SIGHUP) stops the ring; a node that dies is restarted.", flush=True)
+    standby = "; its standby takes over meanwhile" if ring.standby_start is not None else ""
+    print(f"Ctrl-C (or SIGTERM/SIGHUP) stops the ring; a node that dies is restarted{standby}.", flush=True)
     supervisor = Supervisor(ring)
     while True:
         time.sleep(0.5)

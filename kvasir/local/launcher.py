@@ -20,10 +20,10 @@ import attrs
 from kvasir.control.client import ControlClient
 from kvasir.control.paths import node_socket_path
 from kvasir.core.config import without_config
-from kvasir.core.identity import create_identity
+from kvasir.core.identity import PublicKey, create_identity
 from kvasir.errors import RingError
 from kvasir.relay.ringlink import grant_relay_edges
-from kvasir.ring.manifest import Manifest, RankEntry
+from kvasir.ring.manifest import Manifest, RankEntry, StandbyEntry
 from kvasir.shard.cache import model_sha256, stage_files
 from kvasir.util.files import atomic_output
 
@@ -59,11 +59,25 @@ class LocalRing:
     tied: bool = False
     #: The relay's command line and environment, to restart it on the same port.
     relay_command: tuple[list[str], dict[str, str]] | None = None
+    #: With standbys (``start_ring(standby=True)``): the index in ``processes``/``sockets``/``commands`` of the
+    #: first standby; standby ``i`` (from there) holds rank ``i``'s window. They start once the primaries are ready.
+    standby_start: int | None = None
+
+    def label(self, i: int) -> str:
+        """What process ``i`` is: ``rank K`` or ``rank K's standby``."""
+        if self.standby_start is None or i < self.standby_start:
+            return f"rank {i}"
+        return f"rank {i - self.standby_start}'s standby"
+
+    def log_path(self, i: int) -> Path:
+        if self.standby_start is None or i < self.standby_start:
+            return self.run_dir / f"rank{i}.log"
+        return self.run_dir / f"rank{i - self.standby_start}-standby.log"
 
     def restart(self, rank: int) -> None:
-        """Start rank ``rank`` again (after it died or was stopped), logging to the same file."""
+        """Start process ``rank`` (a rank or a standby) again after it died or was stopped, logging to the same file."""
         cmd, env = self.commands[rank]
-        self.processes[rank] = spawn(cmd, env, self.run_dir / f"rank{rank}.log", append=True, tied=self.tied)
+        self.processes[rank] = spawn(cmd, env, self.log_path(rank), append=True, tied=self.tied)
 
     def restart_relay(self) -> None:
         assert self.relay_command is not None
@@ -83,28 +97,46 @@ class LocalRing:
 
     def log_tail(self, rank: int, lines: int = 20) -> str:
         try:
-            return "\n".join((self.run_dir / f"rank{rank}.log").read_text().splitlines()[-lines:])
+            return "\n".join(self.log_path(rank).read_text().splitlines()[-lines:])
         except OSError:
             return ""
 
     def wait_ready(self, timeout: float = 180.0) -> None:
+        """Wait until a node of every rank has both links (the rank's primary or, after a failover, its standby); then
+        start the standbys not started yet (one started with the primaries could be dialed while its primary is still
+        loading, and hold the window from the start) and wait until every node answers (a standby stays dormant)."""
         deadline = time.monotonic() + timeout
-        pending = set(range(len(self.processes)))
+        ranks = len(self.processes) if self.standby_start is None else self.standby_start
+        self._wait_for({k: self.holders(k) for k in range(ranks)}, deadline, timeout, linked=True)
+        for i in range(len(self.processes), len(self.commands)):
+            cmd, env = self.commands[i]
+            self.processes.append(spawn(cmd, env, self.log_path(i), tied=self.tied))
+        self._wait_for({i: [i] for i in range(len(self.processes))}, deadline, timeout, linked=False)
+
+    def holders(self, rank: int) -> list[int]:
+        """The processes (indices) that hold ``rank``'s window: its primary, and its standby once started."""
+        standby = None if self.standby_start is None else self.standby_start + rank
+        return [rank] if standby is None or standby >= len(self.processes) else [rank, standby]
+
+    def _wait_for(self, pending: dict[int, list[int]], deadline: float, timeout: float, *, linked: bool) -> None:
+        """Until, for each key of ``pending``, one of its processes answers (and, ``linked``, has both links)."""
         while pending:
-            for k in sorted(pending):
-                code = self.processes[k].poll()
-                if code is not None:
-                    raise RingError(f"rank {k} exited with code {code}:\n{self.log_tail(k)}")
-                if not self.sockets[k].exists():
-                    continue
-                try:
-                    with ControlClient(self.sockets[k], timeout=5) as c:
-                        if c.status()["ready"]:
-                            pending.discard(k)
-                except (RingError, OSError):
-                    pass
+            for key, members in sorted(pending.items()):
+                for k in members:
+                    code = self.processes[k].poll()
+                    if code is not None:
+                        raise RingError(f"{self.label(k)} exited with code {code}:\n{self.log_tail(k)}")
+                    if not self.sockets[k].exists():
+                        continue
+                    try:
+                        with ControlClient(self.sockets[k], timeout=5) as c:
+                            if c.status()["ready"] or not linked:
+                                pending.pop(key, None)
+                    except (RingError, OSError):
+                        pass
             if time.monotonic() > deadline:
-                raise RingError(f"ring not ready after {timeout:.0f} s (waiting for ranks {sorted(pending)})")
+                waiting = ", ".join(self.label(k) for k in sorted(pending))
+                raise RingError(f"ring not ready after {timeout:.0f} s (waiting for {waiting})")
             if pending:
                 time.sleep(0.1)
 
@@ -159,7 +191,7 @@ class Supervisor:
     def _count_restart(self, key: int, now: float, what: str) -> None:
         recent = [t for t in self.restarts.get(key, []) if now - t < self.window_s]
         if len(recent) >= self.max_restarts:
-            tail = self.ring.log_tail(key) if key != RELAY else ""
+            tail = self.ring.log_tail(key) if key != RELAY else ""  # key: an index into ring.processes
             raise RingError(f"{what} after {len(recent)} restarts in {self.window_s:.0f} s:\n{tail}")
         self.restarts[key] = [*recent, now]
 
@@ -172,11 +204,12 @@ class Supervisor:
             assert self.ring.relay is not None
             notes.append(f"the relay exited with code {code}; restarted as pid {self.ring.relay.pid}")
         for rank, code in self.ring.dead():
-            self._count_restart(rank, now, f"rank {rank} exited with code {code}")
+            what = self.ring.label(rank)
+            self._count_restart(rank, now, f"{what} exited with code {code}")
             self.ring.restart(rank)
             self.answered.discard(rank)
             self.strikes.pop(rank, None)
-            notes.append(f"rank {rank} exited with code {code}; restarted as pid {self.ring.processes[rank].pid}")
+            notes.append(f"{what} exited with code {code}; restarted as pid {self.ring.processes[rank].pid}")
         if now - self.last_probe >= self.probe_interval_s:
             self.last_probe = now
             notes += self._probe_all(now)
@@ -200,7 +233,8 @@ class Supervisor:
             if self.strikes[rank] >= self.hang_strikes and silent >= self.hang_s:
                 proc.kill()  # SIGKILL works on a stopped process too; the next check restarts it
                 proc.wait()
-                notes.append(f"rank {rank} stopped answering ({self.strikes[rank]} probes, {silent:.1f} s); killed it")
+                what = f"{self.strikes[rank]} probes, {silent:.1f} s"
+                notes.append(f"{self.ring.label(rank)} stopped answering ({what}); killed it")
         return notes
 
 
@@ -235,28 +269,43 @@ def start_ring(
     default_control: bool = False,
     tied: bool = False,
     secure: bool = True,
+    standby: bool = False,
 ) -> LocalRing:
     """Cut the stage files, write the manifest, start one node process per window.
 
     Control sockets go into ``run_dir``; with ``default_control`` (``kvasir ring up``) each node's default path in the
     runtime directory instead, where a bare ``kvasir status``/``kvasir tui`` finds rank 0. ``tied``: the processes
     die with this one (:func:`spawn`). ``secure``: each node gets its own key (``rank{k}.pem`` in ``run_dir``, mode
-    0600) and the manifest names them, so the links authenticate and encrypt (protocol v2).
+    0600) and the manifest names them, so the links authenticate and encrypt (protocol v2). ``standby``: one
+    standby node per rank (its own port and key, ``rank{k}-standby.pem``), started by :meth:`LocalRing.wait_ready`
+    once the primaries are ready and supervised like them (docs/architecture.md § Failover).
     """
+    if standby and relay:
+        raise RingError("standby nodes need direct links: drop the relay or the standbys")
     paths = stage_files(model, windows, cache_dir)
     sha = model_sha256(model, cache_dir)
     run_dir = run_dir or Path(tempfile.mkdtemp(prefix="kvasir-ring-"))
-    ports = free_ports(len(windows), host)
+    n = len(windows)
+    ports = free_ports(2 * n if standby else n, host)
+    standbys = [(StandbyEntry(host, ports[n + k]),) if standby else () for k in range(n)]
     manifest = Manifest(
         model_sha256=sha,
         n_layers=windows[-1][1],
-        ranks=tuple(RankEntry(k, a, b, host, ports[k], str(paths[k])) for k, (a, b) in enumerate(windows)),
+        ranks=tuple(
+            RankEntry(k, a, b, host, ports[k], str(paths[k]), standby=standbys[k]) for k, (a, b) in enumerate(windows)
+        ),
         model_name=model.stem,
         # A keyless ring's relay edges need the v1 shared secret; a keyed ring's use the operator's grants instead.
         secret=None if secure else secrets.token_hex(16),
     )
     if secure:
         manifest = manifest.with_keys([create_identity(run_dir / f"rank{k}.pem").public for k in range(len(windows))])
+        if standby:
+            keyed = [
+                attrs.evolve(r, standby=(attrs.evolve(r.standby[0], key=_standby_identity(run_dir, r.rank)),))
+                for r in manifest.ranks
+            ]
+            manifest = attrs.evolve(manifest, ranks=tuple(keyed))
         if relay:
             # This run is the ring's operator: its key signs every rank's edge grants, the relay trusts only it.
             operator = create_identity(run_dir / "operator.pem")
@@ -276,6 +325,10 @@ def start_ring(
         ring.stop()
         raise
     return ring
+
+
+def _standby_identity(run_dir: Path, rank: int) -> PublicKey:
+    return create_identity(run_dir / f"rank{rank}-standby.pem").public
 
 
 def _launch(
@@ -309,25 +362,7 @@ def _launch(
         extra_args = [*extra_args, "--relay", ring.relay_url]
     for k, rank in enumerate(manifest.ranks):
         sock = node_socket_path(k, rank.port) if default_control else run_dir / f"rank{k}.sock"
-        cmd = [
-            sys.executable,
-            "-m",
-            "kvasir",
-            "node",
-            "--manifest",
-            str(manifest_path),
-            "--rank",
-            str(k),
-            "--control",
-            str(sock),
-            "--ctx",
-            str(ctx),
-            "--seqs",
-            str(seqs),
-            *extra_args,
-        ]
-        if threads:
-            cmd += ["--threads", str(threads)]
+        cmd = _node_command(manifest_path, k, sock, ctx, seqs, extra_args, threads)
         if rank.key is not None:
             cmd += ["--identity", str(run_dir / f"rank{k}.pem")]
         if ring.api_port is not None and k == 0:
@@ -337,6 +372,44 @@ def _launch(
         ring.commands.append((cmd, env))
         ring.sockets.append(sock)
         ring.processes.append(spawn(cmd, env, run_dir / f"rank{k}.log", tied=tied))
+    if any(r.standby for r in manifest.ranks):
+        ring.standby_start = len(ring.processes)
+    for k, rank in enumerate(manifest.ranks):
+        if not rank.standby:
+            continue
+        # Started by wait_ready once the primaries are linked; restarted by the Supervisor like them. No API: its
+        # clients would lose it with the primary it stands in for.
+        sock = node_socket_path(k, rank.standby[0].port) if default_control else run_dir / f"rank{k}-standby.sock"
+        cmd = [*_node_command(manifest_path, k, sock, ctx, seqs, extra_args, threads), "--standby", "0"]
+        if rank.key is not None:
+            cmd += ["--identity", str(run_dir / f"rank{k}-standby.pem")]
+        ring.commands.append((cmd, env))
+        ring.sockets.append(sock)
+
+
+def _node_command(
+    manifest_path: Path, k: int, sock: Path, ctx: int, seqs: int, extra_args: Sequence[str], threads: int | None
+) -> list[str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvasir",
+        "node",
+        "--manifest",
+        str(manifest_path),
+        "--rank",
+        str(k),
+        "--control",
+        str(sock),
+        "--ctx",
+        str(ctx),
+        "--seqs",
+        str(seqs),
+        *extra_args,
+    ]
+    if threads:
+        cmd += ["--threads", str(threads)]
+    return cmd
 
 
 def spawn(

@@ -158,6 +158,7 @@ class LinkManager:
         credentials: Credentials | None = None,
         peer_policy: Callable[[], PeerPolicy | None] | None = None,
         ticket: Callable[[], bytes] | None = None,
+        dormant: bool = False,
     ) -> None:
         self.hello = hello
         self.rank = hello.rank
@@ -191,6 +192,12 @@ class LinkManager:
         self._succ_scope: trio.CancelScope | None = None
         #: When the successor's unanswered ping went out (trio clock); its echo measures the hop's round trip.
         self._ping_sent: float | None = None
+        #: Dormant: another node may hold this window, so this one does not dial its successor until a predecessor
+        #: links to it (a standby from its start; a node its successor refused while another holder is linked there).
+        self.dormant = dormant
+        self._woken = trio.Event()  # set when a predecessor links
+        #: Which holder of the successor's window (0 the primary, then its standbys) the dial loop tries next.
+        self._succ_pick = 0
 
     @property
     def ready(self) -> bool:
@@ -257,10 +264,10 @@ class LinkManager:
             await self._run_predecessor(link, peer, key)
 
     def _predecessor_policy(self) -> PeerPolicy:
-        """The manifest's key for the previous rank, or (market rings) a valid ticket for a neighbour window."""
+        """The manifest's keys for the previous rank (its primary's and its standbys'), or (market rings) a valid
+        ticket for a neighbour window."""
         m = self._manifest()
-        key = m.ranks[(self.rank - 1) % m.size].key
-        by_key = KeyPolicy(frozenset() if key is None else frozenset({key}))
+        by_key = KeyPolicy(m.ranks[(self.rank - 1) % m.size].keys())
         market = self._peer_policy() if self._peer_policy is not None else None
         return by_key if market is None else AnyPolicy((by_key, market))
 
@@ -345,6 +352,7 @@ class LinkManager:
             await old.aclose()  # the same predecessor reconnecting: its old link is stale
         self.predecessor, self.predecessor_hello, self.predecessor_key = link, remote, key
         self.predecessor_state = f"connected to rank {remote.rank} ({peer})"
+        self._woken.set()  # a dormant node now holds the window: it dials its successor
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._keepalive, link, False)
@@ -422,13 +430,42 @@ class LinkManager:
         finally:
             await link.aclose()
 
+    async def _wait_while_dormant(self) -> None:
+        if self.dormant:
+            self.successor_state = "dormant: waiting for a predecessor to link here (another node may hold the window)"
+            await self._woken.wait()
+            self.dormant = False
+
+    async def _go_dormant(self) -> None:
+        """The successor refused this node's link (it has a predecessor linked: another holder of this window, which
+        carries the ring now). Two holders redialing would fight for that slot: this one stops dialing until a
+        predecessor links to it, and hands back the predecessor it has, whose node then dials this window's next
+        holder (the dial loop moves on after a lost link)."""
+        log.warning("rank %d: the successor refused this node's link; dormant until a predecessor links", self.rank)
+        self.dormant = True
+        self._woken = trio.Event()
+        if self.predecessor is not None:
+            with trio.move_on_after(2):
+                await self.predecessor.aclose()  # no ERROR: its node must not take it for a refusal of its own
+
+    def _has_other_holders(self) -> bool:
+        """Whether the manifest names another node for this node's window (a standby, or the primary of a standby)."""
+        return bool(self._manifest().rank(self.rank).standby)
+
     async def _keep_successor(self) -> None:
         backoff = Backoff(rng=self._rng)
+        misses = 0  # holders of the successor's window that did not answer, since the last link or full round
         while True:
-            target = self._manifest().successor(self.rank)  # re-read: the manifest may have been updated
+            await self._wait_while_dormant()
+            successor = self._manifest().successor(self.rank)  # re-read: the manifest may have been updated
+            holders = (successor,) if self.edges.successor_relayed else successor.holders()
+            pick = self._succ_pick % len(holders)
+            target = holders[pick]
+            which = f" (standby {pick - 1})" if pick else ""
             via = f"relay edge {self.edges.edge_out}" if self.edges.successor_relayed else target.address
-            self.successor_state = f"dialing rank {target.rank} via {via}"
+            self.successor_state = f"dialing rank {target.rank}{which} via {via}"
             at_least = 0.0
+            refused = next_holder = False
             with trio.CancelScope() as scope:
                 self._succ_scope = scope
                 try:
@@ -438,10 +475,15 @@ class LinkManager:
                         except (ProtocolError, trio.TooSlowError, trio.BrokenResourceError) as exc:
                             raise RingError(f"handshake with rank {target.rank} failed: {exc}") from None
                         backoff.reset()
-                        await self._run_successor(link, hello, f"connected to rank {target.rank} via {via}")
-                        self.successor_state = f"lost rank {target.rank}; redialing"
+                        misses = 0
+                        connected = f"connected to rank {target.rank}{which} via {via}"
+                        refused = await self._run_successor(link, hello, connected)
+                        self.successor_state = f"lost rank {target.rank}{which}; redialing"
                 except SuccessorUnreachable as exc:
                     self.successor_state = str(exc)
+                    misses += 1
+                    next_holder = misses < len(holders)  # the window's next holder at once, then the backoff
+                    misses %= len(holders)
                 except LinkAuthError as exc:
                     self.successor_state = f"rank {target.rank}: {exc}"
                     log.warning("rank %d: successor link not authenticated: %s", self.rank, exc)
@@ -456,9 +498,22 @@ class LinkManager:
             self._succ_scope = None
             if scope.cancelled_caught:
                 self.successor_state = f"rank {target.rank} moved; redialing"
+            elif not refused:
+                # The holder died, does not answer, or handed us back (its successor has another holder of its
+                # window): the next try goes to the window's next holder, the one that carries it now if another does.
+                # A refusal is different: this holder is linked on, it is this node's window that has two holders.
+                self._succ_pick = (pick + 1) % len(holders)
+            if refused:
+                at_least = 1.0  # refused: no point in hammering it
+                if self._has_other_holders():
+                    await self._go_dormant()
+                    continue
+            if next_holder:
+                continue
             await trio.sleep(backoff.next(at_least=at_least))
 
-    async def _run_successor(self, link: Link, hello: Hello, state: str) -> None:
+    async def _run_successor(self, link: Link, hello: Hello, state: str) -> bool:
+        """Run the successor link until it ends; True if the successor ended it with a link-level ERROR (refused)."""
         try:
             if self._on_successor_up is not None:
                 # The replay goes first: frames waiting for this link (send() blocks until _succ_ready) follow it.
@@ -473,8 +528,9 @@ class LinkManager:
             self.successor_state = state
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._keepalive, link, True)
-                await self._read_successor(link)
+                refused = await self._read_successor(link)
                 nursery.cancel_scope.cancel()
+            return refused
         finally:
             self.successor = None
             if self._succ_ready.is_set():  # a replay that failed never set it: its waiters keep waiting on it
@@ -483,22 +539,26 @@ class LinkManager:
                 with trio.CancelScope(shield=True):
                     await self._on_link_lost(Side.SUCCESSOR)
 
-    async def _read_successor(self, link: Link) -> None:
-        """The successor only sends keepalives (echoes, or its own when quiet) and link-level errors backwards."""
+    async def _read_successor(self, link: Link) -> bool:
+        """The successor only sends keepalives (echoes, or its own when quiet) and link-level errors backwards.
+
+        Returns True when a link-level ERROR (request id 0) ended the link: the successor refused it (today: it has
+        another predecessor linked, or got a malformed frame from this node); False for a link that broke.
+        """
         try:
             while True:
                 frame = await self._receive(link, "successor")
                 if frame is None:
-                    return
+                    return False
                 if isinstance(frame, Keepalive):
                     if self._ping_sent is not None:
                         link.stats.rtt = trio.current_time() - self._ping_sent
                         self._ping_sent = None
                 elif isinstance(frame, Error):
                     log.warning("rank %d: successor reports: %s", self.rank, frame.message)
-                    return
+                    return frame.request_id == 0
         except LINK_ERRORS:
-            return
+            return False
 
     # ------------------------------------------------------------------------------------------ keepalive
 

@@ -15,6 +15,10 @@ listen = "127.0.0.1:7100" # where this rank accepts its predecessor (its success
 stage = "stage-0.gguf"    # optional: this rank's stage file (else cut from --model)
 key = "ed25519:…"         # this rank's node key (`kvasir id`): links then authenticate and encrypt (protocol v2)
 grants = ["…", "…"]       # optional: the operator's signed relay edge grants for this rank's two edges
+
+[[rank.standby]]          # optional, any number: a node that holds the same window, loaded and idle until needed
+listen = "127.0.0.1:7110" # where it accepts the predecessor that fails over to it
+key = "ed25519:…"         # its own node key (keyed rings: required; keyless rings: none)
 ```
 
 A ring whose ranks all name a key runs protocol v2 links only (docs/protocol.md § Link security); a manifest
@@ -42,6 +46,21 @@ LINK_KINDS = ("direct", "relay")
 
 
 @attrs.frozen
+class StandbyEntry:
+    """A node that holds a rank's window too, loaded and linked to nothing until the rank's predecessor, finding the
+    primary gone, dials it (docs/architecture.md § Failover)."""
+
+    host: str
+    port: int
+    #: Its own node key (keyed rings); None in a keyless ring.
+    key: PublicKey | None = None
+
+    @property
+    def address(self) -> str:
+        return format_hostport(self.host, self.port)
+
+
+@attrs.frozen
 class RankEntry:
     rank: int
     start: int
@@ -55,10 +74,20 @@ class RankEntry:
     key: PublicKey | None = None
     #: Signed relay edge grants (relay/grant.py text form) held by ``key``: public, useless to anyone else.
     grants: tuple[str, ...] = ()
+    #: Standby holders of this window, in the order the predecessor tries them when the primary does not answer.
+    standby: tuple[StandbyEntry, ...] = ()
 
     @property
     def address(self) -> str:
         return format_hostport(self.host, self.port)
+
+    def holders(self) -> tuple[RankEntry, ...]:
+        """Every node that may hold this window, as the entry a predecessor dials: this one, then each standby."""
+        return (self, *(attrs.evolve(self, host=s.host, port=s.port, key=s.key, standby=()) for s in self.standby))
+
+    def keys(self) -> frozenset[PublicKey]:
+        """The keys of every holder of this window (empty in a keyless ring)."""
+        return frozenset(k for k in (self.key, *(s.key for s in self.standby)) if k is not None)
 
 
 @attrs.frozen
@@ -95,7 +124,8 @@ class Manifest:
         """64 hex digits naming a keyed ring: sha256 over the model and the ranks' keys in order.
 
         Edge grants are bound to it, so a grant of one ring is worthless on another; it does not depend on the
-        grants themselves, so it can be computed before they are added.
+        grants themselves, so it can be computed before they are added. Standbys' keys are not in it: relay edges
+        have no standbys (a rank with standbys is reached directly).
         """
         if not self.secured:
             raise InputError("only a ring whose ranks all name a key has a ring id")
@@ -114,12 +144,30 @@ class Manifest:
             raise InputError(f"rank {k} is not in the manifest (ranks 0..{self.size - 1})")
         return self.ranks[k]
 
+    def as_standby(self, rank: int, index: int) -> Manifest:
+        """The ring as standby ``index`` of ``rank`` runs it: that rank's entry names the standby's address and key,
+        and its standby list the primary and the other standbys (the holders this node must defer to)."""
+        entry = self.rank(rank)
+        if not 0 <= index < len(entry.standby):
+            raise InputError(f"rank {rank} has {len(entry.standby)} standby node(s) in the manifest, not {index + 1}")
+        me = entry.standby[index]
+        others = (StandbyEntry(entry.host, entry.port, entry.key), *entry.standby[:index], *entry.standby[index + 1 :])
+        swapped = attrs.evolve(entry, host=me.host, port=me.port, key=me.key, standby=others)
+        return attrs.evolve(self, ranks=tuple(swapped if r.rank == rank else r for r in self.ranks))
+
     def to_toml(self) -> str:
         operator = None if self.operator is None else self.operator.to_text()
         model = _ModelTable(self.model_sha256, self.n_layers, self.model_name, self.secret, self.relay, operator)
         ranks = tuple(
             _RankTable(
-                r.start, r.end, r.address, r.stage, r.link, None if r.key is None else r.key.to_text(), r.grants or None
+                r.start,
+                r.end,
+                r.address,
+                r.stage,
+                r.link,
+                _key_text(r.key),
+                r.grants or None,
+                tuple(_StandbyTable(s.address, _key_text(s.key)) for s in r.standby) or None,
             )
             for r in self.ranks
         )
@@ -128,6 +176,10 @@ class Manifest:
     def write(self, path: Path) -> None:
         with atomic_output(path) as tmp:
             tmp.write_text(self.to_toml())
+
+
+def _key_text(key: PublicKey | None) -> str | None:
+    return None if key is None else key.to_text()
 
 
 # The TOML file's own shape; parse_manifest turns it into a Manifest.
@@ -159,6 +211,12 @@ class _ModelTable:
 
 
 @attrs.frozen
+class _StandbyTable:
+    listen: str
+    key: str | None = None
+
+
+@attrs.frozen
 class _RankTable:
     start: int
     end: int
@@ -167,6 +225,7 @@ class _RankTable:
     link: str = attrs.field(default="direct", validator=_link)
     key: str | None = None
     grants: tuple[str, ...] | None = None
+    standby: tuple[_StandbyTable, ...] | None = None
 
 
 @attrs.frozen
@@ -176,7 +235,8 @@ class _ManifestFile:
 
 
 register_record(_ModelTable, omit_if_none=("secret", "relay", "operator"))
-register_record(_RankTable, window=True, omit_if_none=("stage", "key", "grants"))
+register_record(_StandbyTable, omit_if_none=("key",))
+register_record(_RankTable, window=True, omit_if_none=("stage", "key", "grants", "standby"))
 register_record(_ManifestFile)
 
 
@@ -200,16 +260,28 @@ def parse_manifest(data: dict[str, Any], where: str = "manifest") -> Manifest:
     ranks = []
     for i, r in enumerate(shape.rank):
         host, port = parse_hostport(r.listen, what=f"{where}: rank[{i}].listen")
-        try:
-            key = None if r.key is None else PublicKey.from_text(r.key)
-        except InputError as exc:
-            raise InputError(f"{where}: rank[{i}].key: {exc}") from None
-        ranks.append(RankEntry(i, r.start, r.end, host, port, r.stage, r.link, key, r.grants or ()))
+        key = _parse_key(r.key, f"{where}: rank[{i}].key")
+        standby = tuple(
+            StandbyEntry(
+                *parse_hostport(s.listen, what=f"{where}: rank[{i}].standby[{j}].listen"),
+                _parse_key(s.key, f"{where}: rank[{i}].standby[{j}].key"),
+            )
+            for j, s in enumerate(r.standby or ())
+        )
+        if standby and r.link != "direct":
+            raise InputError(f"{where}: rank[{i}] lists standby nodes: its predecessor must reach it directly")
+        if len({r.listen, *(s.address for s in standby)}) < 1 + len(standby):
+            raise InputError(f"{where}: rank[{i}]: two holders of the window listen on the same address")
+        ranks.append(RankEntry(i, r.start, r.end, host, port, r.stage, r.link, key, r.grants or (), standby))
     keyed = sum(r.key is not None for r in ranks)
     if 0 < keyed < len(ranks):
         raise InputError(f"{where}: {keyed} of {len(ranks)} ranks name a key; name one for every rank, or none")
-    if keyed and len({r.key for r in ranks}) < len(ranks):
-        raise InputError(f"{where}: two ranks name the same key")
+    standby_keys = [s.key for r in ranks for s in r.standby]
+    if any((k is None) == bool(keyed) for k in standby_keys):
+        need = "every standby names its key" if keyed else "no standby names a key"
+        raise InputError(f"{where}: {need} in a {'keyed' if keyed else 'keyless'} ring")
+    if keyed and len({r.key for r in ranks} | set(standby_keys)) < len(ranks) + len(standby_keys):
+        raise InputError(f"{where}: two nodes (ranks or standbys) name the same key")
     check_windows([(r.start, r.end) for r in ranks], shape.model.layers)
     m = shape.model
     try:
@@ -221,6 +293,13 @@ def parse_manifest(data: dict[str, Any], where: str = "manifest") -> Manifest:
     if any(r.grants for r in ranks) and operator is None:
         raise InputError(f"{where}: edge grants need the operator that signed them (model.operator)")
     return Manifest(m.sha256, m.layers, tuple(ranks), m.name, m.secret, m.relay, operator)
+
+
+def _parse_key(text: str | None, where: str) -> PublicKey | None:
+    try:
+        return None if text is None else PublicKey.from_text(text)
+    except InputError as exc:
+        raise InputError(f"{where}: {exc}") from None
 
 
 def load_manifest(path: Path) -> Manifest:

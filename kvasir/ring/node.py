@@ -114,6 +114,8 @@ class NodeConfig:
     relay_connect: RelayConnect | None = None
     #: Boundary encoding this node sends when its successor accepts it (f32 is bit-exact; f16/bf16 halve the bytes).
     boundary_dtype: BoundaryDType = BoundaryDType.F32
+    #: A standby (``Manifest.as_standby``): dormant, linked to nothing until a predecessor fails over to it.
+    standby: bool = False
 
 
 @attrs.define
@@ -224,6 +226,7 @@ class Node:
             credentials=credentials,
             peer_policy=config.peer_policy,
             ticket=config.ticket,
+            dormant=config.standby,
         )
 
     @property
@@ -278,8 +281,8 @@ class Node:
 
     async def _fail_if_predecessor_stays_away(self, generation: int) -> None:
         await trio.sleep(self.config.failover_wait)
-        if generation != self._pred_gen or self.links.predecessor is not None:
-            return
+        if generation != self._pred_gen or self.links.predecessor is not None or self.links.dormant:
+            return  # dormant: another holder of this window carries its requests on
         message = f"rank {self.rank} lost its predecessor link for {self.config.failover_wait:.0f} s"
         for state in list(self.requests):
             if not state.done:
@@ -290,7 +293,7 @@ class Node:
         # Nothing can be sent forward; the node after the break reports the loss round the ring to us (and a leaving
         # successor's own SHUTTING_DOWN comes round too, saying why): wait for those first.
         await trio.sleep(self.config.failover_wait + LINK_LOST_GRACE_S)
-        if state.done or generation != self._succ_gen or self.links.successor is not None:
+        if state.done or generation != self._succ_gen or self.links.successor is not None or self.links.dormant:
             return
         self.requests.errors += 1
         message = f"rank {self.rank} lost its successor link"

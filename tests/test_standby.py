@@ -1,0 +1,290 @@
+"""Standby nodes: a manifest lists, per rank, nodes that hold the same window, loaded and linked to nothing; when the
+rank's node dies its predecessor dials the standby and replays the requests in flight into it."""
+
+from __future__ import annotations
+
+import functools
+import os
+import random
+import time
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+import trio
+import trio.testing
+
+from kvasir.control.client import ControlClient
+from kvasir.core.identity import Identity
+from kvasir.errors import InputError, RingError
+from kvasir.local.launcher import LocalRing
+from kvasir.ring.manifest import Manifest, RankEntry, StandbyEntry, load_manifest, parse_manifest
+from kvasir.ring.node import Node, NodeConfig, open_node
+from kvasir.testing.fakestage import MemoryNetwork, expected_tokens, fake_ring
+from tests.ringutil import running_ring
+from tests.streams import wait_for
+from tests.test_failover import FAULT_AT, MAX_TOKENS, WINDOWS, failover_status, stream, wait_ready
+from tests.test_failover_flow import PROMPT as FLOW_PROMPT
+from tests.test_failover_flow import WINDOWS as FLOW_WINDOWS
+from tests.test_failover_flow import Ring, answer, fresh
+
+
+def _manifest(*, keyed: bool) -> Manifest:
+    def key() -> Any:
+        return Identity.generate().public if keyed else None
+
+    ranks = tuple(
+        RankEntry(
+            k,
+            a,
+            b,
+            "127.0.0.1",
+            7100 + k,
+            standby=tuple(StandbyEntry("127.0.0.1", 7200 + 10 * k + i, key()) for i in range(k)),
+            key=key(),
+        )
+        for k, (a, b) in enumerate(WINDOWS)
+    )
+    return Manifest("ab" * 32, 18, ranks, "gemma")
+
+
+@pytest.mark.parametrize("keyed", [True, False], ids=["keyed", "keyless"])
+def test_standbys_round_trip_through_the_toml(tmp_path: Path, keyed: bool) -> None:
+    m = _manifest(keyed=keyed)
+    m.write(tmp_path / "ring.toml")
+    text = (tmp_path / "ring.toml").read_text()
+    assert text.count('listen = "127.0.0.1:72') == 3 and text.count("key = ") == (6 if keyed else 0)
+    back = load_manifest(tmp_path / "ring.toml")
+    assert back == m
+    assert [len(r.standby) for r in back.ranks] == [0, 1, 2]
+    assert back.ranks[2].standby[1] == m.ranks[2].standby[1]
+    # Every holder of a window, as its predecessor dials them: the primary, then the standbys in order.
+    holders = back.ranks[2].holders()
+    assert [h.port for h in holders] == [7102, 7220, 7221] and {h.rank for h in holders} == {2}
+    assert back.ranks[2].keys() == (
+        frozenset({m.ranks[2].key, *(s.key for s in m.ranks[2].standby)}) if keyed else set()
+    )
+
+
+def test_standbys_as_an_operator_writes_them(tmp_path: Path) -> None:
+    text = f"""
+[model]
+sha256 = "{"ab" * 32}"
+layers = 18
+
+[[rank]]
+layers = [0, 9]
+listen = "10.0.0.1:7100"
+
+[[rank]]
+layers = [9, 18]
+listen = "10.0.0.2:7100"
+
+[[rank.standby]]
+listen = "10.0.0.3:7100"
+
+[[rank.standby]]
+listen = "10.0.0.4:7100"
+"""
+    (tmp_path / "ring.toml").write_text(text)
+    m = load_manifest(tmp_path / "ring.toml")
+    assert m.ranks[0].standby == () and m.ranks[1].standby == (
+        StandbyEntry("10.0.0.3", 7100),
+        StandbyEntry("10.0.0.4", 7100),
+    )
+    assert parse_manifest(tomllib.loads(m.to_toml())) == m
+
+
+def test_a_standby_runs_the_ring_with_its_own_address_and_key() -> None:
+    m = _manifest(keyed=True)
+    view = m.as_standby(2, 1)
+    me, primary = view.ranks[2], m.ranks[2]
+    assert (me.port, me.key) == (7221, primary.standby[1].key) and (me.start, me.end) == (primary.start, primary.end)
+    # The primary and the other standby are the holders it defers to; the other ranks are untouched.
+    assert [s.port for s in me.standby] == [7102, 7220] and me.standby[0].key == primary.key
+    assert view.ranks[:2] == m.ranks[:2]
+    with pytest.raises(InputError, match="rank 1 has 1 standby"):
+        m.as_standby(1, 1)
+
+
+def _rank_table(m: Manifest, **rank2: Any) -> dict[str, Any]:
+    data = tomllib.loads(m.to_toml())
+    data["rank"][2].update(rank2)
+    return data
+
+
+def test_standby_entries_are_checked() -> None:
+    keyed, keyless = _manifest(keyed=True), _manifest(keyed=False)
+    other = Identity.generate().public.to_text()
+    bad = [
+        (_rank_table(keyed, standby=[{"listen": "127.0.0.1:7300"}]), "every standby names its key"),
+        (_rank_table(keyless, standby=[{"listen": "127.0.0.1:7300", "key": other}]), "no standby names a key"),
+        (_rank_table(keyed, standby=[{"listen": "127.0.0.1:7300", "key": keyed.ranks[0].key.to_text()}]), "same key"),
+        (_rank_table(keyless, standby=[{"listen": "127.0.0.1:7102"}]), "same address"),
+        (_rank_table(keyless, link="relay"), "must reach it directly"),
+        (_rank_table(keyless, standby=[{"listen": "nowhere"}]), r"rank\[2\].standby\[0\].listen"),
+    ]
+    for data, message in bad:
+        with pytest.raises(InputError, match=message):
+            parse_manifest(data)
+    assert parse_manifest(_rank_table(keyless, standby=[])).ranks[2].standby == ()
+
+
+def test_ring_up_refuses_standbys_over_a_relay(gemma_path: Path, cache_dir: Path) -> None:
+    from kvasir.local.launcher import start_ring
+
+    with pytest.raises(RingError, match="standby nodes need direct links"):
+        start_ring(gemma_path, WINDOWS, cache_dir, relay=True, standby=True)
+
+
+# ---------------------------------------------------------------------------------------------- real processes
+
+
+def _status(ring: LocalRing, i: int) -> dict[str, Any]:
+    with ControlClient(ring.sockets[i], timeout=30) as c:
+        status: dict[str, Any] = c.status()
+        return status
+
+
+def _wait_status(ring: LocalRing, i: int, cond: Any, limit: float = 120.0) -> dict[str, Any]:
+    deadline = time.monotonic() + limit
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = _status(ring, i)
+            if cond(last):
+                return last
+        except (RingError, OSError) as exc:
+            last = exc
+        time.sleep(0.3)
+    raise AssertionError(f"{ring.label(i)}: condition not met after {limit:.0f} s; last status {last}")
+
+
+@pytest.fixture(scope="module")
+def standby_ring(gemma_path: Path, cache_dir: Path) -> Iterator[LocalRing]:
+    with running_ring(gemma_path, WINDOWS, cache_dir, standby=True) as ring:
+        yield ring
+
+
+def test_a_standby_takes_over_the_window_and_the_answer_is_unchanged(standby_ring: LocalRing) -> None:
+    """A 3-rank ring with one standby per rank; SIGKILL of the middle primary at token 16 of 64, with nothing to
+    restart it: rank 0 dials the standby, replays the request into it, and the client gets the fault-free text. Then
+    the primary comes back: its successor refuses it (the standby is linked there), it stays dormant, and the ring
+    keeps serving exactly."""
+    ring = standby_ring
+    assert ring.standby_start == len(WINDOWS)
+    primary, standby = 1, ring.standby_start + 1
+    wait_ready(ring)
+    # The standbys start once the primaries are linked: each is loaded and dormant.
+    for i in range(ring.standby_start, len(ring.processes)):
+        st = _status(ring, i)
+        assert not st["ready"] and st["links"]["successor"]["state"].startswith("dormant"), st
+    started = time.monotonic()
+    want, end = stream(ring.sockets[0])
+    fault_free = time.monotonic() - started
+    assert end["reason"] == "max_tokens" and len(want) == MAX_TOKENS
+    before = failover_status(ring, 0)["replays"]
+
+    started = time.monotonic()
+    got, end = stream(ring.sockets[0], fault=lambda: ring.processes[primary].kill())
+    took = time.monotonic() - started
+    assert end["reason"] == "max_tokens" and end.get("error") is None, end
+    assert got == want, f"diverged at {next(i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b)}"
+    status = failover_status(ring, 0)
+    assert status["replays"] > before and status["last_window"] == list(WINDOWS[1]), status
+    assert _status(ring, standby)["ready"]
+    assert ring.processes[primary].poll() is not None  # nothing restarted it: the standby holds the window
+    load = os.getloadavg()
+    print(
+        f"standby took over layers 6:12: answer took {took:.2f} s (fault-free {fault_free:.2f} s), "
+        f"stall {status['last_stall_s']} s "
+        f"(fault at token {FAULT_AT}; load average {load[0]:.2f} {load[1]:.2f} on {os.cpu_count()} cpus)"
+    )
+
+    # The primary comes back while the standby holds the window: it is refused at its successor and stays dormant.
+    ring.restart(primary)
+    st = _wait_status(ring, primary, lambda s: s["links"]["successor"]["state"].startswith("dormant"))
+    assert not st["ready"] and st["links"]["predecessor"]["state"] == "waiting", st
+    ring.wait_ready(timeout=60)  # rank 1 counts as ready: its standby holds the window
+    again, end = stream(ring.sockets[0])
+    assert end.get("error") is None and again == want
+    assert _status(ring, standby)["ready"] and not _status(ring, primary)["ready"]
+    # Entered at the last rank, the request also goes round through the standby.
+    want2, _ = stream(ring.sockets[2])
+    assert want2 == want
+
+    # A second fault: rank 0's primary dies mid-answer. Rank 2 dials rank 0's standby, which dials rank 1's holders in
+    # order: the dormant primary first, which its successor refuses (the standby is linked there), so it hands its
+    # predecessor back and rank 0's standby goes on to rank 1's standby. The answer does not change.
+    got, end = stream(ring.sockets[2], fault=lambda: ring.processes[0].kill())
+    assert end.get("error") is None and got == want2, end
+    assert _status(ring, ring.standby_start)["ready"] and _status(ring, standby)["ready"]
+    assert _wait_status(ring, primary, lambda s: s["links"]["successor"]["state"].startswith("dormant"))
+    assert stream(ring.sockets[2])[0] == want2
+
+
+# ---------------------------------------------------------------------------------------------- fast, in one process
+
+
+async def _start_standby(ring: Ring, rank: int) -> Node:
+    """Rank ``rank``'s standby 0 on a fresh (empty) stage, as ``kvasir node --standby 0`` runs it."""
+
+    async def run(task_status: trio.TaskStatus[Node]) -> None:
+        view = ring.manifest.as_standby(rank, 0)
+        config = NodeConfig(view, rank, node_id=f"standby{rank}", standby=True, **ring.config)
+        async with open_node(config, fresh(FLOW_WINDOWS, rank), transport=ring.net, rng=random.Random(10 + rank)) as n:
+            task_status.started(n)
+            await trio.sleep_forever()
+
+    node: Node = await ring.nursery.start(run)
+    return node
+
+
+async def test_standbys_take_windows_over_and_two_holders_never_fight(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Four ranks with a standby each (FakeStages on memory streams): standbys stay dormant; rank 1 dies mid-answer
+    and rank 0 fails over to its standby; the primary, restarted, turns dormant at its successor's refusal; then
+    rank 0 dies mid-answer, its standby takes over and reaches rank 1's standby after the dormant primary hands it
+    back. Both answers are the fault-free ones."""
+    net = MemoryNetwork()
+    manifest, stages = fake_ring(FLOW_WINDOWS, net, compute_s=0.01)
+    manifest = attrs.evolve(
+        manifest, ranks=tuple(attrs.evolve(r, standby=(StandbyEntry("mem", net.port() + 100),)) for r in manifest.ranks)
+    )
+    async with trio.open_nursery() as nursery:
+        ring = Ring(nursery, manifest, net)
+        for rank, stage in enumerate(stages):
+            await ring.start(rank, stage)
+        await wait_for(lambda: all(n.ready for n in ring.live()), "the ring to link")
+        standbys = [await _start_standby(ring, k) for k in range(len(FLOW_WINDOWS))]
+        await trio.sleep(5)
+        assert all(s.links.dormant and s.links.successor is None and s.links.predecessor is None for s in standbys)
+
+        async def kill(rank: int) -> None:
+            ring.kill(rank)
+
+        n0 = ring.nodes[0]
+        assert n0 is not None
+        tokens, end = await answer(n0, 40, 8, functools.partial(kill, 1))
+        assert end.reason == "max_tokens" and end.error is None, end
+        assert tokens == expected_tokens(FLOW_PROMPT, 40)
+        assert standbys[1].ready and n0.failover.last_window == FLOW_WINDOWS[1]
+
+        back = await ring.start(1, fresh(FLOW_WINDOWS, 1))  # the primary restarted: its successor refuses it
+        await wait_for(lambda: back.links.dormant, "the restarted primary to turn dormant")
+        assert standbys[1].ready and not back.ready
+
+        n2 = ring.nodes[2]
+        assert n2 is not None
+        tokens, end = await answer(n2, 40, 8, functools.partial(kill, 0))
+        assert end.reason == "max_tokens" and end.error is None, end
+        assert tokens == expected_tokens(FLOW_PROMPT, 40)
+        await wait_for(lambda: standbys[0].ready and standbys[1].ready, "rank 0's and rank 1's standbys to hold on")
+        assert back.links.dormant and not back.ready
+        refusals = [r for r in caplog.records if "refused this node's link" in r.getMessage()]
+        assert [r.getMessage().split(":")[0] for r in refusals] == ["rank 1"] * 2  # restarted; then woken, handed back
+        nursery.cancel_scope.cancel()
