@@ -12,6 +12,7 @@ equal the fault-free one. The baseline, a restart, is the ring without standbys 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import threading
@@ -106,7 +107,7 @@ def run_way(model: Path, cache: Path, *, standby: bool, repeats: int, max_tokens
                 victim = next(i for i in holders if status(ring, i)["ready"])
                 got, gap = answer(ring.sockets[0], max_tokens, fault=ring.processes[victim].kill)
                 ring.restart(victim)  # back as a dormant holder: the next repeat kills the other one
-                wait_until(lambda v=victim: status(ring, v)["links"]["successor"]["state"].startswith("dormant"))
+                wait_until(functools.partial(_dormant, ring, victim))
             else:
                 with supervised(ring):
                     got, gap = answer(ring.sockets[0], max_tokens, fault=ring.processes[1].kill)
@@ -153,3 +154,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def _dormant(ring: LocalRing, rank: int) -> bool:
+    return bool(status(ring, rank)["links"]["successor"]["state"].startswith("dormant"))

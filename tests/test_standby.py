@@ -26,7 +26,8 @@ from kvasir.ring.node import Node, NodeConfig, open_node
 from kvasir.testing.fakestage import MemoryNetwork, expected_tokens, fake_ring
 from tests.ringutil import running_ring
 from tests.streams import wait_for
-from tests.test_failover import FAULT_AT, MAX_TOKENS, WINDOWS, failover_status, stream, wait_ready
+from tests.test_failover import FAULT_AT, MAX_TOKENS, WINDOWS, failover_status, wait_ready
+from tests.test_failover import answer as stream
 from tests.test_failover_flow import PROMPT as FLOW_PROMPT
 from tests.test_failover_flow import WINDOWS as FLOW_WINDOWS
 from tests.test_failover_flow import Ring, answer, fresh
@@ -122,7 +123,7 @@ def test_standby_entries_are_checked() -> None:
     bad = [
         (_rank_table(keyed, standby=[{"listen": "127.0.0.1:7300"}]), "every standby names its key"),
         (_rank_table(keyless, standby=[{"listen": "127.0.0.1:7300", "key": other}]), "no standby names a key"),
-        (_rank_table(keyed, standby=[{"listen": "127.0.0.1:7300", "key": keyed.ranks[0].key.to_text()}]), "same key"),
+        (_rank_table(keyed, standby=[{"listen": "127.0.0.1:7300", "key": str(keyed.ranks[0].key)}]), "same key"),
         (_rank_table(keyless, standby=[{"listen": "127.0.0.1:7102"}]), "same address"),
         (_rank_table(keyless, link="relay"), "must reach it directly"),
         (_rank_table(keyless, standby=[{"listen": "nowhere"}]), r"rank\[2\].standby\[0\].listen"),
@@ -156,7 +157,8 @@ def _wait_status(ring: LocalRing, i: int, cond: Any, limit: float = 120.0) -> di
         try:
             last = _status(ring, i)
             if cond(last):
-                return last
+                found: dict[str, Any] = last
+                return found
         except (RingError, OSError) as exc:
             last = exc
         time.sleep(0.3)
