@@ -116,7 +116,7 @@ async def serve_hypercorn(port: int) -> None:
     config.bind = [f"127.0.0.1:{port}"]
     config.accesslog = None
     config.errorlog = None
-    await serve(app, config)  # type: ignore[arg-type]
+    await serve(app, config)  # type: ignore[arg-type, unused-ignore]  # typed only when hypercorn is installed
 
 
 def hypercorn_missing() -> str | None:

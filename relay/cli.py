@@ -54,7 +54,7 @@ def add_parser(subparsers: Any) -> None:
         const="127.0.0.1:8480",
         default=None,
         metavar="HOST:PORT",
-        help="also run the self-enrollment market in this process (default address %(const)s)",
+        help="also run the self-enrollment market in this process (default address %(const)s; https with --tls-cert)",
     )
     parser.add_argument("--db", default="market.sqlite", metavar="PATH", help="the market's database (%(default)s)")
     parser.set_defaults(run=run)
@@ -153,13 +153,20 @@ def run(args: argparse.Namespace) -> int:
     mhost, mport = parse_listen(args.market, "--market")
 
     market_identity = machine_identity()  # the key build_config made this relay trust
+    # One host, one certificate: with --tls-cert the market beside the relay serves https as the relay serves wss.
+    tls = None
+    if config.tls_cert:
+        from kvasir.util.tls import server_context
+
+        tls = server_context(config.tls_cert, config.tls_key or "")
+    mscheme = "https" if tls is not None else "http"
 
     async def relay_and_market() -> None:
         async with trio.open_nursery() as nursery:
             bound = await nursery.start(
-                functools.partial(serve_market, Path(args.db), mhost, mport, identity=market_identity)
+                functools.partial(serve_market, Path(args.db), mhost, mport, identity=market_identity, tls=tls)
             )
-            print(f"kvasir relay: market on http://{mhost}:{bound} (db {args.db})", flush=True)
+            print(f"kvasir relay: market on {mscheme}://{mhost}:{bound} (db {args.db})", flush=True)
             relay_port = await nursery.start(functools.partial(serve_relay, config))
             Announce().started(relay_port)
 

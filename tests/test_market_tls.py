@@ -233,3 +233,25 @@ async def test_an_oversized_body_gets_its_413_over_tls(tmp_path: Path, pki: tupl
             r = await client.post(f"https://127.0.0.1:{port}/v1/claims", content=body)
             assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
         nursery.cancel_scope.cancel()
+
+
+def test_relay_with_tls_serves_its_market_over_https(
+    tmp_path: Path, pki: tuple[Path, Path, Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`kvasir relay --market --tls-cert …`: the market beside the relay serves https with the relay's certificate;
+    a client trusting the CA reads it, one that does not is refused."""
+    ca, cert, key, other = pki
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))  # the market's machine identity lives here
+    relay = Proc(
+        "relay", "--trust-key", "ed25519:" + "A" * 43, "--listen", "127.0.0.1:0", "--market", "127.0.0.1:0",
+        "--db", str(tmp_path / "m.sqlite"), "--tls-cert", str(cert), "--tls-key", str(key),
+    )  # fmt: skip
+    try:
+        url = relay.wait_line(r"market on (https://\S+)").group(1)
+        relay.wait_line(r"listening on wss://")
+        r = httpx.get(f"{url}/v1/models", timeout=10, verify=client_context(ca))
+        assert r.status_code == 200 and r.json()["models"] == []
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{url}/v1/models", timeout=10, verify=client_context(other))
+    finally:
+        relay.stop()

@@ -521,6 +521,13 @@ class LinkManager:
                 self._replaying = True
                 try:
                     await self._on_successor_up(link.send, hello)
+                except LINK_ERRORS:
+                    # The successor may have refused the link (an ERROR, then close) while the replay went out: its
+                    # ERROR is still to be read, and a refusal must not be taken for a dead holder (which would move
+                    # this node on to the window's next holder and wake it: two holders of one window).
+                    with trio.move_on_after(1):
+                        return await self._read_successor(link)
+                    return False
                 finally:
                     self._replaying = False
             self.successor, self.successor_hello = link, hello
