@@ -86,6 +86,10 @@ def stream(
     raise RingError("the stream ended without an end message")
 
 
+#: What a node answers when every sequence is in use (admission refused: the request never started).
+BUSY = "has no free sequence"
+
+
 def soak(
     ring: LocalRing, *, seconds: float, every: float, clients: int, seed: int, max_tokens: int = 48
 ) -> dict[str, Any]:
@@ -94,7 +98,9 @@ def soak(
 
     Counts: ``completed`` (``identical``/``different`` to the fault-free answer), ``lost_at_killed_entry`` (the
     stream broke and its entry node was killed meanwhile: lost by design), ``entry_down_retried`` (the chosen entry
-    was being restarted), ``errors`` (anything else, messages in ``messages``), ``kills``, ``restarts``."""
+    was being restarted), ``busy_retried`` (refused at admission, no free sequence: never started, the client
+    retries as it would on a 503; requests orphaned by a killed entry hold sequences until the ring frees them),
+    ``errors`` (anything else, messages in ``messages``), ``kills``, ``restarts``."""
     rng = random.Random(seed)
     size = len(ring.processes)
     jobs = []
@@ -103,7 +109,17 @@ def soak(
         ids = prompt_ids(24 + 8 * k, 1000 + k)
         jobs.append((ids, params, stream(ring.sockets[0], tokens=ids, max_tokens=max_tokens, **params).tokens))
     counts = dict.fromkeys(
-        ("completed", "identical", "different", "lost_at_killed_entry", "entry_down_retried", "errors", "kills"), 0
+        (
+            "completed",
+            "identical",
+            "different",
+            "lost_at_killed_entry",
+            "entry_down_retried",
+            "busy_retried",
+            "errors",
+            "kills",
+        ),
+        0,
     )
     messages: list[str] = []
     stop = threading.Event()
@@ -128,7 +144,9 @@ def soak(
                 res = stream(ring.sockets[entry], tokens=ids, max_tokens=max_tokens, **params)
             except (RingError, OSError, ValueError) as exc:
                 with lock:
-                    if any(r == entry and at >= t0 for at, r in kills):
+                    if BUSY in str(exc):
+                        counts["busy_retried"] += 1
+                    elif any(r == entry and at >= t0 for at, r in kills):
                         counts["lost_at_killed_entry"] += 1
                     else:
                         counts["errors"] += 1
@@ -136,7 +154,9 @@ def soak(
                 time.sleep(0.5)
                 continue
             with lock:
-                if not res.ok:
+                if not res.ok and BUSY in str(res.end.get("error")):
+                    counts["busy_retried"] += 1
+                elif not res.ok:
                     counts["errors"] += 1
                     messages.append(f"entry {entry}: {res.end.get('code')}: {res.end.get('error')}")
                 else:
