@@ -19,7 +19,7 @@ import numpy as np
 
 from kvasir.core.sampling import SamplingParams
 from kvasir.core.schema import Json
-from kvasir.errors import InputError
+from kvasir.errors import InputError, ProtocolError
 from kvasir.stage.engine import Stage, StageConfig
 from kvasir.util.files import atomic_output
 from kvasir.verify.commit import (
@@ -141,9 +141,14 @@ class WindowRunner:
             h = step_hash(b.pos, b.n_tokens, LOGITS_TOKEN, sample_payload(payload, token))
             return StepOutput(b.pos, b.n_tokens, LOGITS_TOKEN, payload, token, h)
         assert result is not None
-        payload = encode_boundary(result, self.out_dtype)
-        h = step_hash(b.pos, b.n_tokens, int(self.out_dtype), payload)
-        return StepOutput(b.pos, b.n_tokens, int(self.out_dtype), payload, None, h)
+        dtype = self.out_dtype
+        try:
+            payload = encode_boundary(result, dtype)
+        except ProtocolError:  # beyond f16's range: the ring node sends this step in f32 (ring.node._boundary)
+            dtype = BoundaryDType.F32
+            payload = encode_boundary(result, dtype)
+        h = step_hash(b.pos, b.n_tokens, int(dtype), payload)
+        return StepOutput(b.pos, b.n_tokens, int(dtype), payload, None, h)
 
     def close(self) -> None:
         if self._sampler is not None:

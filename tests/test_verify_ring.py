@@ -1,0 +1,111 @@
+"""A real ring that records: node processes with ``--record DIR`` on real llama.cpp (tiny llama, 3 windows) write
+signed receipts and spool their inputs; answers stay the whole model's; the receipts chain link to link; the
+auditor's key selects a fraction and every selected window re-executes to the same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from kvasir.shard.cache import stage_files
+from kvasir.verify.audit import WindowLog, audit_window, read_json
+from kvasir.verify.commit import VerificationError, WindowReceipt, first_mismatch
+from kvasir.verify.select import key_commitment, new_key, reveal, selected, selection_value
+from tests.conftest import run_cli
+from tests.ringutil import ring_generate, running_ring, whole_model_tokens
+
+WINDOWS = [(0, 2), (2, 4), (4, 6)]
+PROMPT = "The ring passes the hidden state on, window after window, " * 3
+
+
+def _wait_receipts(directory: Path, n: int, timeout: float = 30.0) -> list[Path]:
+    deadline = time.monotonic() + timeout
+    while True:
+        found = sorted((directory / "receipts").glob("*.json"))
+        if len(found) >= n or time.monotonic() > deadline:
+            return found
+        time.sleep(0.1)
+
+
+def test_selection_is_a_keyed_fraction() -> None:
+    key, other = new_key(), new_key()
+    ids = range(1, 20001)
+    picked = [i for i in ids if selected(key, i, (2, 4), 0.02)]
+    assert 300 <= len(picked) <= 500  # 2 % of 20000, within 5 sigma
+    # Another key, or another window of the same request, is another draw.
+    assert picked != [i for i in ids if selected(other, i, (2, 4), 0.02)]
+    assert picked != [i for i in ids if selected(key, i, (4, 6), 0.02)]
+    assert all(0.0 <= selection_value(key, i, (0, 2)) < 1.0 for i in range(100))
+    assert not any(selected(key, i, (0, 2), 0.0) for i in ids) and all(selected(key, i, (0, 2), 1.0) for i in ids)
+
+
+def test_recording_ring_keeps_answers_and_its_receipts_audit(
+    tiny_model: Callable[..., Path], cache_dir: Path, tmp_path: Path
+) -> None:
+    model = tiny_model("llama", "f32")
+    record = tmp_path / "record"
+    want = whole_model_tokens(model, PROMPT, 8)
+    with running_ring(model, WINDOWS, cache_dir, extra_args=("--record", str(record))) as ring:
+        greedy = [ring_generate(ring.sockets[k], PROMPT, 8) for k in (0, 2)]
+        sampled = ring_generate(ring.sockets[1], "Once upon a time", 6, temperature=0.8, seed=77)
+        files = _wait_receipts(record, 9)
+    assert [g["tokens"] for g in greedy] == [want, want]  # recording never changes an answer
+    assert len(sampled["tokens"]) == 6
+    assert len(files) == 9  # 3 requests x 3 windows
+    receipts = [WindowReceipt.from_wire(read_json(p)) for p in files]
+    by_request: dict[int, dict[int, WindowReceipt]] = {}
+    for r in receipts:
+        r.verify()  # signed by the node's key, heads are the chains of the listed hashes
+        by_request.setdefault(r.request, {})[r.start] = r
+    assert len(by_request) == 3 and len({r.node_key for r in receipts}) == 3
+    for chain in by_request.values():
+        # The successor check: each window's input hashes are its predecessor's output hashes, step for step.
+        assert first_mismatch(chain[0].output_hashes, chain[2].input_hashes) is None
+        assert first_mismatch(chain[2].output_hashes, chain[4].input_hashes) is None
+        assert chain[4].last and chain[4].tokens[-1] >= 0
+    # Spooled inputs wait for the key; a key that is not the committed one is refused.
+    assert len(list((record / "pending").glob("*.log.json"))) == 9
+    key = new_key()
+    with pytest.raises(VerificationError, match="commitment"):
+        reveal(record, key, 1.0, commitment=key_commitment(new_key()))
+    done = reveal(record, key, 1.0, commitment=key_commitment(key))
+    assert len(done.selected) == 9 and done.dropped == 0 and done.linked == 6 and not done.broken_links
+    assert not list((record / "pending").glob("*"))
+    stages = stage_files(model, WINDOWS, cache_dir)
+    for path in done.selected:
+        log = WindowLog.from_wire(read_json(path))
+        result = audit_window(stages[WINDOWS.index((log.receipt.start, log.receipt.end))], log.inputs, log.receipt)
+        assert result.ok and result.steps == len(log.receipt.schedule), path.name
+        if log.receipt.last:
+            assert result.token_step is None  # the sampled tokens re-sample to the same
+    # The same through the command line, on one selected log of a middle window.
+    middle = next(p for p in done.selected if "-2-4." in p.name)
+    out = run_cli("audit", "run", str(middle), "--stage", str(stages[1]), "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["ok"] is True
+
+
+def test_ring_up_record_and_audit_select(tiny_model: Callable[..., Path], tmp_path: Path) -> None:
+    model = tiny_model("llama", "f32")
+    record = tmp_path / "rec"
+    out = run_cli(
+        "ring", "up", str(model), "--splits", "0,2,4,6", "--record", str(record), "--threads", "1",
+        "--prompt", PROMPT, "--max-tokens", "6", "--temperature", "0", "--json", "--ctx", "512",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout)["tokens"] == whole_model_tokens(model, PROMPT, 6)
+    assert len(_wait_receipts(record, 3, timeout=5)) == 3
+    key_file = tmp_path / "audit.key"
+    made = run_cli("audit", "select", str(record), "--new-key", str(key_file))
+    assert made.returncode == 0, made.stderr
+    commitment = made.stdout.split()[-1]
+    sel = run_cli(
+        "audit", "select", str(record), "--key", str(key_file), "--fraction", "1", "--commitment", commitment, "--json"
+    )
+    assert sel.returncode == 0, sel.stderr
+    assert json.loads(sel.stdout)["selected"] == 3
