@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kvasir.commands.common import print_json
+from kvasir.commands.id import add_identity_argument, default_identity_path
 
 
 def add_parser(sub: Any) -> None:
@@ -38,6 +39,13 @@ def add_parser(sub: Any) -> None:
     vp.add_argument("--stage", required=True, type=Path, metavar="STAGE.gguf", help="the suspect window's stage file")
     vp.add_argument("--json", action="store_true")
     vp.set_defaults(run=run_verify_proof)
+    sub = actions.add_parser("submit", help="hand a fraud proof to the market, which withdraws the cheater's credit")
+    sub.add_argument("proof", type=Path, metavar="PROOF.json")
+    sub.add_argument("--market", required=True, metavar="URL", help="the market (http:// or https://)")
+    sub.add_argument("--market-ca", type=Path, default=None, metavar="PEM", help="CA bundle for an https:// market")
+    add_identity_argument(sub)
+    sub.add_argument("--json", action="store_true")
+    sub.set_defaults(run=run_submit)
     sel = actions.add_parser("select", help="reveal an audit key over a record directory (or make one)")
     sel.add_argument("directory", type=Path, metavar="DIR", help="a record directory (kvasir node --record DIR)")
     key = sel.add_mutually_exclusive_group(required=True)
@@ -129,3 +137,32 @@ def run_select(args: argparse.Namespace) -> int:
         for b in broken:
             print(f"BROKEN LINK: {b['log']}: step {b['step']} is not what the predecessor signed it sent")
     return 1 if broken else 0
+
+
+def run_submit(args: argparse.Namespace) -> int:
+    """Sign and POST the proof; the market checks it (and may re-execute it) before it withdraws anything."""
+    import trio
+
+    from kvasir.core.identity import load_or_create_identity
+    from kvasir.market.agent.client import MarketClient
+    from kvasir.util.tls import client_context
+    from kvasir.verify.audit import FraudProof, read_json
+
+    proof = FraudProof.from_wire(read_json(args.proof), str(args.proof))  # a malformed file fails here, not there
+    identity = load_or_create_identity(args.identity or default_identity_path())
+
+    async def submit() -> dict[str, Any]:
+        async with MarketClient(args.market, identity=identity, tls=client_context(args.market_ca)) as market:
+            return await market.fraud(proof.to_wire())
+
+    result = trio.run(submit)
+    if args.json:
+        print_json(result)
+    else:
+        again = " (already recorded)" if result.get("duplicate") else ""
+        print(
+            f"market withdrew {result['withdrawn']:g} credit from node {result['node_id']} (layers "
+            f"{result['start']}:{result['end']}); lease revoked: {result['lease_revoked']}; proof {result['proof_id']}"
+            f"{again}"
+        )
+    return 0
