@@ -5,19 +5,27 @@ auditor's key selects a fraction and every selected window re-executes to the sa
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import trio
+import trio.testing
 
+from kvasir.core.identity import Identity
+from kvasir.ring.node import Node, NodeConfig, open_node
+from kvasir.ring.record import NodeRecorder
 from kvasir.shard.cache import stage_files
+from kvasir.testing.fakestage import FakeStage, MemoryNetwork, expected_tokens, fake_ring
 from kvasir.verify.audit import WindowLog, audit_window, read_json
 from kvasir.verify.commit import VerificationError, WindowReceipt, first_mismatch
 from kvasir.verify.select import key_commitment, new_key, reveal, selected, selection_value
 from tests.conftest import run_cli
 from tests.ringutil import ring_generate, running_ring, whole_model_tokens
+from tests.streams import wait_for
 
 WINDOWS = [(0, 2), (2, 4), (4, 6)]
 PROMPT = "The ring passes the hidden state on, window after window, " * 3
@@ -42,6 +50,55 @@ def test_selection_is_a_keyed_fraction() -> None:
     assert picked != [i for i in ids if selected(key, i, (4, 6), 0.02)]
     assert all(0.0 <= selection_value(key, i, (0, 2)) < 1.0 for i in range(100))
     assert not any(selected(key, i, (0, 2), 0.0) for i in ids) and all(selected(key, i, (0, 2), 1.0) for i in ids)
+
+
+async def test_a_replay_after_a_broken_link_is_recorded_once(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    """FakeStages over memory streams: the link 1 -> 2 breaks mid-answer and rank 1 replays into rank 2, which drops
+    what it had seen. Every rank's receipt still lists each position once, and the windows' hashes chain."""
+    from tests.test_failover_flow import PROMPT, answer
+    from tests.test_failover_flow import WINDOWS as FOUR
+
+    net = MemoryNetwork()
+    manifest, stages = fake_ring(FOUR, net, compute_s=0.01)
+    async with trio.open_nursery() as nursery:
+        nodes: list[Node] = []
+        for rank, stage in enumerate(stages):
+            rec = NodeRecorder(tmp_path, Identity.generate(), manifest.model_sha256, FOUR[rank], "FAKE-0")
+            config = NodeConfig(manifest, rank, node_id=f"node{rank}")
+            nodes.append(await nursery.start(_run_node, config, stage, net, rec))
+        await wait_for(lambda: all(n.ready for n in nodes), "the ring to link")
+
+        async def cut() -> None:
+            link = nodes[1].links.successor
+            assert link is not None
+            await link.aclose()
+
+        tokens, end = await answer(nodes[0], 20, 5, cut)
+        assert tokens == expected_tokens(PROMPT, 20) and end.reason == "max_tokens"
+        assert nodes[1].failover.replays == 1 and nodes[2].failover.duplicates >= 1
+        await wait_for(lambda: all(len(n.requests) == 0 for n in nodes), "every node to end the request")
+        nursery.cancel_scope.cancel()  # the receipts' writes are shielded: they finish first
+    receipts = [WindowReceipt.from_wire(read_json(p)) for p in sorted((tmp_path / "receipts").glob("*.json"))]
+    assert len(receipts) == 4
+    by_start = {r.start: r for r in receipts}
+    for r in receipts:
+        r.verify()
+        positions = [pos for pos, _ in r.schedule]
+        assert positions == sorted(set(positions)), "a replayed frame was recorded twice"
+        assert positions == [0, *range(len(PROMPT), len(PROMPT) + 19)]  # the prompt, then 19 decode steps
+    for (a, _), (b, _) in itertools.pairwise(FOUR):
+        assert first_mismatch(by_start[a].output_hashes, by_start[b].input_hashes) is None
+    assert by_start[6].tokens[-1] == tokens[-1]
+
+
+async def _run_node(
+    config: NodeConfig, stage: FakeStage, net: MemoryNetwork, rec: NodeRecorder, task_status: trio.TaskStatus[Node]
+) -> None:
+    async with open_node(config, stage, transport=net, recorder=rec) as node:
+        task_status.started(node)
+        await trio.sleep_forever()
 
 
 def test_recording_ring_keeps_answers_and_its_receipts_audit(

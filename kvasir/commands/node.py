@@ -90,7 +90,8 @@ def add_parser(sub: Any) -> None:
         type=Path,
         default=None,
         metavar="DIR",
-        help="write a signed receipt of every request on this window into DIR, and spool its inputs for audits "
+        help="write a signed receipt of every request on this window (a market node: the window it holds) into DIR, "
+        "and spool its inputs for audits "
         "(docs/verification.md; costs a hash of each frame, and of each logits row on the last rank)",
     )
     p.add_argument(
@@ -320,6 +321,8 @@ def enroll_config(args: argparse.Namespace) -> Any:
         ring_secret=ring_secret,
         allow_private=args.allow_private,
         market_ca=args.market_ca,
+        record_dir=args.record,
+        record_keep=parse_size(args.record_keep),
         **enroll_keys(args),
         stage_config=functools.partial(
             StageConfig, n_ctx=args.ctx, n_seq_max=args.seqs, n_threads=args.threads, n_gpu_layers=args.gpu_layers
