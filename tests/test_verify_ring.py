@@ -16,6 +16,7 @@ import trio
 import trio.testing
 
 from kvasir.core.identity import Identity
+from kvasir.core.sampling import SamplingParams
 from kvasir.ring.node import Node, NodeConfig, open_node
 from kvasir.ring.record import NodeRecorder
 from kvasir.shard.cache import stage_files
@@ -28,6 +29,7 @@ from tests.ringutil import ring_generate, running_ring, whole_model_tokens
 from tests.streams import wait_for
 
 WINDOWS = [(0, 2), (2, 4), (4, 6)]
+GREEDY_PARAMS = SamplingParams.GREEDY
 PROMPT = "The ring passes the hidden state on, window after window, " * 3
 
 
@@ -50,6 +52,38 @@ def test_selection_is_a_keyed_fraction() -> None:
     assert picked != [i for i in ids if selected(key, i, (4, 6), 0.02)]
     assert all(0.0 <= selection_value(key, i, (0, 2)) < 1.0 for i in range(100))
     assert not any(selected(key, i, (0, 2), 0.0) for i in ids) and all(selected(key, i, (0, 2), 1.0) for i in ids)
+
+
+def _five_requests(rec: NodeRecorder) -> None:
+    payload = bytes(range(256)) * 4
+    for request in range(1, 6):
+        rec.begin(request, last=False, sampling=GREEDY_PARAMS, history=())
+        rec.on_input(request, 0, 1, 0, payload)
+        rec.on_output(request, 0, 1, 0, payload)
+        rec.on_input(request, 1, 1, 0, payload)  # the request ends before this step's output
+        done = rec.end(request)
+        assert done is not None
+        rec.write(done)
+
+
+def test_the_spool_is_bounded_and_an_interrupted_step_is_not_signed(tmp_path: Path) -> None:
+    identity = Identity.generate()
+    probe = NodeRecorder(tmp_path / "probe", identity, "ab" * 32, (2, 4), "CPU-0")
+    _five_requests(probe)
+    one = probe.spool_bytes // 5  # the logs differ only in their request id: the same size
+    rec = NodeRecorder(tmp_path, identity, "ab" * 32, (2, 4), "CPU-0", keep_bytes=2 * one + one // 2)
+    _five_requests(rec)
+    assert rec.written == 5 and rec.evicted == 3 and rec.spool_bytes == 2 * one
+    assert len(list((tmp_path / "receipts").glob("*.json"))) == 5  # receipts stay; only spooled inputs go
+    kept = sorted((tmp_path / "pending").glob("*.log.json"))
+    assert [p.name[:16] for p in kept] == [f"{4:016x}", f"{5:016x}"]
+    log = WindowLog.from_wire(read_json(kept[-1]))
+    log.receipt.verify()
+    assert log.receipt.schedule == ((0, 1),) and len(log.inputs) == 1  # signed up to its last complete step
+    # A node that restarts on the same directory counts the spool it left.
+    assert NodeRecorder(tmp_path, identity, "ab" * 32, (2, 4), "CPU-0").spool_bytes == rec.spool_bytes
+    rec.begin(9, last=False, sampling=GREEDY_PARAMS, history=())
+    assert rec.end(9) is None  # nothing computed here: nothing to sign
 
 
 async def test_a_replay_after_a_broken_link_is_recorded_once(

@@ -375,7 +375,10 @@ class Node:
             with trio.CancelScope(shield=True):  # a node shutting down still writes what it answered (milliseconds)
                 await trio.to_thread.run_sync(recorder.write, record)
 
-        self._nursery.start_soon(write)
+        try:
+            self._nursery.start_soon(write)
+        except RuntimeError:  # the node has stopped (a request ended in its teardown): write it here
+            recorder.write(record)
 
     # ------------------------------------------------------------------------------------------ sending
 

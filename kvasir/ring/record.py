@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
@@ -81,6 +82,7 @@ class NodeRecorder:
         self._spool: OrderedDict[Path, int] = OrderedDict((p, p.stat().st_size) for p in spool)
         self.spool_bytes = sum(self._spool.values())
         self.written = self.evicted = self.failed = 0
+        self._lock = threading.Lock()
 
     def begin(self, request: int, *, last: bool, sampling: SamplingParams, history: Sequence[int]) -> None:
         rec = Recorder(
@@ -122,24 +124,26 @@ class NodeRecorder:
 
     def write(self, done: OpenRecord) -> None:
         """Sign and store a record (blocking: run it in a worker thread), then trim the spool to ``keep_bytes``."""
-        record = done.log(self.identity)
-        r = record.receipt
-        name = log_name(r.request, (r.start, r.end))
+        request = done.recorder.request
         try:
-            write_json(self.directory / RECEIPTS / f"{name}.json", r.to_wire())
+            record = done.log(self.identity)
+            name = log_name(request, self.window)
+            write_json(self.directory / RECEIPTS / f"{name}.json", record.receipt.to_wire())
             path = self.directory / PENDING / f"{name}.log.json"
             write_json(path, record.to_wire())
             size = path.stat().st_size
         except (KvasirError, OSError) as exc:  # a full disk must not fail the ring: the request is already answered
-            self.failed += 1
-            log.warning("request %x: receipt not written: %s", r.request, exc)
+            with self._lock:
+                self.failed += 1
+            log.warning("request %x: receipt not written: %s", request, exc)
             return
-        self.written += 1
-        self._spool[path] = size
-        self.spool_bytes += size
-        while self.spool_bytes > self.keep_bytes and len(self._spool) > 1:
-            old, old_size = self._spool.popitem(last=False)
-            self.spool_bytes -= old_size
-            with contextlib.suppress(FileNotFoundError):  # gone already when the auditor revealed its key over it
-                os.unlink(old)
-            self.evicted += 1
+        with self._lock:  # requests end in several worker threads at once
+            self.written += 1
+            self._spool[path] = size
+            self.spool_bytes += size
+            while self.spool_bytes > self.keep_bytes and len(self._spool) > 1:
+                old, old_size = self._spool.popitem(last=False)
+                self.spool_bytes -= old_size
+                with contextlib.suppress(FileNotFoundError):  # gone already if the auditor revealed its key over it
+                    os.unlink(old)
+                self.evicted += 1
