@@ -84,6 +84,11 @@ def test_the_spool_is_bounded_and_an_interrupted_step_is_not_signed(tmp_path: Pa
     assert NodeRecorder(tmp_path, identity, "ab" * 32, (2, 4), "CPU-0").spool_bytes == rec.spool_bytes
     rec.begin(9, last=False, sampling=GREEDY_PARAMS, history=())
     assert rec.end(9) is None  # nothing computed here: nothing to sign
+    # The key's reveal decides by the logs' names: at f = 0 every spooled log goes, every receipt stays.
+    key = new_key()
+    done = reveal(tmp_path, key, 0.0)
+    assert (done.selected, done.dropped) == ((), 2) and not list((tmp_path / "pending").iterdir())
+    assert len(list((tmp_path / "receipts").glob("*.json"))) == 5
 
 
 async def test_a_replay_after_a_broken_link_is_recorded_once(
@@ -164,9 +169,11 @@ def test_recording_ring_keeps_answers_and_its_receipts_audit(
     key = new_key()
     with pytest.raises(VerificationError, match="commitment"):
         reveal(record, key, 1.0, commitment=key_commitment(new_key()))
+    (record / "pending" / "notes.log.json").write_text("{}")  # not named like a log: left alone
     done = reveal(record, key, 1.0, commitment=key_commitment(key))
+    assert done.skipped == (record / "pending" / "notes.log.json",)
     assert len(done.selected) == 9 and done.dropped == 0 and done.linked == 6 and not done.broken_links
-    assert not list((record / "pending").glob("*"))
+    assert [p.name for p in (record / "pending").glob("*")] == ["notes.log.json"]
     stages = stage_files(model, WINDOWS, cache_dir)
     for path in done.selected:
         log = WindowLog.from_wire(read_json(path))

@@ -129,6 +129,7 @@ def run_select(args: argparse.Namespace) -> int:
                 "dropped": done.dropped,
                 "linked": done.linked,
                 "broken_links": broken,
+                "skipped": [str(p) for p in done.skipped],
                 "logs": [str(p) for p in done.selected],
             }
         )
@@ -136,6 +137,8 @@ def run_select(args: argparse.Namespace) -> int:
         print(f"{len(done.selected)} selected (in {args.directory / 'selected'}), {done.dropped} dropped")
         for b in broken:
             print(f"BROKEN LINK: {b['log']}: step {b['step']} is not what the predecessor signed it sent")
+        for p in done.skipped:
+            print(f"skipped {p}: not a log of the request and window its name says")
     return 1 if broken else 0
 
 

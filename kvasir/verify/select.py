@@ -69,6 +69,8 @@ class Revealed:
     linked: int
     #: Selected logs whose inputs are not what the predecessor signed it sent: (log, first differing step).
     broken_links: tuple[tuple[Path, int], ...]
+    #: Pending files left where they are: not named like a log, not a log, or not of the request its name says.
+    skipped: tuple[Path, ...] = ()
 
 
 def reveal(directory: Path, key: bytes, fraction: float, *, commitment: str | None = None) -> Revealed:
@@ -84,13 +86,25 @@ def reveal(directory: Path, key: bytes, fraction: float, *, commitment: str | No
     out.mkdir(exist_ok=True)
     chosen: list[Path] = []
     broken: list[tuple[Path, int]] = []
+    skipped: list[Path] = []
     dropped = linked = 0
     for path in sorted(pending.glob("*.log.json")):
-        log = WindowLog.from_wire(read_json(path), str(path))
-        r = log.receipt
-        if not selected(key, r.request, (r.start, r.end), fraction):
-            path.unlink()
+        named = _parse_name(path.name.removesuffix(".log.json"))
+        if named is None:
+            skipped.append(path)
+            continue
+        if not selected(key, named[0], named[1], fraction):
+            path.unlink()  # decided by its name: an unselected log is never read
             dropped += 1
+            continue
+        try:
+            log = WindowLog.from_wire(read_json(path), str(path))
+        except InputError:
+            skipped.append(path)
+            continue
+        r = log.receipt
+        if (r.request, (r.start, r.end)) != named:  # not what its name says: left for the auditor to look at
+            skipped.append(path)
             continue
         pred = log.predecessor or _predecessor(directory, r)
         if pred is not None:
@@ -102,7 +116,18 @@ def reveal(directory: Path, key: bytes, fraction: float, *, commitment: str | No
         write_json(out / path.name, log.to_wire())
         path.unlink()
         chosen.append(out / path.name)
-    return Revealed(tuple(chosen), dropped, linked, tuple(broken))
+    return Revealed(tuple(chosen), dropped, linked, tuple(broken), tuple(skipped))
+
+
+def _parse_name(stem: str) -> tuple[int, tuple[int, int]] | None:
+    """``(request, window)`` of a :func:`log_name`, or None when the name is not one."""
+    parts = stem.split("-")
+    if len(parts) != 3 or len(parts[0]) != 16:
+        return None
+    try:
+        return int(parts[0], 16), (int(parts[1]), int(parts[2]))
+    except ValueError:
+        return None
 
 
 def _predecessor(directory: Path, receipt: WindowReceipt) -> WindowReceipt | None:
