@@ -3,6 +3,7 @@ ring that gives exactly the whole model's tokens, get credited, and heal when a 
 
 from __future__ import annotations
 
+import itertools
 import json
 import signal
 import time
@@ -15,6 +16,8 @@ import httpx
 from kvasir.control.client import ControlClient
 from kvasir.shard.gguf_io import read_gguf
 from kvasir.shard.slice import window_ranges
+from kvasir.verify.audit import read_json
+from kvasir.verify.commit import WindowReceipt, first_mismatch
 from tests.marketutil import Proc, coverage, procs, wait_for
 from tests.ringutil import ring_generate, whole_model_tokens
 
@@ -94,7 +97,10 @@ def test_empty_nodes_enroll_serve_earn_and_heal(tiny_model: Callable[..., Path],
         _seed_and_publish(ps, model, url, *operator)  # signed by the operator: nodes pinned to its key load it
 
         t0 = time.monotonic()
-        nodes = {name: _node(url, name, tmp_path, budget, "--market-key", key) for name, budget in BUDGETS.items()}
+        record = ("--record", str(tmp_path / "record"))  # market nodes sign receipts of what they serve
+        nodes = {
+            name: _node(url, name, tmp_path, budget, "--market-key", key, *record) for name, budget in BUDGETS.items()
+        }
         ps.extend(nodes.values())
         status = {name: _enrolled(p) for name, p in nodes.items()}
         live = wait_for(lambda: coverage(url)["live"], 120, "full coverage")
@@ -116,6 +122,11 @@ def test_empty_nodes_enroll_serve_earn_and_heal(tiny_model: Callable[..., Path],
 
         got = wait_for(lambda: ring_generate(tmp_path / "big.sock", PROMPT, 12), 60, "a ring reply")
         assert got["tokens"] == want
+        receipts = wait_for(lambda: _receipts(tmp_path / "record", 3), 30, "three receipts of the request")
+        assert {r.key.fingerprint for r in receipts} == {st["node_id"] for st in status.values()}
+        chain = sorted(receipts, key=lambda r: r.start)
+        for a, b in itertools.pairwise(chain):
+            assert first_mismatch(a.output_hashes, b.input_hashes) is None
         for name in nodes:  # every link authenticated by key and window ticket, and encrypted (protocol v2)
             with ControlClient(tmp_path / f"{name}.sock", 10) as c:
                 links = c.status()["links"]
@@ -155,6 +166,13 @@ def test_empty_nodes_enroll_serve_earn_and_heal(tiny_model: Callable[..., Path],
         assert status_cli.wait(60) == 0
         text = "\n".join(status_cli.out)
         assert "2/3 windows covered, not live" in text and "contributions" in text
+
+
+def _receipts(directory: Path, n: int) -> list[WindowReceipt] | None:
+    found = [WindowReceipt.from_wire(read_json(p)) for p in sorted((directory / "receipts").glob("*.json"))]
+    for r in found:
+        r.verify()
+    return found if len(found) >= n else None
 
 
 def _try(sock: Path) -> dict[str, object] | None:

@@ -46,6 +46,13 @@ def add_parser(sub: Any) -> None:
         metavar="KEY",
         help="the key (ed25519:…) whose signature publishing needs (default: this machine's identity)",
     )
+    p.add_argument(
+        "--judge-stages",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="stage files the market re-executes fraud proofs on (default: act only on the operator's proofs)",
+    )
     add_tls_arguments(p, "serve https:// (needs --tls-key)")
     add_identity_argument(p)
     p.set_defaults(run=run_serve)
@@ -118,8 +125,22 @@ def run_serve(args: argparse.Namespace) -> int:
                 flush=True,
             )
 
+    judge = None
+    if args.judge_stages is not None:
+        from kvasir.market.server.fraud import StageJudge
+
+        judge = StageJudge(args.judge_stages)
+        print(f"kvasir market: judging fraud proofs on {len(judge.stages)} stage file(s)", flush=True)
     serve = functools.partial(
-        serve_market, args.db, host, port, identity=identity, operator=operator, tls=tls, task_status=Announce()
+        serve_market,
+        args.db,
+        host,
+        port,
+        identity=identity,
+        operator=operator,
+        tls=tls,
+        judge=judge,
+        task_status=Announce(),
     )
     trio.run(serve)
     return 0

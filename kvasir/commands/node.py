@@ -23,7 +23,7 @@ from kvasir.commands.config import fill_from_config
 from kvasir.commands.id import add_identity_argument, default_identity_path
 from kvasir.control.paths import node_socket_path
 from kvasir.control.server import serve_control
-from kvasir.core.identity import load_or_create_identity
+from kvasir.core.identity import Identity, load_or_create_identity
 from kvasir.core.schedule import PREFILL_CHUNK
 from kvasir.errors import InputError
 from kvasir.relay.ringlink import relay_connector
@@ -84,6 +84,21 @@ def add_parser(sub: Any) -> None:
         default=15.0,
         metavar="S",
         help="how long requests wait for a lost neighbour's window to come back before failing (default 15 s)",
+    )
+    p.add_argument(
+        "--record",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="write a signed receipt of every request on this window (a market node: the window it holds) into DIR, "
+        "and spool its inputs for audits "
+        "(docs/verification.md; costs a hash of each frame, and of each logits row on the last rank)",
+    )
+    p.add_argument(
+        "--record-keep",
+        default="1GiB",
+        metavar="SIZE",
+        help="cap on the input spool under --record DIR/pending, oldest out first (default 1GiB)",
     )
     m = p.add_argument_group("self-enrollment (instead of --manifest/--rank)")
     m.add_argument("--market", metavar="URL", help="claim a window from this market and join its ring")
@@ -233,8 +248,11 @@ async def serve_node(manifest: Manifest, rank: int, config: StageConfig, args: a
             link_wait=max(30.0, args.failover_wait + 5.0),
             standby=args.standby is not None,
         )
+        recorder = None
+        if args.record is not None:
+            recorder = await trio.to_thread.run_sync(node_recorder, args, manifest, stage, identity)
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            async with open_node(node_config, stage) as node, trio.open_nursery() as nursery:
+            async with open_node(node_config, stage, recorder=recorder) as node, trio.open_nursery() as nursery:
                 control = args.control or node_socket_path(rank, manifest.rank(rank).port)
                 await nursery.start(serve_control, node, control)
                 if args.api_port is not None:
@@ -259,6 +277,18 @@ async def serve_node(manifest: Manifest, rank: int, config: StageConfig, args: a
                     break
     finally:
         stage.close()
+
+
+def node_recorder(args: argparse.Namespace, manifest: Manifest, stage: Stage, identity: Identity | None) -> Any:
+    """The receipts writer of ``--record DIR``: signed with the node's identity (the default one if none is named)."""
+    from kvasir.ring.record import NodeRecorder
+    from kvasir.verify.kernel import stage_kernel_class
+
+    identity = identity or load_or_create_identity(default_identity_path())
+    args.record.mkdir(parents=True, exist_ok=True)
+    window = (stage.info.start, stage.info.end)
+    cls, keep = stage_kernel_class(stage), parse_size(args.record_keep)
+    return NodeRecorder(args.record, identity, manifest.model_sha256, window, cls, keep_bytes=keep)
 
 
 def run_enrolled(args: argparse.Namespace) -> int:
@@ -291,6 +321,8 @@ def enroll_config(args: argparse.Namespace) -> Any:
         ring_secret=ring_secret,
         allow_private=args.allow_private,
         market_ca=args.market_ca,
+        record_dir=args.record,
+        record_keep=parse_size(args.record_keep),
         **enroll_keys(args),
         stage_config=functools.partial(
             StageConfig, n_ctx=args.ctx, n_seq_max=args.seqs, n_threads=args.threads, n_gpu_layers=args.gpu_layers

@@ -64,6 +64,13 @@ def add_parser(sub: Any) -> None:
         action="store_true",
         help="also run one standby node per rank (loaded, idle): a window that dies comes back from it at once",
     )
+    up.add_argument(
+        "--record",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="every node writes signed receipts of its requests (and spools their inputs for audits) into DIR",
+    )
     up.add_argument("--seqs", type=int, default=8, help="concurrent requests per node")
     up.add_argument("--gpu-layers", type=int, default=None, help="layers on the GPU per node (-1 all; default 0)")
     up.set_defaults(run=run_up)
@@ -116,7 +123,10 @@ def run_up(args: argparse.Namespace) -> int:
             standby=args.standby,
             default_control=args.prompt is None,
             tied=True,
-            extra_args=("--gpu-layers", str(args.gpu_layers)) if args.gpu_layers else (),
+            extra_args=(
+                *(("--gpu-layers", str(args.gpu_layers)) if args.gpu_layers else ()),
+                *(("--record", str(args.record.resolve())) if args.record is not None else ()),
+            ),
         )
         try:
             stopper.arm()

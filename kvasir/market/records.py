@@ -476,3 +476,21 @@ register_record(ManifestRecord, key_order=("model", "origin", "windows"))
 register_record(DemandReport)
 register_record(Receipt)
 register_record(ReceiptBatch)
+
+
+@attrs.frozen
+class FraudRecord:
+    """What the market writes down when it acts on a fraud proof (``POST /v1/fraud``, docs/market.md § Fraud):
+    the proof's id, the suspect (its key's fingerprint) and window, the request and step the proof names, who
+    submitted it and how it was judged (``reexecuted``: the market ran the window; ``operator``: the operator
+    vouched for a proof the market could not run)."""
+
+    proof_id: str
+    node_id: str
+    model: str
+    start: int
+    end: int
+    request: int
+    step: int
+    submitter: str
+    verdict: str

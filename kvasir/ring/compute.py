@@ -105,6 +105,10 @@ class RingStage(Protocol):
         """The boundary ``[n, n_embd]`` for this chunk (None on the last stage)."""
         ...
 
+    def logits(self, index: int = -1) -> Any:
+        """A copy of the last row's logits (last stage, after a forward): what a receipt hashes."""
+        ...
+
     def free_sequence(self, seq_id: int) -> None: ...
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:

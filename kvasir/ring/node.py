@@ -38,6 +38,7 @@ from kvasir.ring.edges import RelayConnect, RingEdges
 from kvasir.ring.events import EventHub
 from kvasir.ring.linkmgr import LinkManager, SuccessorLost, Transport
 from kvasir.ring.manifest import Manifest
+from kvasir.ring.record import NodeRecorder
 from kvasir.ring.requests import (
     REASONS,
     ClientEvent,
@@ -133,17 +134,22 @@ async def open_node(
     market_view: MarketView | None = None,
     transport: Transport | None = None,
     rng: random.Random | None = None,
+    recorder: NodeRecorder | None = None,
 ) -> AsyncIterator[Node]:
     """Run a node: its links (listening once this returns: ``node.port``), its reaper and its requests' compute.
 
     Leaving the block fails every request still in flight with an error reply (SHUTTING_DOWN), then stops.
-    ``transport`` replaces TCP for direct links (fast tests); ``rng`` draws the redial jitter.
+    ``transport`` replaces TCP for direct links (fast tests); ``rng`` draws the redial jitter; ``recorder`` writes
+    the node's signed receipts (kvasir.ring.record).
     """
     credentials = _credentials(config, config.manifest)  # before the nursery: a bad key is one plain InputError
     async with trio.open_nursery() as nursery:
         node = Node(
             config, stage, nursery, market_view=market_view, transport=transport, rng=rng, credentials=credentials
         )
+        node.recorder = recorder
+        if recorder is not None:
+            node.requests.on_end = node._record_end
         await nursery.start(node.links.run)
         nursery.start_soon(node.requests.reap, config.stall_timeout + config.link_wait)
         log.info("rank %d up (port %d), layers %d:%d", node.rank, node.port, stage.info.start, stage.info.end)
@@ -195,6 +201,7 @@ class Node:
         self._market_view = market_view
         self.started_at = trio.current_time()
         self.requests = RequestTable(stage, self.hub, config.rank)
+        self.recorder: NodeRecorder | None = None
         self.failover = FailoverStatus()
         self._terminal: deque[tuple[float, Frame]] = deque(maxlen=TERMINAL_MEMORY)
         #: Link generations: a failover timer acts only if no newer link came (and went) since it started.
@@ -357,6 +364,22 @@ class Node:
     def _count_error(self) -> None:
         self.requests.errors += 1
 
+    def _record_end(self, request_id: int) -> None:
+        """The request ended here: sign and write its receipt off the event loop (it is answered already)."""
+        assert self.recorder is not None
+        record, recorder = self.recorder.end(request_id), self.recorder
+        if record is None:
+            return
+
+        async def write() -> None:
+            with trio.CancelScope(shield=True):  # a node shutting down still writes what it answered (milliseconds)
+                await trio.to_thread.run_sync(recorder.write, record)
+
+        try:
+            self._nursery.start_soon(write)
+        except RuntimeError:  # the node has stopped (a request ended in its teardown): write it here
+            recorder.write(record)
+
     # ------------------------------------------------------------------------------------------ sending
 
     async def _send(self, frame: Frame) -> None:
@@ -367,6 +390,10 @@ class Node:
         if not state.done:
             state.sent.append(frame)
             state.sent_bytes += _frame_bytes(frame)
+            if self.recorder is not None and isinstance(frame, Boundary):
+                self.recorder.on_output(
+                    frame.request_id, frame.first_position, frame.n_tokens, frame.dtype.value, frame.payload
+                )
         try:
             await self.links.send(frame)
         except SuccessorLost:
@@ -468,6 +495,8 @@ class Node:
         if self.last:
             sampler = functools.partial(self.stage.new_sampler, start.sampling)
         state = self.requests.register(start, entry, check_vocab=self.first or self.last, sampler=sampler)
+        if self.recorder is not None:
+            self.recorder.begin(start.request_id, last=self.last, sampling=start.sampling, history=start.prompt)
         if self.last:
             state.text_stream = TextStream(self.stage.vocab)
         return state
@@ -480,6 +509,8 @@ class Node:
         chunk = max(1, min(self.config.prefill_chunk, self.stage.config.n_batch))
         try:
             for i in range(0, len(prompt), chunk):
+                if self.recorder is not None:
+                    self.recorder.on_tokens(state.request_id, i, prompt[i : i + chunk])
                 hidden = await self._compute(state, i, tokens=prompt[i : i + chunk])
                 if hidden is None:
                     return
@@ -507,6 +538,10 @@ class Node:
             return
         if frame.first_position >= state.prompt_len and frame.latest_token >= 0:
             self.requests.see(state, frame.first_position - state.prompt_len, frame.latest_token)
+        if self.recorder is not None:
+            self.recorder.on_input(
+                frame.request_id, frame.first_position, frame.n_tokens, frame.dtype.value, frame.payload
+            )
         try:
             if not self.last:
                 hidden = await self._compute(state, frame.first_position, hidden=frame.to_array())
@@ -537,7 +572,13 @@ class Node:
 
         def forward_and_sample() -> int | None:
             self.stage.forward(state.seq, frame.first_position, hidden=hidden)
-            return self.stage.sample(sampler) if frame.final else None
+            token = self.stage.sample(sampler) if frame.final else None
+            if recorder is not None:  # hashes the logits row (1 MiB on a 262k vocabulary) here, off the event loop
+                logits = self.stage.logits().tobytes()
+                recorder.on_sample(frame.request_id, frame.first_position, frame.n_tokens, logits, token)
+            return token
+
+        recorder = self.recorder
 
         async with state.lock:
             if state.done:
@@ -571,6 +612,8 @@ class Node:
         if await self._seen_before(state, frame.position, frame.token_id.to_bytes(4, "little")):
             return
         self.requests.see(state, frame.position - state.prompt_len, frame.token_id)
+        if self.recorder is not None:
+            self.recorder.on_tokens(state.request_id, frame.position, [frame.token_id])
         try:
             hidden = await self._compute(state, frame.position, tokens=[frame.token_id])
             if hidden is not None:

@@ -204,6 +204,8 @@ class RequestTable:
         self.tokens = 0
         self.boundaries = 0
         self.errors = 0
+        #: Called with the request id once a request ended here and its compute is over (the node's receipts).
+        self.on_end: Callable[[int], None] | None = None
 
     def get(self, request_id: int) -> RequestState | None:
         return self._states.get(request_id)
@@ -332,6 +334,8 @@ class RequestTable:
             # find this sequence free.
             if state.entry is not None:
                 state.entry.finish(reason, state.prompt_len, state.seen, error, code.name.lower() if code else None)
+        if self.on_end is not None:
+            self.on_end(state.request_id)
         self.hub.publish(
             {
                 "type": "request",

@@ -194,6 +194,11 @@ class FakeStage:
             return EOG
         return next_token(token, pos)
 
+    def logits(self, index: int = -1) -> np.ndarray[Any, np.dtype[np.float32]]:
+        if not self.info.last or self._last_row is None:
+            raise StageError("only the last stage has logits, after a forward")
+        return self._last_row.copy()
+
     def free_sequence(self, seq_id: int) -> None:
         self._next_pos.pop(seq_id, None)
 

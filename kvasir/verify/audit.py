@@ -7,6 +7,7 @@ a :class:`FraudProof` that anyone of the class checks with ``kvasir audit verify
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 import time
@@ -19,7 +20,7 @@ import numpy as np
 
 from kvasir.core.sampling import SamplingParams
 from kvasir.core.schema import Json
-from kvasir.errors import InputError
+from kvasir.errors import InputError, ProtocolError
 from kvasir.stage.engine import Stage, StageConfig
 from kvasir.util.files import atomic_output
 from kvasir.verify.commit import (
@@ -141,9 +142,14 @@ class WindowRunner:
             h = step_hash(b.pos, b.n_tokens, LOGITS_TOKEN, sample_payload(payload, token))
             return StepOutput(b.pos, b.n_tokens, LOGITS_TOKEN, payload, token, h)
         assert result is not None
-        payload = encode_boundary(result, self.out_dtype)
-        h = step_hash(b.pos, b.n_tokens, int(self.out_dtype), payload)
-        return StepOutput(b.pos, b.n_tokens, int(self.out_dtype), payload, None, h)
+        dtype = self.out_dtype
+        try:
+            payload = encode_boundary(result, dtype)
+        except ProtocolError:  # beyond f16's range: the ring node sends this step in f32 (ring.node._boundary)
+            dtype = BoundaryDType.F32
+            payload = encode_boundary(result, dtype)
+        h = step_hash(b.pos, b.n_tokens, int(dtype), payload)
+        return StepOutput(b.pos, b.n_tokens, int(dtype), payload, None, h)
 
     def close(self) -> None:
         if self._sampler is not None:
@@ -319,12 +325,10 @@ def make_proof(
     return FraudProof(receipt, tuple(inputs[: result.step + 1]), result.step, predecessor)
 
 
-def verify_proof(proof: FraudProof, stage: Stage | Path) -> AuditResult:
-    """Check a fraud proof from scratch: signatures, the inputs against both receipts, then re-execution.
-
-    Returns the re-execution's verdict (``ok`` False: the proof holds); VerificationError when the proof itself is
-    malformed or this machine cannot judge it.
-    """
+def check_proof(proof: FraudProof) -> None:
+    """Everything about a fraud proof that needs no window: both receipts' signatures, the inputs against the
+    suspect's committed input hashes and schedule, and the predecessor's signed outputs against them.
+    VerificationError when any fails (the proof is malformed: it says nothing about the suspect)."""
     s = proof.suspect
     s.verify()
     if not 0 <= proof.step < len(s.output_hashes) or len(proof.inputs) != proof.step + 1:
@@ -338,8 +342,22 @@ def verify_proof(proof: FraudProof, stage: Stage | Path) -> AuditResult:
         bad = first_mismatch(p.output_hashes[: proof.step + 1], s.input_hashes[: proof.step + 1])
         if bad is not None:
             raise VerificationError(f"at step {bad} the suspect's input is not the predecessor's output")
-    result = audit_window(stage, proof.inputs, s)
-    return result
+
+
+def proof_id(proof: FraudProof) -> str:
+    """A proof's identity: sha256 over its canonical JSON (what a market writes down with a withdrawal)."""
+    body = json.dumps(proof.to_wire(), sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(body).hexdigest()
+
+
+def verify_proof(proof: FraudProof, stage: Stage | Path) -> AuditResult:
+    """Check a fraud proof from scratch: :func:`check_proof`, then re-execution.
+
+    Returns the re-execution's verdict (``ok`` False: the proof holds); VerificationError when the proof itself is
+    malformed or this machine cannot judge it.
+    """
+    check_proof(proof)
+    return audit_window(stage, proof.inputs, proof.suspect)
 
 
 def proof_summary(proof: FraudProof, result: AuditResult) -> str:

@@ -152,6 +152,11 @@ class MarketClient:
         result: dict[str, Any] = await self._call("POST", "/v1/credits", report.to_wire())
         return result
 
+    async def fraud(self, proof: Any) -> dict[str, Any]:
+        """Submit a fraud proof's wire form (``POST /v1/fraud``): the withdrawal the market wrote down."""
+        result: dict[str, Any] = await self._call("POST", "/v1/fraud", proof)
+        return result
+
     async def status(self) -> dict[str, Any]:
         result: dict[str, Any] = await self._call("GET", "/v1/status")
         return result

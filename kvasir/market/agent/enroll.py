@@ -61,6 +61,7 @@ from kvasir.relay.ringlink import market_grant_connector, secret_connector
 from kvasir.ring.edges import RelayConnect
 from kvasir.ring.manifest import Manifest, RankEntry
 from kvasir.ring.node import Node, NodeConfig, open_node
+from kvasir.ring.record import NodeRecorder
 from kvasir.ring.status import MarketWindow
 from kvasir.shard.fetch import FetchResult, fetch_window, verify_stage
 from kvasir.stage.engine import Stage, StageConfig
@@ -105,6 +106,9 @@ class EnrollConfig:
     #: Stage settings and node settings (everything but the manifest and rank).
     stage_config: Callable[[Path], StageConfig] = StageConfig
     node_options: dict[str, Any] = attrs.field(factory=dict)
+    #: ``kvasir node --record DIR``: signed receipts of every request on the window held (kvasir.ring.record).
+    record_dir: Path | None = None
+    record_keep: int = 1 << 30
 
     @property
     def node_id(self) -> str:
@@ -295,6 +299,21 @@ class Enrollment:
         if auth.signature_ok(self.operator_key, auth.delegation_message(market), info.get("delegation")):
             self.ticket_issuer = market
 
+    def _recorder(self, window: CoverageEntry, stage: Stage) -> NodeRecorder:
+        from kvasir.verify.kernel import stage_kernel_class
+
+        cfg = self.config
+        assert cfg.record_dir is not None
+        cfg.record_dir.mkdir(parents=True, exist_ok=True)
+        return NodeRecorder(
+            cfg.record_dir,
+            cfg.identity,
+            window.model,
+            (window.start, window.end),
+            stage_kernel_class(stage),
+            keep_bytes=cfg.record_keep,
+        )
+
     def _relay_connect(self) -> RelayConnect | None:
         """How this node joins its relay edges: with the edge grants the market signs with each lease renewal, or
         (a relay that still takes v1 tokens) with the ring secret."""
@@ -410,8 +429,11 @@ class Enrollment:
                     ticket=self._ticket,
                     **cfg.node_options,
                 )
+                recorder = None
+                if cfg.record_dir is not None:
+                    recorder = await trio.to_thread.run_sync(self._recorder, window, stage)
                 async with (
-                    open_node(node_config, stage, market_view=lambda: self.market_view) as node,
+                    open_node(node_config, stage, market_view=lambda: self.market_view, recorder=recorder) as node,
                     trio.open_nursery() as serving,
                 ):
                     port = node.port

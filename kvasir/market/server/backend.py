@@ -16,6 +16,8 @@ Contracts an engine must keep (tests/test_market*.py check them through the SQLi
 - A published model record is immutable (409 ``model_immutable``); a manifest replaces the last one and drops
   leases on windows it no longer has.
 - Demand, receipts, credit and every reply are bounded (docs/market.md § Trust).
+- ``withdraw`` is idempotent per proof id: it zeroes the suspect's credit on the window, revokes its lease there
+  and refuses its claims on the model (403 ``banned``) until the ban ends; ``claim`` checks the ban.
 - After a downtime, leases that were live when the store last wrote get back the time they had left.
 """
 
@@ -28,6 +30,7 @@ from kvasir.market.records import (
     ClaimRequest,
     CreditReport,
     DemandReport,
+    FraudRecord,
     Lease,
     LeaseRef,
     ManifestRecord,
@@ -74,3 +77,8 @@ class MarketBackend(Protocol):
     def add_receipts(self, batch: ReceiptBatch) -> dict[str, Any]: ...
     def credit(self, report: CreditReport, holder_key: str | None = None) -> dict[str, Any]: ...
     def ledger(self) -> dict[str, Any]: ...
+
+    # Fraud proofs (docs/market.md § Fraud): the service checks the proof; the store acts on it.
+    def holds_lease(self, node_id: str, model: str) -> bool: ...
+    def withdraw(self, fraud: FraudRecord) -> dict[str, Any]: ...
+    def frauds(self) -> dict[str, Any]: ...

@@ -5,7 +5,8 @@ thread, at most ``store.concurrency`` at once (the SQLite store's one connection
 once). The routes know the store only as :class:`~kvasir.market.server.backend.MarketBackend`.
 
 Every write is signed (kvasir.market.auth): models, manifests and the delegation by the operator's key; claims,
-renewals, releases, demand and credit reports by the node whose ``node_id`` is its key's fingerprint.
+renewals, releases, demand and credit reports by the node whose ``node_id`` is its key's fingerprint; fraud proofs
+by the operator or another holder of the model (kvasir.market.server.fraud).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from kvasir.market.records import (
     ClaimRequest,
     CreditReport,
     DemandReport,
+    FraudRecord,
     Lease,
     LeaseRef,
     ManifestRecord,
@@ -39,10 +41,13 @@ from kvasir.market.records import (
     sha256_field,
 )
 from kvasir.market.server.backend import MarketBackend
+from kvasir.market.server.fraud import ProofJudge
 from kvasir.market.tickets import MAX_TICKET_S, WindowTicket, issue_ticket
 from kvasir.net.http import ApiLimits, HttpConnection, HttpError, HttpRequest, serve_http
 from kvasir.relay.grant import EdgeGrant, sign_grant
 from kvasir.relay.token import Role
+from kvasir.verify.audit import FraudProof, check_proof, proof_id
+from kvasir.verify.commit import VerificationError
 
 log = logging.getLogger("kvasir.market")
 T = TypeVar("T")
@@ -54,10 +59,20 @@ MARKET_LIMITS = ApiLimits(max_body_bytes=1024 * 1024, max_connections=512)
 
 class MarketService:
     """The routes. ``identity``: the market's own key (it signs window tickets); ``operator``: the key whose
-    signature publishing needs (default: the market's own)."""
+    signature publishing needs (default: the market's own); ``judge``: re-executes fraud proofs (kvasir.market.
+    server.fraud; None: the market acts only on the operator's proofs)."""
 
-    def __init__(self, store: MarketBackend, identity: Identity, operator: PublicKey | None = None) -> None:
+    def __init__(
+        self,
+        store: MarketBackend,
+        identity: Identity,
+        operator: PublicKey | None = None,
+        judge: ProofJudge | None = None,
+    ) -> None:
         self.store = store
+        self.judge = judge
+        #: Re-executing a proof loads a window and runs llama.cpp: one at a time, beside the store's threads.
+        self.judge_limiter = trio.CapacityLimiter(1)
         self.identity = identity
         self.operator = operator or identity.public
         self.limiter = trio.CapacityLimiter(store.concurrency)
@@ -198,6 +213,12 @@ class MarketService:
             credit = CreditReport.from_wire(_body(request))
             signed = self._signed(request, node_id=credit.node_id)
             return 200, await self._db(self.store.credit, credit, signed.key.to_text())
+        if path == "/v1/fraud":
+            allow("GET", "POST")
+            if method == "GET":
+                return 200, await self._db(self.store.frauds)
+            signed = self._signed(request)
+            return 200, await self._fraud(FraudProof.from_wire(_body(request)), signed)
         if path == "/v1/ledger":
             allow("GET")
             return 200, await self._db(self.store.ledger)
@@ -209,6 +230,48 @@ class MarketService:
                 "ledger": await self._db(self.store.ledger),
             }
         raise HttpError(404, "not_found", f"unknown route {method} {path}")
+
+    async def _fraud(self, proof: FraudProof, signed: auth.Signed) -> dict[str, Any]:
+        """Check a fraud proof, then have the store withdraw the suspect's credit and claim (docs/market.md § Fraud)."""
+        try:
+            check_proof(proof)
+        except VerificationError as exc:
+            raise MarketError(422, "bad_proof", f"fraud proof: {exc}") from None
+        s = proof.suspect
+        suspect = s.key.fingerprint
+        await self._db(self.store.window_of, s.model_sha256, s.start, s.end)  # 404: not a window of this market
+        operator = signed.key == self.operator
+        if not operator and (
+            signed.node_id == suspect or not await self._db(self.store.holds_lease, signed.node_id, s.model_sha256)
+        ):
+            raise MarketError(403, "not_allowed", "fraud proofs come from the operator or another holder of the model")
+        verdict = None
+        if self.judge is not None:
+            verdict = await trio.to_thread.run_sync(self.judge, proof, limiter=self.judge_limiter)
+        if verdict is False:
+            raise MarketError(422, "proof_rejected", f"re-executed: node {suspect}'s window computes what it signed")
+        if verdict is None and not operator:
+            raise MarketError(422, "cannot_judge", "this market cannot re-execute that window; the operator can submit")
+        record = FraudRecord(
+            proof_id=proof_id(proof),
+            node_id=suspect,
+            model=s.model_sha256,
+            start=s.start,
+            end=s.end,
+            request=s.request,
+            step=proof.step,
+            submitter=signed.node_id,
+            verdict="reexecuted" if verdict else "operator",
+        )
+        result = await self._db(self.store.withdraw, record)
+        log.warning(
+            "fraud: node %s, layers %d:%d: credit withdrawn (proof %s)",
+            suspect,
+            s.start,
+            s.end,
+            record.proof_id,
+        )
+        return result
 
 
 def _body(request: HttpRequest) -> Any:
@@ -254,13 +317,15 @@ async def serve_market(
     identity: Identity | None = None,
     operator: PublicKey | None = None,
     tls: ssl.SSLContext | None = None,
+    judge: ProofJudge | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the market on ``host:port`` (0: any free port) with its state in ``db`` (SQLite) or in ``store`` (any
     engine; the caller closes it); ``started(bound_port)``.
 
     ``identity``: the market's key (default: this machine's node identity); ``operator``: the publisher's key
-    (default: the market's own); ``tls``: serve HTTPS (kvasir.util.tls.server_context).
+    (default: the market's own); ``tls``: serve HTTPS (kvasir.util.tls.server_context); ``judge``: re-executes
+    fraud proofs (kvasir.market.server.fraud.StageJudge).
     """
     if identity is None:
         identity = await trio.to_thread.run_sync(machine_identity)
@@ -269,7 +334,7 @@ async def serve_market(
         from kvasir.market.server.store import MarketStore  # the default engine: SQLite at ``db``
 
         store = await trio.to_thread.run_sync(MarketStore, db)
-    service = MarketService(store, identity, operator)
+    service = MarketService(store, identity, operator, judge)
     try:
         await serve_http(
             service.handle, host, port, limits=MARKET_LIMITS, name="market", tls=tls, task_status=task_status

@@ -26,6 +26,7 @@ from kvasir.market.records import (
     CoverageEntry,
     CreditReport,
     DemandReport,
+    FraudRecord,
     Lease,
     LeaseRef,
     ManifestRecord,
@@ -59,6 +60,13 @@ MAX_COVERAGE_WINDOWS = 16384
 MAX_LEDGER_ROWS = 1000
 #: Witnesses a ledger row names at most (those that confirmed the most of the node's tokens).
 LEDGER_WITNESSES = 8
+#: How long a node proven to cheat on a model may not claim its windows again.
+FRAUD_BAN_S = 24 * 3600.0
+#: Withdrawals (one per proof) and bans the market keeps at most: the oldest go first.
+MAX_FRAUD_ROWS = 100_000
+MAX_BANS = 100_000
+#: Withdrawals one ``GET /v1/fraud`` lists at most (the latest).
+MAX_FRAUD_LISTED = 1000
 
 _LEASE_ROW = 'SELECT node_id, lease_id, expires_at, holder_key FROM leases WHERE model = ? AND start = ? AND "end" = ?'
 
@@ -89,6 +97,14 @@ CREATE TABLE IF NOT EXISTS lease_confirmed (lease_id TEXT PRIMARY KEY, tokens IN
 CREATE TABLE IF NOT EXISTS lease_witnesses (
     lease_id TEXT NOT NULL, witness TEXT NOT NULL, tokens INTEGER NOT NULL, PRIMARY KEY (lease_id, witness));
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS frauds (
+    proof_id TEXT PRIMARY KEY, node_id TEXT NOT NULL, model TEXT NOT NULL, start INTEGER NOT NULL,
+    "end" INTEGER NOT NULL, request TEXT NOT NULL, step INTEGER NOT NULL, submitter TEXT NOT NULL,
+    verdict TEXT NOT NULL, withdrawn REAL NOT NULL, leases TEXT NOT NULL, lease_revoked INTEGER NOT NULL,
+    banned_until REAL NOT NULL, ts REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS bans (
+    model TEXT NOT NULL, node_id TEXT NOT NULL, until REAL NOT NULL, proof_id TEXT NOT NULL,
+    PRIMARY KEY (model, node_id));
 """
 
 
@@ -336,6 +352,7 @@ class MarketStore:
         now = self.clock()
         expires = now + req.lease_s
         with self._write() as db:
+            self._check_ban(db, req.model, req.node_id, now)
             row = db.execute(
                 _LEASE_ROW,
                 (req.model, req.start, req.end),
@@ -358,6 +375,17 @@ class MarketStore:
                      holder_key),
                 )  # fmt: skip
         return Lease(req.model, req.start, req.end, req.node_id, lease_id, expires)
+
+    @staticmethod
+    def _check_ban(db: sqlite3.Connection, model: str, node_id: str, now: float) -> None:
+        row = db.execute(
+            "SELECT until, proof_id FROM bans WHERE model = ? AND node_id = ?", (model, node_id)
+        ).fetchone()
+        if row is not None and row[0] > now:
+            raise MarketError(
+                403, "banned", f"node {node_id} was proven to cheat on this model (proof {row[1][:16]}…); "
+                f"it may claim again in {row[0] - now:.0f} s",
+            )  # fmt: skip
 
     def _check_lease(
         self, db: sqlite3.Connection, ref: LeaseRef | ClaimRequest | CreditReport, now: float, key: str | None
@@ -608,11 +636,98 @@ class MarketStore:
             ]
         }  # fmt: skip
 
+    # ------------------------------------------------------------------------------------------ fraud
+
+    def withdraw(self, fraud: FraudRecord) -> dict[str, Any]:
+        """Act on a fraud proof that holds: zero the suspect's credit on that window of the model (every lease of
+        it there), revoke its live lease on the window, refuse its claims on the model for FRAUD_BAN_S, and write
+        the proof's id down with what was withdrawn. The same proof again changes nothing and replies the same."""
+        self._window(fraud.model, fraud.start, fraud.end)
+        now = self.clock()
+        with self._write() as db:
+            row = db.execute("SELECT * FROM frauds WHERE proof_id = ?", (fraud.proof_id,)).fetchone()
+            if row is not None:
+                return _fraud_row(row, duplicate=True)
+            window = (fraud.node_id, fraud.model, fraud.start, fraud.end)
+            leases = [
+                str(r[0])
+                for r in db.execute(
+                    'SELECT lease_id FROM lease_credits WHERE node_id = ? AND model = ? AND start = ? AND "end" = ?',
+                    window,
+                )
+            ]
+            (withdrawn,) = db.execute(
+                "SELECT COALESCE(SUM(earned), 0) FROM lease_credits WHERE node_id = ? AND model = ? AND start = ?"
+                ' AND "end" = ?',
+                window,
+            ).fetchone()
+            db.execute(
+                "UPDATE lease_credits SET tokens = 0, layer_tokens = 0, earned = 0, ts = ?"
+                ' WHERE node_id = ? AND model = ? AND start = ? AND "end" = ?',
+                (now, *window),
+            )
+            live = db.execute(
+                'SELECT lease_id FROM leases WHERE model = ? AND start = ? AND "end" = ? AND node_id = ?',
+                (fraud.model, fraud.start, fraud.end, fraud.node_id),
+            ).fetchone()
+            if live is not None:
+                leases.append(str(live[0]))
+                db.execute(
+                    'DELETE FROM leases WHERE model = ? AND start = ? AND "end" = ? AND node_id = ?',
+                    (fraud.model, fraud.start, fraud.end, fraud.node_id),
+                )
+            for lease in set(leases):  # nothing it was confirmed for under those leases can be credited again
+                db.execute("DELETE FROM lease_confirmed WHERE lease_id = ?", (lease,))
+            until = now + FRAUD_BAN_S
+            db.execute(
+                "INSERT INTO bans (model, node_id, until, proof_id) VALUES (?, ?, ?, ?) ON CONFLICT (model, node_id)"
+                " DO UPDATE SET until = MAX(until, excluded.until), proof_id = excluded.proof_id",
+                (fraud.model, fraud.node_id, until, fraud.proof_id),
+            )
+            db.execute("DELETE FROM bans WHERE until <= ?", (now,))
+            db.execute(
+                "DELETE FROM bans WHERE rowid IN (SELECT rowid FROM bans ORDER BY until DESC LIMIT -1 OFFSET ?)",
+                (MAX_BANS,),
+            )
+            db.execute(
+                'INSERT INTO frauds (proof_id, node_id, model, start, "end", request, step, submitter, verdict,'
+                " withdrawn, leases, lease_revoked, banned_until, ts)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (fraud.proof_id, fraud.node_id, fraud.model, fraud.start, fraud.end, str(fraud.request), fraud.step,
+                 fraud.submitter, fraud.verdict, float(withdrawn), json.dumps(sorted(set(leases))),
+                 int(live is not None), until, now),
+            )  # fmt: skip
+            db.execute(
+                "DELETE FROM frauds WHERE rowid IN (SELECT rowid FROM frauds ORDER BY ts DESC, rowid DESC"
+                " LIMIT -1 OFFSET ?)",
+                (MAX_FRAUD_ROWS,),
+            )
+            row = db.execute("SELECT * FROM frauds WHERE proof_id = ?", (fraud.proof_id,)).fetchone()
+        return _fraud_row(row, duplicate=False)
+
+    def frauds(self) -> dict[str, Any]:
+        """The latest withdrawals (``GET /v1/fraud``), newest first."""
+        rows = self.db.execute(
+            "SELECT * FROM frauds ORDER BY ts DESC, rowid DESC LIMIT ?", (MAX_FRAUD_LISTED,)
+        ).fetchall()
+        return {"withdrawals": [_fraud_row(r) for r in rows]}
+
     def holder_key(self, model: str, start: int, end: int) -> str | None:
         row = self.db.execute(
             'SELECT holder_key FROM leases WHERE model = ? AND start = ? AND "end" = ?', (model, start, end)
         ).fetchone()
         return None if row is None else row[0]
+
+
+def _fraud_row(row: Any, *, duplicate: bool | None = None) -> dict[str, Any]:
+    keys = ("proof_id", "node_id", "model", "start", "end", "request", "step", "submitter", "verdict", "withdrawn",
+            "leases", "lease_revoked", "banned_until", "ts")  # fmt: skip
+    out = dict(zip(keys, row, strict=True))
+    out["leases"] = json.loads(out["leases"])
+    out["lease_revoked"] = bool(out["lease_revoked"])
+    if duplicate is not None:
+        out["duplicate"] = duplicate
+    return out
 
 
 def _bucket(ts: float) -> int:

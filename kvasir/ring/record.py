@@ -1,0 +1,149 @@
+"""A ring node's receipts (opt-in, ``kvasir node --record DIR``): what it received and sent for each request, hashed
+as frames pass, signed with its key when the request ends (docs/verification.md § The ring records).
+
+The node calls :meth:`NodeRecorder.on_input` for each input boundary it takes (rank 0: the prompt's chunks and the
+tokens coming back as ``TOKENS``), :meth:`on_output` for each boundary it sends (before the link, so the bytes are
+the frame's) or, on the last rank, :meth:`on_sample` with the last row's logits and the token (NO_TOKEN on a prefill
+chunk that does not sample), and :meth:`end` when the request ends here. Replayed frames are not recorded again
+(the node drops them before these calls), and recording never touches what is computed or sent: it reads the bytes.
+
+At the end the request's :class:`~kvasir.verify.commit.WindowReceipt` goes to ``DIR/receipts/<name>.json`` and its
+:class:`~kvasir.verify.audit.WindowLog` (receipt and input boundaries) to ``DIR/pending/<name>.log.json``, each
+written atomically (temp file, rename). ``pending/`` is a spool bounded by ``keep_bytes`` (oldest first out): the
+inputs wait there for the auditor's key (:func:`kvasir.verify.select.reveal`), which keeps the selected ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvasir.core.identity import Identity
+from kvasir.core.sampling import SamplingParams
+from kvasir.errors import KvasirError
+from kvasir.verify.audit import NO_TOKEN, Boundary, WindowLog, write_json
+from kvasir.verify.commit import TOKENS, Chain, Recorder, tokens_payload
+from kvasir.verify.select import PENDING, RECEIPTS, log_name
+
+log = logging.getLogger("kvasir.node")
+
+#: Default cap on the input spool (``pending/``) of one node.
+DEFAULT_KEEP_BYTES = 1 << 30
+
+
+class OpenRecord:
+    """One request on this window: its recorder and the inputs it took."""
+
+    def __init__(self, recorder: Recorder) -> None:
+        self.recorder = recorder
+        self.inputs: list[Boundary] = []
+
+    def log(self, identity: Identity) -> WindowLog:
+        """The signed record. A request that ended between taking an input and sending its output (a cancel, a
+        failed compute) is signed up to its last complete step."""
+        rec = self.recorder
+        n = len(rec.outputs.steps)
+        if len(rec.schedule) > n:
+            inputs = Chain(rec.request, "in")
+            for step in rec.inputs.steps[:n]:
+                inputs.add(step)
+            rec.inputs, rec.schedule = inputs, rec.schedule[:n]
+            self.inputs = self.inputs[:n]
+        return WindowLog(rec.receipt(identity), tuple(self.inputs))
+
+
+class NodeRecorder:
+    """Receipts of one node's window; every method but :meth:`write` is cheap enough for the event loop (it hashes
+    one frame; signing and writing run in :meth:`write`, in a worker thread) and never raises into the data path."""
+
+    def __init__(
+        self,
+        directory: Path,
+        identity: Identity,
+        model_sha256: str,
+        window: tuple[int, int],
+        kernel_class: str,
+        *,
+        keep_bytes: int = DEFAULT_KEEP_BYTES,
+    ) -> None:
+        self.directory, self.identity, self.model_sha256 = directory, identity, model_sha256
+        self.window, self.kernel_class, self.keep_bytes = window, kernel_class, keep_bytes
+        (directory / RECEIPTS).mkdir(parents=True, exist_ok=True)
+        (directory / PENDING).mkdir(parents=True, exist_ok=True)
+        self._open: dict[int, OpenRecord] = {}
+        #: The spool's files, oldest first, with their sizes (this node's window only: others share the directory).
+        suffix = f"-{window[0]}-{window[1]}.log.json"
+        spool = sorted((p for p in (directory / PENDING).glob(f"*{suffix}")), key=lambda p: p.stat().st_mtime)
+        self._spool: OrderedDict[Path, int] = OrderedDict((p, p.stat().st_size) for p in spool)
+        self.spool_bytes = sum(self._spool.values())
+        self.written = self.evicted = self.failed = 0
+        self._lock = threading.Lock()
+
+    def begin(self, request: int, *, last: bool, sampling: SamplingParams, history: Sequence[int]) -> None:
+        rec = Recorder(
+            request,
+            self.model_sha256,
+            self.window,
+            self.kernel_class,
+            sampling=sampling if last else None,
+            history=history if last else (),
+        )
+        self._open[request] = OpenRecord(rec)
+
+    def on_input(self, request: int, pos: int, n_tokens: int, dtype: int, payload: bytes) -> None:
+        o = self._open.get(request)
+        if o is not None:
+            o.recorder.on_input(pos, n_tokens, payload, dtype)
+            o.inputs.append(Boundary(pos, n_tokens, dtype, payload))
+
+    def on_tokens(self, request: int, pos: int, tokens: Sequence[int]) -> None:
+        self.on_input(request, pos, len(tokens), TOKENS, tokens_payload(tokens))
+
+    def on_output(self, request: int, pos: int, n_tokens: int, dtype: int, payload: bytes) -> None:
+        o = self._open.get(request)
+        if o is not None:
+            o.recorder.on_output(pos, n_tokens, payload, dtype)
+
+    def on_sample(self, request: int, pos: int, n_tokens: int, logits: bytes, token: int | None) -> None:
+        """Last rank: may run in the stage's worker thread (the request's lock is held, so never concurrently)."""
+        o = self._open.get(request)
+        if o is not None:
+            o.recorder.on_sample(pos, n_tokens, logits, NO_TOKEN if token is None else token)
+
+    def end(self, request: int) -> OpenRecord | None:
+        """The request ended here: its record (None if it completed no step here), for :meth:`write`."""
+        o = self._open.pop(request, None)
+        if o is None or not o.recorder.outputs.steps:
+            return None
+        return o
+
+    def write(self, done: OpenRecord) -> None:
+        """Sign and store a record (blocking: run it in a worker thread), then trim the spool to ``keep_bytes``."""
+        request = done.recorder.request
+        try:
+            record = done.log(self.identity)
+            name = log_name(request, self.window)
+            write_json(self.directory / RECEIPTS / f"{name}.json", record.receipt.to_wire())
+            path = self.directory / PENDING / f"{name}.log.json"
+            write_json(path, record.to_wire())
+            size = path.stat().st_size
+        except (KvasirError, OSError) as exc:  # a full disk must not fail the ring: the request is already answered
+            with self._lock:
+                self.failed += 1
+            log.warning("request %x: receipt not written: %s", request, exc)
+            return
+        with self._lock:  # requests end in several worker threads at once
+            self.written += 1
+            self._spool[path] = size
+            self.spool_bytes += size
+            while self.spool_bytes > self.keep_bytes and len(self._spool) > 1:
+                old, old_size = self._spool.popitem(last=False)
+                self.spool_bytes -= old_size
+                with contextlib.suppress(FileNotFoundError):  # gone already if the auditor revealed its key over it
+                    os.unlink(old)
+                self.evicted += 1

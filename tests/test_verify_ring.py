@@ -1,0 +1,209 @@
+"""A real ring that records: node processes with ``--record DIR`` on real llama.cpp (tiny llama, 3 windows) write
+signed receipts and spool their inputs; answers stay the whole model's; the receipts chain link to link; the
+auditor's key selects a fraction and every selected window re-executes to the same bytes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+
+from kvasir.core.identity import Identity
+from kvasir.core.sampling import SamplingParams
+from kvasir.ring.node import Node, NodeConfig, open_node
+from kvasir.ring.record import NodeRecorder
+from kvasir.shard.cache import stage_files
+from kvasir.testing.fakestage import FakeStage, MemoryNetwork, expected_tokens, fake_ring
+from kvasir.verify.audit import WindowLog, audit_window, read_json
+from kvasir.verify.commit import VerificationError, WindowReceipt, first_mismatch
+from kvasir.verify.select import key_commitment, new_key, reveal, selected, selection_value
+from tests.conftest import run_cli
+from tests.ringutil import ring_generate, running_ring, whole_model_tokens
+from tests.streams import wait_for
+
+WINDOWS = [(0, 2), (2, 4), (4, 6)]
+GREEDY_PARAMS = SamplingParams.GREEDY
+PROMPT = "The ring passes the hidden state on, window after window, " * 3
+
+
+def _wait_receipts(directory: Path, n: int, timeout: float = 30.0) -> list[Path]:
+    deadline = time.monotonic() + timeout
+    while True:
+        found = sorted((directory / "receipts").glob("*.json"))
+        if len(found) >= n or time.monotonic() > deadline:
+            return found
+        time.sleep(0.1)
+
+
+def test_selection_is_a_keyed_fraction() -> None:
+    key, other = new_key(), new_key()
+    ids = range(1, 20001)
+    picked = [i for i in ids if selected(key, i, (2, 4), 0.02)]
+    assert 300 <= len(picked) <= 500  # 2 % of 20000, within 5 sigma
+    # Another key, or another window of the same request, is another draw.
+    assert picked != [i for i in ids if selected(other, i, (2, 4), 0.02)]
+    assert picked != [i for i in ids if selected(key, i, (4, 6), 0.02)]
+    assert all(0.0 <= selection_value(key, i, (0, 2)) < 1.0 for i in range(100))
+    assert not any(selected(key, i, (0, 2), 0.0) for i in ids) and all(selected(key, i, (0, 2), 1.0) for i in ids)
+
+
+def _five_requests(rec: NodeRecorder) -> None:
+    payload = bytes(range(256)) * 4
+    for request in range(1, 6):
+        rec.begin(request, last=False, sampling=GREEDY_PARAMS, history=())
+        rec.on_input(request, 0, 1, 0, payload)
+        rec.on_output(request, 0, 1, 0, payload)
+        rec.on_input(request, 1, 1, 0, payload)  # the request ends before this step's output
+        done = rec.end(request)
+        assert done is not None
+        rec.write(done)
+
+
+def test_the_spool_is_bounded_and_an_interrupted_step_is_not_signed(tmp_path: Path) -> None:
+    identity = Identity.generate()
+    probe = NodeRecorder(tmp_path / "probe", identity, "ab" * 32, (2, 4), "CPU-0")
+    _five_requests(probe)
+    one = probe.spool_bytes // 5  # the logs differ only in their request id: the same size
+    rec = NodeRecorder(tmp_path, identity, "ab" * 32, (2, 4), "CPU-0", keep_bytes=2 * one + one // 2)
+    _five_requests(rec)
+    assert rec.written == 5 and rec.evicted == 3 and rec.spool_bytes == 2 * one
+    assert len(list((tmp_path / "receipts").glob("*.json"))) == 5  # receipts stay; only spooled inputs go
+    kept = sorted((tmp_path / "pending").glob("*.log.json"))
+    assert [p.name[:16] for p in kept] == [f"{4:016x}", f"{5:016x}"]
+    log = WindowLog.from_wire(read_json(kept[-1]))
+    log.receipt.verify()
+    assert log.receipt.schedule == ((0, 1),) and len(log.inputs) == 1  # signed up to its last complete step
+    # A node that restarts on the same directory counts the spool it left.
+    assert NodeRecorder(tmp_path, identity, "ab" * 32, (2, 4), "CPU-0").spool_bytes == rec.spool_bytes
+    rec.begin(9, last=False, sampling=GREEDY_PARAMS, history=())
+    assert rec.end(9) is None  # nothing computed here: nothing to sign
+    # The key's reveal decides by the logs' names: at f = 0 every spooled log goes, every receipt stays.
+    key = new_key()
+    done = reveal(tmp_path, key, 0.0)
+    assert (done.selected, done.dropped) == ((), 2) and not list((tmp_path / "pending").iterdir())
+    assert len(list((tmp_path / "receipts").glob("*.json"))) == 5
+
+
+async def test_a_replay_after_a_broken_link_is_recorded_once(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    """FakeStages over memory streams: the link 1 -> 2 breaks mid-answer and rank 1 replays into rank 2, which drops
+    what it had seen. Every rank's receipt still lists each position once, and the windows' hashes chain."""
+    from tests.test_failover_flow import PROMPT, answer
+    from tests.test_failover_flow import WINDOWS as FOUR
+
+    net = MemoryNetwork()
+    manifest, stages = fake_ring(FOUR, net, compute_s=0.01)
+    async with trio.open_nursery() as nursery:
+        nodes: list[Node] = []
+        for rank, stage in enumerate(stages):
+            rec = NodeRecorder(tmp_path, Identity.generate(), manifest.model_sha256, FOUR[rank], "FAKE-0")
+            config = NodeConfig(manifest, rank, node_id=f"node{rank}")
+            nodes.append(await nursery.start(_run_node, config, stage, net, rec))
+        await wait_for(lambda: all(n.ready for n in nodes), "the ring to link")
+
+        async def cut() -> None:
+            link = nodes[1].links.successor
+            assert link is not None
+            await link.aclose()
+
+        tokens, end = await answer(nodes[0], 20, 5, cut)
+        assert tokens == expected_tokens(PROMPT, 20) and end.reason == "max_tokens"
+        assert nodes[1].failover.replays == 1 and nodes[2].failover.duplicates >= 1
+        await wait_for(lambda: all(len(n.requests) == 0 for n in nodes), "every node to end the request")
+        nursery.cancel_scope.cancel()  # the receipts' writes are shielded: they finish first
+    receipts = [WindowReceipt.from_wire(read_json(p)) for p in sorted((tmp_path / "receipts").glob("*.json"))]
+    assert len(receipts) == 4
+    by_start = {r.start: r for r in receipts}
+    for r in receipts:
+        r.verify()
+        positions = [pos for pos, _ in r.schedule]
+        assert positions == sorted(set(positions)), "a replayed frame was recorded twice"
+        assert positions == [0, *range(len(PROMPT), len(PROMPT) + 19)]  # the prompt, then 19 decode steps
+    for (a, _), (b, _) in itertools.pairwise(FOUR):
+        assert first_mismatch(by_start[a].output_hashes, by_start[b].input_hashes) is None
+    assert by_start[6].tokens[-1] == tokens[-1]
+
+
+async def _run_node(
+    config: NodeConfig, stage: FakeStage, net: MemoryNetwork, rec: NodeRecorder, task_status: trio.TaskStatus[Node]
+) -> None:
+    async with open_node(config, stage, transport=net, recorder=rec) as node:
+        task_status.started(node)
+        await trio.sleep_forever()
+
+
+def test_recording_ring_keeps_answers_and_its_receipts_audit(
+    tiny_model: Callable[..., Path], cache_dir: Path, tmp_path: Path
+) -> None:
+    model = tiny_model("llama", "f32")
+    record = tmp_path / "record"
+    want = whole_model_tokens(model, PROMPT, 8)
+    with running_ring(model, WINDOWS, cache_dir, extra_args=("--record", str(record))) as ring:
+        greedy = [ring_generate(ring.sockets[k], PROMPT, 8) for k in (0, 2)]
+        sampled = ring_generate(ring.sockets[1], "Once upon a time", 6, temperature=0.8, seed=77)
+        files = _wait_receipts(record, 9)
+    assert [g["tokens"] for g in greedy] == [want, want]  # recording never changes an answer
+    assert len(sampled["tokens"]) == 6
+    assert len(files) == 9  # 3 requests x 3 windows
+    receipts = [WindowReceipt.from_wire(read_json(p)) for p in files]
+    by_request: dict[int, dict[int, WindowReceipt]] = {}
+    for r in receipts:
+        r.verify()  # signed by the node's key, heads are the chains of the listed hashes
+        by_request.setdefault(r.request, {})[r.start] = r
+    assert len(by_request) == 3 and len({r.node_key for r in receipts}) == 3
+    for chain in by_request.values():
+        # The successor check: each window's input hashes are its predecessor's output hashes, step for step.
+        assert first_mismatch(chain[0].output_hashes, chain[2].input_hashes) is None
+        assert first_mismatch(chain[2].output_hashes, chain[4].input_hashes) is None
+        assert chain[4].last and chain[4].tokens[-1] >= 0
+    # Spooled inputs wait for the key; a key that is not the committed one is refused.
+    assert len(list((record / "pending").glob("*.log.json"))) == 9
+    key = new_key()
+    with pytest.raises(VerificationError, match="commitment"):
+        reveal(record, key, 1.0, commitment=key_commitment(new_key()))
+    (record / "pending" / "notes.log.json").write_text("{}")  # not named like a log: left alone
+    done = reveal(record, key, 1.0, commitment=key_commitment(key))
+    assert done.skipped == (record / "pending" / "notes.log.json",)
+    assert len(done.selected) == 9 and done.dropped == 0 and done.linked == 6 and not done.broken_links
+    assert [p.name for p in (record / "pending").glob("*")] == ["notes.log.json"]
+    stages = stage_files(model, WINDOWS, cache_dir)
+    for path in done.selected:
+        log = WindowLog.from_wire(read_json(path))
+        result = audit_window(stages[WINDOWS.index((log.receipt.start, log.receipt.end))], log.inputs, log.receipt)
+        assert result.ok and result.steps == len(log.receipt.schedule), path.name
+        if log.receipt.last:
+            assert result.token_step is None  # the sampled tokens re-sample to the same
+    # The same through the command line, on one selected log of a middle window.
+    middle = next(p for p in done.selected if "-2-4." in p.name)
+    out = run_cli("audit", "run", str(middle), "--stage", str(stages[1]), "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["ok"] is True
+
+
+def test_ring_up_record_and_audit_select(tiny_model: Callable[..., Path], tmp_path: Path) -> None:
+    model = tiny_model("llama", "f32")
+    record = tmp_path / "rec"
+    out = run_cli(
+        "ring", "up", str(model), "--splits", "0,2,4,6", "--record", str(record), "--threads", "1",
+        "--prompt", PROMPT, "--max-tokens", "6", "--temperature", "0", "--json", "--ctx", "512",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout)["tokens"] == whole_model_tokens(model, PROMPT, 6)
+    assert len(_wait_receipts(record, 3, timeout=5)) == 3
+    key_file = tmp_path / "audit.key"
+    made = run_cli("audit", "select", str(record), "--new-key", str(key_file))
+    assert made.returncode == 0, made.stderr
+    commitment = made.stdout.split()[-1]
+    sel = run_cli(
+        "audit", "select", str(record), "--key", str(key_file), "--fraction", "1", "--commitment", commitment, "--json"
+    )
+    assert sel.returncode == 0, sel.stderr
+    assert json.loads(sel.stdout)["selected"] == 3
