@@ -15,6 +15,7 @@ from kvasir.core.stops import find_stop
 from kvasir.errors import InputError, InvalidRequest, RequestRefused
 from kvasir.ring.compute import RingStage, TokenSampler
 from kvasir.ring.events import EventHub
+from kvasir.ring.speculation import CacheEnd, Drafter, TokenTrail
 from kvasir.ring.status import RequestCounters
 from kvasir.wire import EndReason, ErrorCode, Frame, StartRequest
 
@@ -137,6 +138,11 @@ class RequestState:
     received: dict[int, bytes] = attrs.field(factory=dict)
     #: Rank 0: set once its prompt is prefilled (a replay can bring the tokens before a rebuilt prefill is done).
     prefilled: trio.Event = attrs.field(factory=trio.Event)
+    #: Speculative decoding (kvasir.ring.speculation): where this node's cache of the request ends, the latest
+    #: verify batch seen (for streaming its accepted drafts) and, at the last rank, the drafting state.
+    cache: CacheEnd = attrs.field(factory=CacheEnd)
+    trail: TokenTrail = attrs.field(factory=TokenTrail)
+    drafter: Drafter | None = None
 
     @property
     def request_id(self) -> int:

@@ -145,7 +145,9 @@ class FakeStage:
         self.forwards = 0
         #: Next position each sequence expects (absent: the sequence is empty).
         self._next_pos: dict[int, int] = {}
-        self._last_row: np.ndarray[Any, np.dtype[np.float32]] | None = None
+        self._rows: np.ndarray[Any, np.dtype[np.float32]] | None = None
+        self.verifies = 0
+        self.truncations = 0
 
     def chat_template(self) -> str | None:
         return None
@@ -182,14 +184,27 @@ class FakeStage:
         self._next_pos[seq_id] = pos0 + len(rows)
         self.forwards += 1
         if self.info.last:
-            self._last_row = rows[-1]
+            self._rows = rows
             return None
         return rows
 
-    def sample(self, sampler: FakeSampler) -> int:
-        if not self.info.last or self._last_row is None:
+    def forward_verify(
+        self, seq_id: int, pos0: int, *, tokens: Sequence[int] | None = None, hidden: Any = None
+    ) -> np.ndarray[Any, np.dtype[np.float32]] | None:
+        self.verifies += 1
+        return self.forward(seq_id, pos0, tokens=tokens, hidden=hidden)
+
+    def truncate(self, seq_id: int, pos: int) -> None:
+        if pos > self._next_pos.get(seq_id, 0):
+            raise StageError(f"sequence {seq_id} cannot roll back to {pos}: it ends at {self._next_pos.get(seq_id, 0)}")
+        self._next_pos[seq_id] = pos
+        self.truncations += 1
+
+    def sample(self, sampler: FakeSampler, index: int = -1) -> int:
+        if not self.info.last or self._rows is None:
             raise StageError("only the last stage samples, after a forward")
-        token, pos = int(self._last_row[TOKEN]), int(self._last_row[POSITION])
+        row = self._rows[index]
+        token, pos = int(row[TOKEN]), int(row[POSITION])
         if self.eog_at is not None and pos + 1 >= self.eog_at:
             return EOG
         return next_token(token, pos)
