@@ -40,17 +40,22 @@ N_VOCAB = 64
 EOG = N_VOCAB - 1
 
 
-def next_token(token: int, position: int) -> int:
-    """The token the fake last stage samples after ``token`` at ``position`` (never EOG, never 0)."""
+def next_token(token: int, position: int, period: int | None = None) -> int:
+    """The token the fake last stage samples after ``token`` at ``position`` (never EOG, never 0).
+
+    With ``period``, a repetitive text for speculative decoding: counting 1…period round and round, except that
+    every 7th position skips one (so prompt-lookup drafts are mostly right and sometimes wrong)."""
+    if period is not None:
+        return 1 + (token + (1 if position % 7 else 2) - 1) % period
     return 1 + (token * 7 + position * 3 + 5) % (N_VOCAB - 2)
 
 
-def expected_tokens(prompt: Sequence[int], max_tokens: int) -> list[int]:
+def expected_tokens(prompt: Sequence[int], max_tokens: int, period: int | None = None) -> list[int]:
     """What a ring of FakeStages generates for ``prompt`` (no EOG, no stop strings)."""
     out: list[int] = []
     token, pos = prompt[-1], len(prompt) - 1
     for _ in range(max_tokens):
-        token = next_token(token, pos)
+        token = next_token(token, pos, period)
         out.append(token)
         pos += 1
     return out
@@ -134,6 +139,7 @@ class FakeStage:
         compute_s: float = 0.0,
         eog_at: int | None = None,
         model_sha256: str | None = None,
+        period: int | None = None,
     ) -> None:
         self.info = FakeStageInfo(start, end, start == 0, end == n_layers, model_sha256=model_sha256)
         self.config = FakeStageConfig(n_ctx=n_ctx, n_seq_max=n_seq_max)
@@ -142,6 +148,7 @@ class FakeStage:
         self.busy_s = 0.0
         self.compute_s = compute_s
         self.eog_at = eog_at
+        self.period = period
         self.forwards = 0
         #: Next position each sequence expects (absent: the sequence is empty).
         self._next_pos: dict[int, int] = {}
@@ -207,7 +214,7 @@ class FakeStage:
         token, pos = int(row[TOKEN]), int(row[POSITION])
         if self.eog_at is not None and pos + 1 >= self.eog_at:
             return EOG
-        return next_token(token, pos)
+        return next_token(token, pos, self.period)
 
     def free_sequence(self, seq_id: int) -> None:
         self._next_pos.pop(seq_id, None)
