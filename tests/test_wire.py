@@ -20,10 +20,10 @@ from kvasir.core.sampling import SamplingError
 from kvasir.errors import InputError, ProtocolError, RingError, ShapeError
 from kvasir.wire import (
     FLAG_DRAFTS,
-    MAX_DRAFTS,
     FLAG_FINAL,
     HEADER_SIZE,
     MAX_BOUNDARY_TOKENS,
+    MAX_DRAFTS,
     MAX_ERROR_MESSAGE_BYTES,
     MAX_FRAME_BYTES,
     MAX_STOP_BYTES,
@@ -214,7 +214,9 @@ def test_token_header_carries_the_token() -> None:
 
 def test_single_token_frames_keep_their_bytes() -> None:
     """Frames without speculation are byte for byte what a node that knows nothing of it sends and accepts."""
-    assert Token(5, 12, 777).to_wire() == raw(FrameType.TOKEN, struct.pack("<Ii", 12, 777), request_id=5, latest_token=777)
+    assert Token(5, 12, 777).to_wire() == raw(
+        FrameType.TOKEN, struct.pack("<Ii", 12, 777), request_id=5, latest_token=777
+    )
     assert Token(5, 12, 777, drafts=(1, 2)).to_wire()[HEADER_SIZE:] == struct.pack("<Iiii", 12, 777, 1, 2)
     plain = Boundary(5, 3, 1, 1, BoundaryDType.F32, b"\0" * 4, final=True, latest_token=9).to_wire()
     assert plain[4:6] == struct.pack("<H", FLAG_FINAL)

@@ -588,6 +588,9 @@ class Node:
             return  # cancelled or failed while its sample was computed: the tokens belong to nobody now
         start = state.start
         assert state.text_stream is not None
+        if state.drafter is not None:
+            state.drafter.verified(drafted, len(tokens) - 1)
+            self.requests.speculation = self.requests.speculation.after(drafted, len(tokens) - 1)
         for token in tokens:
             if self.stage.vocab.is_eog(token):
                 await self._end(state, EndReason.EOG, latest=-1)
@@ -605,7 +608,6 @@ class Node:
                 return
         drafts: list[int] = []
         if state.drafter is not None:
-            state.drafter.verified(drafted, len(tokens) - 1)
             drafts = state.drafter.drafts(start.max_tokens - state.generated)
         position = state.prompt_len + state.generated - 1
         await self._send_data(state, Token(start.request_id, position, tokens[-1], tuple(drafts)))

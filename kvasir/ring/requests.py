@@ -11,6 +11,7 @@ import attrs
 import trio
 
 from kvasir.core.sampling import SamplingParams
+from kvasir.core.speculate import SpeculationStats
 from kvasir.core.stops import find_stop
 from kvasir.errors import InputError, InvalidRequest, RequestRefused
 from kvasir.ring.compute import RingStage, TokenSampler
@@ -210,6 +211,7 @@ class RequestTable:
         self.tokens = 0
         self.boundaries = 0
         self.errors = 0
+        self.speculation = SpeculationStats()
 
     def get(self, request_id: int) -> RequestState | None:
         return self._states.get(request_id)
@@ -234,9 +236,11 @@ class RequestTable:
         return self._seqs.free
 
     def counters(self) -> RequestCounters:
+        s = self.speculation
         return RequestCounters(
-            len(self._states), self._seqs.free, self.requests, self.tokens, self.boundaries, self.errors
-        )
+            len(self._states), self._seqs.free, self.requests, self.tokens, self.boundaries, self.errors,
+            s.verify_batches, s.drafted, s.accepted,
+        )  # fmt: skip
 
     def register(
         self,

@@ -88,7 +88,7 @@ class TokenTrail:
 
     def step(self, pos: int, tokens: Sequence[int]) -> list[tuple[int, int]]:
         """A step at ``pos`` feeding ``tokens``: the (position, token) pairs now known emitted, in order."""
-        known = self.confirmed(pos) + [(pos, tokens[0])]
+        known = [*self.confirmed(pos), (pos, tokens[0])]
         self.pos, self.tokens = pos, tuple(tokens)
         return known
 
