@@ -16,6 +16,7 @@ import numpy as np
 
 from kvasir.core.codes import ErrorCode as ErrorCode  # re-exported: the wire speaks these codes
 from kvasir.core.sampling import SamplingError, SamplingParams
+from kvasir.core.speculate import K_LIMIT
 from kvasir.errors import ProtocolError
 from kvasir.wire._codec import I32_MAX, U32_MAX, BodyReader, pack_text
 from kvasir.wire.boundary import BoundaryDType, F32Array, decode_boundary, encode_boundary
@@ -52,7 +53,7 @@ FLAG_WITHHELD = 0x0002
 #: token is the header's latest token).
 FLAG_DRAFTS = 0x0004
 #: Drafts one verify batch may carry (a TOKEN's or a BOUNDARY's); ``--speculate K`` never asks more.
-MAX_DRAFTS = 16
+MAX_DRAFTS = K_LIMIT
 
 HEADER = struct.Struct("<2sBBHHQiI")
 HEADER_SIZE = HEADER.size  # 24
