@@ -16,7 +16,9 @@ every speculative answer equals the plain one. Then what a verify batch costs th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,7 @@ from kvasir.local.launcher import start_ring
 from kvasir.shard.cache import default_cache_dir, even_splits
 from kvasir.shard.gguf_file import describe
 from kvasir.stage.engine import Stage, StageConfig
+from kvasir.testing.fleet import PROFILES, FleetNode, fleet, start_fleet_ring
 from kvasir.testing.tinymodels import tiny_model_cached
 
 REPEATING = (
@@ -82,8 +85,15 @@ def spread(xs: list[float], fmt: str = "{:.1f}") -> str:
 
 def bench_ring(table: Table, name: str, model: Path, args: argparse.Namespace, cache: Path) -> None:
     windows = even_splits(describe(model).n_layer, args.stages)
-    ring = start_ring(model, windows, cache, threads=args.threads, ctx=1024)
-    try:
+    with contextlib.ExitStack() as stack:
+        if args.fleet is None:
+            ring = start_ring(model, windows, cache, threads=args.threads, ctx=1024)
+        else:  # each node in its own network namespace behind an emulated access link (kvasir/testing/fleet.py)
+            run_dir = Path(tempfile.mkdtemp(prefix="kvasir-spec-fleet-"))
+            nodes = [FleetNode(f"n{k}", "cpu", PROFILES[args.fleet]) for k in range(len(windows))]
+            f = stack.enter_context(fleet(nodes, run_dir))
+            ring = start_fleet_ring(f, model, windows, cache, run_dir, threads=args.threads, ctx=1024)
+        stack.callback(ring.stop)
         ring.wait_ready(timeout=300)
         first, last = ring.sockets[0], ring.sockets[-1]
         for kind, (prompt, base) in KINDS.items():
@@ -114,8 +124,6 @@ def bench_ring(table: Table, name: str, model: Path, args: argparse.Namespace, c
                 str(batches),
                 "yes" if same else "NO",
             )
-    finally:
-        ring.stop()
 
 
 def verify_cost(table: Table, name: str, model: Path, threads: int) -> None:
@@ -145,12 +153,21 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="threads per node process")
+    ap.add_argument(
+        "--fleet",
+        choices=sorted(PROFILES),
+        default=None,
+        help="run the rings on an emulated fleet with this link profile (root; wan: 20 ms round trip per hop)",
+    )
+    ap.add_argument("--no-cost", dest="cost", action="store_false", help="skip the verify-batch cost table")
     args = ap.parse_args()
     cache = default_cache_dir()
     models = {name: model_path(name, cache) for name in args.models.split(",")}
     console = Console(width=170)
     table = Table(
-        title=f"ring of {args.stages} processes on loopback ({args.threads} thread(s) each), {args.tokens} tokens, "
+        title=f"ring of {args.stages} processes "
+        f"{'on loopback' if args.fleet is None else f'on an emulated {args.fleet} fleet'} "
+        f"({args.threads} thread(s) each), {args.tokens} tokens, "
         f"--speculate {args.k} vs 0, {args.repeats} interleaved repeats: median (min–max)"
     )
     cols = ("model", "text", "plain tok/s", f"K={args.k} tok/s", "ratio", "acceptance", "verify batches", "same")
@@ -161,9 +178,11 @@ def main() -> None:
         cost.add_column(col, justify="right")
     for name, model in models.items():
         bench_ring(table, name, model, args, cache)
-        verify_cost(cost, name, model, args.threads)
+        if args.cost:
+            verify_cost(cost, name, model, args.threads)
     console.print(table)
-    console.print(cost)
+    if args.cost:
+        console.print(cost)
 
 
 if __name__ == "__main__":
