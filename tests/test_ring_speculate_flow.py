@@ -138,10 +138,20 @@ def test_sample_rows_accepts_while_equal_to_the_drafts() -> None:
 
 def test_drafter_cache_end_and_trail() -> None:
     d = Drafter.for_prompt([1, 2, 3, 1, 2], 4)
-    assert d.drafts(may_emit=10) == [3, 1, 2]  # (1, 2) was followed by 3, 1, 2
+    assert d.k == 1 and d.drafts(may_emit=10) == [3]  # (1, 2) was followed by 3, 1, 2; a request starts at k=1
+    d.verified(1, 1, 3)
+    assert d.k == 3 and d.drafts(may_emit=10) == [3, 1, 2]
     assert d.drafts(may_emit=2) == [3]  # one draft and the sample after it
-    d.verified(3, 1)
-    assert d.k == 2 and d.stats.accepted == 1
+    d.verified(3, 1, 3)
+    assert d.k == 2 and d.stats.accepted == 2
+    d.verified(2, 0, 9)
+    d.verified(1, 0, 9)
+    assert d.k == 0 and d.drafts(may_emit=10) == [] and d.shadow == [3]  # off, guessing in the shadow
+    d.verified(0, 0, 7)
+    assert d.k == 0  # the guess (3) was wrong: still off
+    d.drafts(may_emit=10)
+    d.verified(0, 0, 3)
+    assert d.k == 1  # it would have been right: back on
     cache = CacheEnd()
     cache.computed(10, 4)
     assert cache.rollback(12) and not cache.rollback(14)

@@ -561,7 +561,7 @@ class Node:
             await self._originate_error(state, ErrorCode.STAGE_FAILED, str(exc))
             return
         if tokens is not None:
-            await self._after_sample(state, tokens, len(frame.drafts))
+            await self._after_sample(state, tokens, len(frame.drafts), step=frame.first_position >= state.prompt_len)
 
     async def _compute_and_sample(self, state: RequestState, frame: Boundary) -> list[int] | None:
         """Last rank: run the window and, on a final boundary, sample (row by row through a verify batch's
@@ -581,15 +581,15 @@ class Node:
                 return None
             return await self.stage.run(forward_and_sample)
 
-    async def _after_sample(self, state: RequestState, tokens: Sequence[int], drafted: int) -> None:
+    async def _after_sample(self, state: RequestState, tokens: Sequence[int], drafted: int, *, step: bool) -> None:
         """Last rank: emit a step's sampled tokens (one, or a verify batch's accepted drafts and one more) in
         ``generate``'s order, then send the next step to rank 0, with drafts when the request speculates."""
         if state.done:
             return  # cancelled or failed while its sample was computed: the tokens belong to nobody now
         start = state.start
         assert state.text_stream is not None
-        if state.drafter is not None:
-            state.drafter.verified(drafted, len(tokens) - 1)
+        if state.drafter is not None and step:  # a decode step (the prefill's sample is no step: as in generate)
+            state.drafter.verified(drafted, len(tokens) - 1, tokens[0])
             self.requests.speculation = self.requests.speculation.after(drafted, len(tokens) - 1)
         for token in tokens:
             if self.stage.vocab.is_eog(token):
