@@ -58,7 +58,9 @@ def test_adapt_k_grows_on_full_acceptance_and_shrinks_to_what_was_accepted() -> 
 
 def test_drafting_resumes_when_its_shadow_guess_is_right() -> None:
     history = [4, 1, 2, 5, 1, 2]
-    assert shadow_draft(history, 0, 6) == [5] and shadow_draft(history, 2, 6) == [] and shadow_draft(history, 0, 0) == []
+    assert (
+        shadow_draft(history, 0, 6) == [5] and shadow_draft(history, 2, 6) == [] and shadow_draft(history, 0, 0) == []
+    )
     assert resume_k([5], 5, 6) == 1 and resume_k([5], 6, 6) == 0 and resume_k([], 5, 6) == 0
     assert initial_k(6) == 1 and initial_k(0) == 0
 
