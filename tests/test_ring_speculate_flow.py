@@ -31,17 +31,17 @@ WINDOWS = [(0, 2), (2, 4), (4, 6), (6, 8)]
 PERIOD = 5
 
 
-def reference(k: int | None, max_tokens: int) -> tuple[list[int], list[tuple[int, int]]]:
+def reference(k: int | None, max_tokens: int, **kw: Any) -> tuple[list[int], list[tuple[int, int]]]:
     """``generate --speculate k`` on the same fake model: its tokens, and each stage's (verifies, truncations)."""
-    stages = [FakeStage(a, b, WINDOWS[-1][1], period=PERIOD) for a, b in WINDOWS]
+    stages = [FakeStage(a, b, WINDOWS[-1][1], period=PERIOD, **kw) for a, b in WINDOWS]
     result = LocalPipeline(stages).generate(PROMPT, GREEDY, max_tokens, speculate=k)  # type: ignore[arg-type]
     return result.tokens, [(s.verifies, s.truncations) for s in stages]
 
 
 @asynccontextmanager
-async def ring_of(speculate: int = 0) -> AsyncIterator[tuple[Ring, list[FakeStage]]]:
+async def ring_of(speculate: int = 0, **kw: Any) -> AsyncIterator[tuple[Ring, list[FakeStage]]]:
     net = MemoryNetwork()
-    manifest, stages = fake_ring(WINDOWS, net, compute_s=0.01, period=PERIOD)
+    manifest, stages = fake_ring(WINDOWS, net, compute_s=0.01, period=PERIOD, **kw)
     async with trio.open_nursery() as nursery:
         ring = Ring(nursery, manifest, net, speculate=speculate)
         for rank, stage in enumerate(stages):
@@ -51,7 +51,9 @@ async def ring_of(speculate: int = 0) -> AsyncIterator[tuple[Ring, list[FakeStag
         nursery.cancel_scope.cancel()
 
 
-async def answer(node: Node, max_tokens: int, *, at_token: int = 0, fault: Any = None, **kw: Any) -> list[int]:
+async def answer(
+    node: Node, max_tokens: int, *, at_token: int = 0, fault: Any = None, reason: str = "max_tokens", **kw: Any
+) -> list[int]:
     tokens: list[int] = []
     async with node.request(PROMPT, GREEDY, max_tokens, **kw) as handle, aclosing(node.events(handle)) as events:
         async for ev in events:
@@ -61,7 +63,7 @@ async def answer(node: Node, max_tokens: int, *, at_token: int = 0, fault: Any =
                 if fault is not None and len(tokens) == at_token:
                     await fault()
             elif isinstance(ev, EndEvent):
-                assert ev.reason == "max_tokens" and ev.error is None, ev
+                assert ev.reason == reason and ev.error is None, ev
                 assert ev.generated_tokens == len(tokens)
                 return tokens
     raise AssertionError("no end event")
@@ -94,6 +96,22 @@ async def test_speculate_zero_and_a_per_request_k(autojump_clock: trio.testing.M
         forwards = [s.verifies for s in stages]
         assert await answer(node, 30, speculate=2) == want
         assert [s.verifies - f for s, f in zip(stages, forwards, strict=True)] == [v for v, _ in schedule]
+
+
+@pytest.mark.parametrize("entry", [0, 1])
+async def test_an_end_inside_a_verify_batch_streams_its_accepted_drafts(
+    autojump_clock: trio.testing.MockClock, entry: int
+) -> None:
+    """EOG sampled after accepted drafts: the END carries only the count, and an entry node that is not the last
+    rank streams the accepted drafts of that last batch from the batch it saw (TokenTrail), in order."""
+    # eog_at=47: EOG is sampled at a row after accepted drafts in its verify batch (checked: without the END's
+    # confirmation of the trail, entries 0 and 1 miss those drafts).
+    want, schedule = reference(6, 60, eog_at=47)
+    assert len(want) < 47 and schedule[-1][0] > 3
+    async with ring_of(speculate=6, eog_at=47) as (ring, _stages):
+        node = ring.nodes[entry]
+        assert node is not None
+        assert await answer(node, 60, reason="eog") == want
 
 
 @pytest.mark.parametrize("victim", [1, 3, 0])
