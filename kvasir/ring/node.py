@@ -49,7 +49,7 @@ from kvasir.ring.requests import (
     uses_penalties,
 )
 from kvasir.ring.secure import Credentials, PeerPolicy
-from kvasir.ring.speculation import Drafter, sample_rows
+from kvasir.ring.speculation import Drafter, sample_rows, window_step
 from kvasir.ring.status import FailoverStatus, MarketWindow, NodeStatus, RankStatus
 from kvasir.stage.vocab import TextStream
 from kvasir.wire import (
@@ -520,14 +520,8 @@ class Node:
             return await self.stage.run(self._window, state, pos, verify, inputs)
 
     def _window(self, state: RequestState, pos: int, verify: bool, inputs: dict[str, Any]) -> Any:
-        """Worker thread: one chunk through this window. A speculative step that starts before the cache's end
-        follows rejected drafts: forget them first (``generate`` truncates at the same point of the sequence)."""
-        if state.start.speculate and state.cache.rollback(pos):
-            self.stage.truncate(state.seq, pos)
-        out = (self.stage.forward_verify if verify else self.stage.forward)(state.seq, pos, **inputs)
-        tokens = inputs.get("tokens")
-        state.cache.computed(pos, len(tokens) if tokens is not None else len(inputs["hidden"]))
-        return out
+        """Worker thread: one chunk of a request through this window (rolling back rejected drafts first)."""
+        return window_step(self.stage, state.seq, state.cache, state.start.speculate > 0, pos, verify, inputs)
 
     async def _on_boundary(self, frame: Boundary) -> None:
         self.requests.boundaries += 1
@@ -537,7 +531,7 @@ class Node:
         if await self._seen_before(state, frame.first_position, _boundary_digest(frame)):
             return
         if frame.first_position >= state.prompt_len and frame.latest_token >= 0:
-            self._see_step(state, frame.first_position, (frame.latest_token, *frame.drafts))
+            self.requests.see_step(state, frame.first_position, (frame.latest_token, *frame.drafts))
         try:
             if not self.last:
                 hidden = await self._compute(
@@ -612,12 +606,6 @@ class Node:
         position = state.prompt_len + state.generated - 1
         await self._send_data(state, Token(start.request_id, position, tokens[-1], tuple(drafts)))
 
-    def _see_step(self, state: RequestState, pos: int, tokens: Sequence[int]) -> None:
-        """A decode step at ``pos`` passes: its token, and the drafts of the step before that it shows accepted."""
-        for position, token in state.trail.step(pos, tokens):
-            if position >= state.prompt_len:
-                self.requests.see(state, position - state.prompt_len, token)
-
     async def _on_token(self, frame: Token) -> None:
         state = self.requests.get(frame.request_id)
         if state is None or state.done:
@@ -626,7 +614,7 @@ class Node:
         fed = (frame.token_id, *frame.drafts)
         if await self._seen_before(state, frame.position, b"".join(t.to_bytes(4, "little") for t in fed)):
             return
-        self._see_step(state, frame.position, fed)
+        self.requests.see_step(state, frame.position, fed)
         try:
             hidden = await self._compute(state, frame.position, verify=bool(frame.drafts), tokens=list(fed))
             if hidden is not None:
@@ -656,13 +644,7 @@ class Node:
     async def _on_end(self, frame: End) -> None:
         state = self.requests.get(frame.request_id)
         if state is not None:
-            # The last step's accepted drafts (speculation) are in the verify batch seen last; then its last token.
-            upto = state.prompt_len + frame.generated_tokens - (1 if frame.latest_token >= 0 else 0)
-            for position, token in state.trail.confirmed(upto):
-                if position >= state.prompt_len:
-                    self.requests.see(state, position - state.prompt_len, token)
-            if frame.latest_token >= 0 and frame.generated_tokens > state.seen:
-                self.requests.see(state, frame.generated_tokens - 1, frame.latest_token)
+            self.requests.see_end(state, frame.generated_tokens, frame.latest_token)
             await self.requests.finish(state, REASONS[frame.reason])
         if self._forwards(frame.origin_rank):
             await self._send_terminal(frame)

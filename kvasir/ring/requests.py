@@ -312,6 +312,23 @@ class RequestTable:
             }
         )
 
+    def see_step(self, state: RequestState, pos: int, tokens: Sequence[int]) -> None:
+        """A decode step at ``pos`` feeding ``tokens`` passes: its first token, after the drafts of the step before
+        that it shows accepted (speculation: they are emitted once the next step starts past them)."""
+        for position, token in state.trail.step(pos, tokens):
+            if position >= state.prompt_len:
+                self.see(state, position - state.prompt_len, token)
+
+    def see_end(self, state: RequestState, generated: int, latest: int) -> None:
+        """An END says ``generated`` tokens, the last being ``latest`` (−1: none sent, e.g. EOG): the last verify
+        batch's accepted drafts are in the batch seen last, then comes the last token."""
+        upto = state.prompt_len + generated - (1 if latest >= 0 else 0)
+        for position, token in state.trail.confirmed(upto):
+            if position >= state.prompt_len:
+                self.see(state, position - state.prompt_len, token)
+        if latest >= 0 and generated > state.seen:
+            self.see(state, generated - 1, latest)
+
     async def finish(
         self, state: RequestState, reason: str, error: str | None = None, code: ErrorCode | None = None
     ) -> None:

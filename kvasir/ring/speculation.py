@@ -18,10 +18,12 @@ cache with the same verify batches and the same truncations in the same order.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 
 from kvasir.core.speculate import SpeculationStats, adapt_k, draft_lookup, initial_k, resume_k, shadow_draft
+from kvasir.ring.compute import RingStage
 
 
 @attrs.define
@@ -82,6 +84,20 @@ class CacheEnd:
 
     def computed(self, pos: int, n: int) -> None:
         self.end = pos + n
+
+
+def window_step(
+    stage: RingStage, seq: int, cache: CacheEnd, speculative: bool, pos: int, verify: bool, inputs: dict[str, Any]
+) -> Any:
+    """Worker thread: one chunk through a window (``forward``, or ``forward_verify`` for a verify batch). A
+    speculative step that starts before the cache's end follows rejected drafts: forget them first, the same point
+    of the sequence where ``generate`` truncates."""
+    if speculative and cache.rollback(pos):
+        stage.truncate(seq, pos)
+    out = (stage.forward_verify if verify else stage.forward)(seq, pos, **inputs)
+    tokens = inputs.get("tokens")
+    cache.computed(pos, len(tokens) if tokens is not None else len(inputs["hidden"]))
+    return out
 
 
 @attrs.define
