@@ -98,6 +98,25 @@ async def test_speculate_zero_and_a_per_request_k(autojump_clock: trio.testing.M
         assert [s.verifies - f for s, f in zip(stages, forwards, strict=True)] == [v for v, _ in schedule]
 
 
+async def test_two_speculative_requests_at_once(autojump_clock: trio.testing.MockClock) -> None:
+    """Each request's verify batches and rollbacks touch only its own sequence: two at once (different K, different
+    entries) each give their own schedule's answer."""
+    want4, _ = reference(4, 40)
+    want2, _ = reference(2, 30)
+    got: dict[int, list[int]] = {}
+    async with ring_of(speculate=4) as (ring, _stages):
+        n1, n3 = ring.nodes[1], ring.nodes[3]
+        assert n1 is not None and n3 is not None
+
+        async def one(key: int, node: Node, max_tokens: int, k: int) -> None:
+            got[key] = await answer(node, max_tokens, speculate=k)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(one, 4, n1, 40, 4)
+            nursery.start_soon(one, 2, n3, 30, 2)
+    assert got == {4: want4, 2: want2}
+
+
 @pytest.mark.parametrize("entry", [0, 1])
 async def test_an_end_inside_a_verify_batch_streams_its_accepted_drafts(
     autojump_clock: trio.testing.MockClock, entry: int
