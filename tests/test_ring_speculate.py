@@ -6,6 +6,7 @@ entry node; ``--speculate 0`` and a request asking K=0 are the plain ring. Fast 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from kvasir.control.client import ControlClient
@@ -55,14 +56,15 @@ def test_gemma_ring_equals_generate_speculate(gemma_path: Path, cache_dir: Path)
             assert c.status()["requests"]["verify_batches"] == before["verify_batches"]
 
 
-def test_ring_up_speculate_matches_generate(tiny_model: object, cache_dir: Path) -> None:
+def test_ring_up_speculate_matches_generate(tiny_model: Callable[..., Path], cache_dir: Path) -> None:
     """The CLI end to end: `ring up --speculate K --prompt` prints `generate --speculate K`'s tokens; a plain
     `ring up` prints plain `generate`'s."""
-    model = tiny_model("llama", "q8_0")  # type: ignore[operator]
+    model = tiny_model("llama", "q8_0")
     prompt = "one two three one two three one two three one two"
     common = ["--prompt", prompt, "--max-tokens", "24", "--threads", "1", "--json", "--ctx", "256"]
     want = run_cli("generate", str(model), *common, "--speculate", "3")
     assert want.returncode == 0, want.stderr
+    assert json.loads(want.stdout)["speculation"]["verify_batches"] > 0  # this prompt's drafts are verified
     got = run_cli("ring", "up", str(model), "--splits", "0,3,6", *common, "--speculate", "3", timeout=300)
     assert got.returncode == 0, got.stderr
     assert json.loads(got.stdout)["tokens"] == json.loads(want.stdout)["tokens"]
