@@ -57,8 +57,8 @@ def test_gemma_ring_equals_generate_speculate(gemma_path: Path, cache_dir: Path)
 
 
 def test_ring_up_speculate_matches_generate(tiny_model: Callable[..., Path], cache_dir: Path) -> None:
-    """The CLI end to end: `ring up --speculate K --prompt` prints `generate --speculate K`'s tokens; a plain
-    `ring up` prints plain `generate`'s."""
+    """The CLI end to end: `ring up --speculate K --prompt` (every node's default K) prints `generate --speculate
+    K`'s tokens on a tiny llama; an out-of-range K is refused."""
     model = tiny_model("llama", "q8_0")
     prompt = "one two three one two three one two three one two"
     common = ["--prompt", prompt, "--max-tokens", "24", "--threads", "1", "--json", "--ctx", "256"]
