@@ -83,6 +83,7 @@ class Call:
     stop: tuple[str, ...]
     ended: bool = False
     cancelled: bool = False
+    speculate: int | None = None
 
 
 @attrs.define
@@ -105,11 +106,17 @@ class FakeBackend:
 
     @asynccontextmanager
     async def request(
-        self, prompt: Sequence[int], params: SamplingParams, max_tokens: int, stop: Sequence[str] = ()
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        max_tokens: int,
+        stop: Sequence[str] = (),
+        *,
+        speculate: int | None = None,
     ) -> AsyncIterator[Call]:
         if self.refuse is not None:
             raise self.refuse
-        call = Call(list(prompt), params, max_tokens, tuple(stop))
+        call = Call(list(prompt), params, max_tokens, tuple(stop), speculate=speculate)
         self.calls.append(call)
         try:
             yield call
@@ -306,6 +313,11 @@ async def test_completion_params_and_prompt_forms(nursery: trio.Nursery) -> None
         assert c.max_tokens == 16  # OpenAI's completions default
         assert (await call(port, "POST", "/v1/completions", {"prompt": [5, 6, 7], "stop": ["x", "y"]})).status == 200
         assert fake.calls[-1].prompt == [5, 6, 7] and fake.calls[-1].stop == ("x", "y")
+        assert fake.calls[-1].speculate is None  # not asked: the node's --speculate
+        assert (await call(port, "POST", "/v1/completions", {"prompt": "a", "speculate": 4})).status == 200
+        assert fake.calls[-1].speculate == 4
+        bad = await call(port, "POST", "/v1/completions", {"prompt": "a", "speculate": 17})
+        assert bad.status == 400 and "speculate" in bad.json()["error"]["message"]
 
 
 async def test_finish_reason_length(nursery: trio.Nursery) -> None:

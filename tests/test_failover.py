@@ -18,6 +18,7 @@ from kvasir.local.launcher import LocalRing
 from kvasir.testing import faults
 from tests.netns import carrier_nat, netns_unavailable, phone_ring, set_link
 from tests.ringutil import running_ring
+from tests.test_speculate import REPEATING
 
 PROMPT = "The old lighthouse keeper climbed the stairs each night and"
 WINDOWS = [(0, 6), (6, 12), (12, 18)]
@@ -25,8 +26,8 @@ MAX_TOKENS = 64
 FAULT_AT = 16
 
 
-def answer(sock: Path, fault: Any = None, **params: Any) -> tuple[list[int], dict[str, Any]]:
-    res = faults.stream(sock, prompt=PROMPT, max_tokens=MAX_TOKENS, fault=fault, at=FAULT_AT, **params)
+def answer(sock: Path, fault: Any = None, prompt: str = PROMPT, **params: Any) -> tuple[list[int], dict[str, Any]]:
+    res = faults.stream(sock, prompt=prompt, max_tokens=MAX_TOKENS, fault=fault, at=FAULT_AT, **params)
     return res.tokens, res.end
 
 
@@ -56,7 +57,14 @@ def gemma_ring(gemma_path: Path, cache_dir: Path) -> Iterator[LocalRing]:
         yield ring
 
 
-@pytest.mark.parametrize("params", [{"temperature": 0.0}, {"temperature": 0.8, "seed": 1234}], ids=["greedy", "t0.8"])
+#: Speculative decoding on self-repeating text: the replay carries the verify batches (drafts included) and the steps
+#: after rejected drafts, so the new process rebuilds the same cache (truncations included) and re-drafts the same.
+SPECULATIVE = {"temperature": 0.0, "speculate": 4, "prompt": REPEATING}
+
+
+@pytest.mark.parametrize(
+    "params", [{"temperature": 0.0}, {"temperature": 0.8, "seed": 1234}, SPECULATIVE], ids=["greedy", "t0.8", "spec"]
+)
 @pytest.mark.parametrize(("victim", "entry"), [(1, 0), (2, 0), (0, 1)], ids=["middle", "last", "rank0"])
 def test_sigkill_mid_answer_gives_the_fault_free_text(
     gemma_ring: LocalRing, victim: int, entry: int, params: dict[str, Any]

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvasir.core.speculate import SpeculationStats, adapt_k, draft_lookup
+from kvasir.core.speculate import SpeculationStats, adapt_k, draft_lookup, initial_k, resume_k, shadow_draft
 from kvasir.errors import InputError
 from kvasir.shard.cache import parse_splits, stage_files
 from kvasir.stage.engine import BatchItem, Stage, StageConfig
@@ -49,9 +49,20 @@ def test_adapt_k_grows_on_full_acceptance_and_shrinks_to_what_was_accepted() -> 
     assert adapt_k(7, 7, 7, 8) == 8  # capped at k_max
     assert adapt_k(6, 6, 2, 8) == 3  # one more than accepted
     assert adapt_k(6, 6, 5, 8) == 5  # but always shrinks after a rejection
-    assert adapt_k(3, 3, 0, 8) == 1  # never below 1
+    assert adapt_k(3, 3, 0, 8) == 1  # not below 1 while more than one draft was tried
+    assert adapt_k(1, 1, 0, 8) == 0  # a lone draft rejected: drafting off (resume_k turns it back on)
+    assert adapt_k(2, 2, 1, 8) == 1
     assert adapt_k(5, 0, 0, 8) == 5  # no drafts: nothing learned
     assert adapt_k(4, 2, 2, 8) == 6  # fewer drafts than k (short match), all accepted: still grows
+
+
+def test_drafting_resumes_when_its_shadow_guess_is_right() -> None:
+    history = [4, 1, 2, 5, 1, 2]
+    assert (
+        shadow_draft(history, 0, 6) == [5] and shadow_draft(history, 2, 6) == [] and shadow_draft(history, 0, 0) == []
+    )
+    assert resume_k([5], 5, 6) == 1 and resume_k([5], 6, 6) == 0 and resume_k([], 5, 6) == 0
+    assert initial_k(6) == 1 and initial_k(0) == 0
 
 
 def test_speculation_stats_count_batches_and_plain_steps() -> None:

@@ -8,6 +8,7 @@ import re
 import struct
 from collections.abc import Callable
 
+import attrs
 import numpy as np
 import pytest
 import trio
@@ -18,9 +19,11 @@ from hypothesis import strategies as st
 from kvasir.core.sampling import SamplingError
 from kvasir.errors import InputError, ProtocolError, RingError, ShapeError
 from kvasir.wire import (
+    FLAG_DRAFTS,
     FLAG_FINAL,
     HEADER_SIZE,
     MAX_BOUNDARY_TOKENS,
+    MAX_DRAFTS,
     MAX_ERROR_MESSAGE_BYTES,
     MAX_FRAME_BYTES,
     MAX_STOP_BYTES,
@@ -107,6 +110,7 @@ starts = st.builds(
     entry_node_id=ids,
     sampling=sampling_params,
     stop=st.lists(st.text(st.characters(codec="utf-8"), min_size=1, max_size=40), max_size=MAX_STOP_STRINGS),
+    speculate=st.integers(0, MAX_DRAFTS),
 )
 
 
@@ -116,6 +120,12 @@ def boundaries(draw: st.DrawFn) -> Boundary:
     n_tokens = draw(st.integers(1, 6))
     n_embd = draw(st.integers(1, 24))
     payload = draw(st.binary(min_size=n_tokens * n_embd * dtype.itemsize, max_size=n_tokens * n_embd * dtype.itemsize))
+    if n_tokens > 1 and draw(st.booleans()):  # a speculative verify batch: row 0's token, then the drafts
+        drafts = draw(st.lists(token_ids, min_size=n_tokens - 1, max_size=n_tokens - 1))
+        return Boundary(
+            draw(request_ids), draw(st.integers(0, 2**31 - 1 - n_tokens)), n_tokens, n_embd, dtype, payload,
+            final=True, latest_token=draw(token_ids), drafts=tuple(drafts),
+        )  # fmt: skip
     return Boundary(
         request_id=draw(request_ids),
         first_position=draw(st.integers(0, 2**31 - 1 - n_tokens)),
@@ -133,6 +143,13 @@ frames: st.SearchStrategy[Frame] = st.one_of(
     starts,
     boundaries(),
     st.builds(Token, request_id=request_ids, position=st.integers(0, 2**31 - 2), token_id=token_ids),
+    st.builds(
+        Token,
+        request_id=request_ids,
+        position=st.integers(0, 2**31 - 2 - MAX_DRAFTS),
+        token_id=token_ids,
+        drafts=st.lists(token_ids, max_size=MAX_DRAFTS).map(tuple),
+    ),
     st.builds(
         End,
         request_id=request_ids,
@@ -193,6 +210,22 @@ def test_from_wire_refuses_another_frame_type() -> None:
 
 def test_token_header_carries_the_token() -> None:
     assert decode_header(Token(5, 12, 777).to_wire()).latest_token == 777
+
+
+def test_single_token_frames_keep_their_bytes() -> None:
+    """Frames without speculation are byte for byte what a node that knows nothing of it sends and accepts."""
+    assert Token(5, 12, 777).to_wire() == raw(
+        FrameType.TOKEN, struct.pack("<Ii", 12, 777), request_id=5, latest_token=777
+    )
+    assert Token(5, 12, 777, drafts=(1, 2)).to_wire()[HEADER_SIZE:] == struct.pack("<Iiii", 12, 777, 1, 2)
+    plain = Boundary(5, 3, 1, 1, BoundaryDType.F32, b"\0" * 4, final=True, latest_token=9).to_wire()
+    assert plain[4:6] == struct.pack("<H", FLAG_FINAL)
+    verify = Boundary(5, 3, 3, 1, BoundaryDType.F32, b"\0" * 12, final=True, latest_token=9, drafts=(4, 6))
+    assert verify.to_wire()[4:6] == struct.pack("<H", FLAG_FINAL | FLAG_DRAFTS)
+    assert verify.to_wire().endswith(struct.pack("<ii", 4, 6))
+    start = StartRequest(1, [1, 2], 3, 0, "n")
+    assert start.to_wire()[HEADER_SIZE + 13 : HEADER_SIZE + 16] == b"\0\0\0"  # speculate 0: as the reserved bytes were
+    assert StartRequest.from_wire(attrs.evolve(start, speculate=5).to_wire()).speculate == 5
 
 
 # ------------------------------------------------------------------------------------------------ boundaries
@@ -337,7 +370,9 @@ MALFORMED: dict[str, tuple[bytes, str]] = {
     "truncated header": (raw(FrameType.CANCEL, b"\0" * 4)[:10], "header truncated"),
     "truncated body": (Cancel(1, 2).to_wire()[:-1], "message is 27 bytes, header says 28"),
     "trailing bytes": (Cancel(1, 2).to_wire() + b"\0", "header says 28"),
-    "fixed body too long": (raw(FrameType.TOKEN, b"\0" * 9, latest_token=0), "body length 9 invalid"),
+    "fixed body too long": (raw(FrameType.CANCEL, b"\0" * 5), "body length 5 invalid"),
+    "token drafts ragged": (raw(FrameType.TOKEN, b"\0" * 9, latest_token=0), "not a whole number of token ids"),
+    "token too many drafts": (raw(FrameType.TOKEN, b"\0" * (8 + 4 * 17), latest_token=0), "body length 76 invalid"),
     "keepalive with body": (raw(FrameType.KEEPALIVE, b"\0", request_id=0), "expected exactly 0"),
     "request id zero": (raw(FrameType.CANCEL, b"\0" * 4, request_id=0), "request id 0 is reserved"),
     "hello with request id": (patched(HELLO, 8, "<Q", 5), "must carry request id 0"),
@@ -390,7 +425,8 @@ MALFORMED: dict[str, tuple[bytes, str]] = {
     ),
     "boundary reserved": (patched(BOUNDARY, H + 15, "<B", 7), "must be zero"),
     "sampling reserved": (patched(START, _SAMPLING_AT + 45, "<B", 1), "must be zero"),
-    "start reserved": (patched(START, H + 13, "<B", 1), "must be zero"),
+    "start reserved": (patched(START, H + 14, "<B", 1), "must be zero"),
+    "start speculate too high": (patched(START, H + 13, "<B", 17), "speculate 17 exceeds 16"),
     "unknown error code": (
         patched(Error(ErrorCode.INTERNAL, "x", 0), H, "<H", 999),
         "unknown error code 999",
@@ -470,6 +506,11 @@ def test_decoder_refuses_garbage_on_its_first_bytes() -> None:
         (lambda: Boundary(1, 0, 2, 2, BoundaryDType.F16, b"\0" * 7), "payload is 7 bytes"),
         (lambda: Boundary(1, 0, 1, 1, BoundaryDType.F32, b"\0" * 4, latest_token=-5), "latest token -5"),
         (lambda: Token(1, 0, -1), "token id -1"),
+        (lambda: Token(1, 0, 1, drafts=(1,) * 17), "draft count 17"),
+        (lambda: Token(1, 0, 1, drafts=(-2,)), "drafts\\[0\\]"),
+        (lambda: Boundary(1, 0, 2, 1, BoundaryDType.F32, b"\0" * 8, True, 3, (1, 2)), "need a final verify batch"),
+        (lambda: Boundary(1, 0, 2, 1, BoundaryDType.F32, b"\0" * 8, False, 3, (1,)), "need a final verify batch"),
+        (lambda: StartRequest(1, [1], 1, 0, "n", speculate=17), "speculate 17"),
         (lambda: End(1, EndReason.EOG, -1, 0, 0), "prompt tokens -1"),
         (lambda: End(1, 2, 0, 0, 0), "EndReason"),  # type: ignore[arg-type]
         (lambda: Error(ErrorCode.INTERNAL, "x" * (MAX_ERROR_MESSAGE_BYTES + 1), 0), "message is 1025 bytes"),

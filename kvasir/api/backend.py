@@ -56,9 +56,16 @@ class ApiBackend(Protocol[HandleT]):
     def stage(self) -> ApiStage: ...
 
     def request(
-        self, prompt: Sequence[int], params: SamplingParams, max_tokens: int, stop: Sequence[str] = ...
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        max_tokens: int,
+        stop: Sequence[str] = ...,
+        *,
+        speculate: int | None = ...,
     ) -> AbstractAsyncContextManager[HandleT]:
-        """Submit a request; raises InputError (bad input) or RingError (ring trouble) on entry.
+        """Submit a request; raises InputError (bad input) or RingError (ring trouble) on entry. ``speculate``: drafts
+        per step (None: the node's default).
 
         Leaving the context before the request ended cancels it.
         """

@@ -14,7 +14,7 @@ import attrs
 
 from kvasir.core.sampling import SamplingError, SamplingParams
 from kvasir.core.schema import FieldError, SchemaError, register_record, structure
-from kvasir.wire.frames import MAX_NEW_TOKENS, MAX_PROMPT_TOKENS, MAX_STOP_BYTES, MAX_STOP_STRINGS
+from kvasir.wire.frames import MAX_DRAFTS, MAX_NEW_TOKENS, MAX_PROMPT_TOKENS, MAX_STOP_BYTES, MAX_STOP_STRINGS
 
 Json = dict[str, Any]
 Kind = Literal["completion", "chat"]
@@ -63,6 +63,8 @@ class GenerationRequest:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
+    #: Kvasir's extension: speculative decoding with up to this many drafts per step (None: the node's default).
+    speculate: int | None = None
 
 
 def new_id(kind: Kind) -> str:
@@ -75,6 +77,11 @@ def new_id(kind: Kind) -> str:
 def _token_count(_: object, attribute: attrs.Attribute[int | None], value: int | None) -> None:
     if value is not None and not 1 <= value <= MAX_NEW_TOKENS:
         raise FieldError(attribute.name, f"must be an integer in [1, {MAX_NEW_TOKENS}]")
+
+
+def _speculate(_: object, attribute: attrs.Attribute[int | None], value: int | None) -> None:
+    if value is not None and not 0 <= value <= MAX_DRAFTS:
+        raise FieldError(attribute.name, f"must be an integer in [0, {MAX_DRAFTS}]")
 
 
 @attrs.frozen
@@ -92,6 +99,7 @@ class _Options:
     max_completion_tokens: int | None = attrs.field(default=None, validator=_token_count)
     stream: bool = False
     stream_options: _StreamOptions | None = None
+    speculate: int | None = attrs.field(default=None, validator=_speculate)
 
 
 register_record(_StreamOptions)
@@ -129,6 +137,7 @@ def parse_generation(kind: Kind, body: object) -> GenerationRequest:
         stop=_parse_stop(body),
         stream=options.stream,
         include_usage=include_usage and options.stream,
+        speculate=options.speculate,
     )
 
 

@@ -255,7 +255,7 @@ class ApiServer:
         created = int(time.time())
         model = self.node.manifest.model_name
         try:
-            async with self.node.request(prompt, req.params, max_tokens, req.stop) as handle:
+            async with self.node.request(prompt, req.params, max_tokens, req.stop, speculate=req.speculate) as handle:
                 if req.stream:
                     await self._stream(http, req, handle, rid, created, model)
                     return

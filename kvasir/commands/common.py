@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from kvasir.core.sampling import SamplingError, SamplingParams
+from kvasir.core.speculate import K_LIMIT
 from kvasir.demo import default_model_path
 from kvasir.errors import InputError
 from kvasir.shard.cache import default_cache_dir, parse_splits
@@ -42,6 +43,25 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--repeat-penalty", type=float, default=d.repeat_penalty)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def add_speculate_arg(p: argparse.ArgumentParser, what: str) -> None:
+    """``--speculate K`` for the ring's commands (``generate`` has its own: there None and 0 differ)."""
+
+    def k(text: str) -> int:
+        value = int(text)
+        if not 0 <= value <= K_LIMIT:
+            raise argparse.ArgumentTypeError(f"must be in [0, {K_LIMIT}]")
+        return value
+
+    p.add_argument(
+        "--speculate",
+        type=k,
+        metavar="K",
+        default=0,
+        help=f"{what}: draft up to K tokens per step by prompt lookup, verified in one batch through every window "
+        f"(0..{K_LIMIT}; default 0, plain steps; docs/speculation.md)",
+    )
 
 
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:

@@ -12,7 +12,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from kvasir.commands.common import add_model_arg, add_text_args, model_windows, print_json, sampling_from_args
+from kvasir.commands.common import (
+    add_model_arg,
+    add_speculate_arg,
+    add_text_args,
+    model_windows,
+    print_json,
+    sampling_from_args,
+)
 from kvasir.commands.config import fill_from_config
 from kvasir.control.client import ControlClient
 from kvasir.control.paths import find_socket
@@ -72,6 +79,7 @@ def add_parser(sub: Any) -> None:
         help="every node writes signed receipts of its requests (and spools their inputs for audits) into DIR",
     )
     up.add_argument("--seqs", type=int, default=8, help="concurrent requests per node")
+    add_speculate_arg(up, "every request (the nodes' default)")
     up.add_argument("--gpu-layers", type=int, default=None, help="layers on the GPU per node (-1 all; default 0)")
     up.set_defaults(run=run_up)
 
@@ -126,6 +134,7 @@ def run_up(args: argparse.Namespace) -> int:
             extra_args=(
                 *(("--gpu-layers", str(args.gpu_layers)) if args.gpu_layers else ()),
                 *(("--record", str(args.record.resolve())) if args.record is not None else ()),
+                *(("--speculate", str(args.speculate)) if args.speculate else ()),
             ),
         )
         try:

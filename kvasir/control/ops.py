@@ -47,6 +47,8 @@ class GenerateOp:
     max_tokens: int = 64
     stop: tuple[str, ...] = ()
     sampling: SamplingParams = SamplingParams.GREEDY
+    #: Speculative decoding: up to this many drafts per step (None: the node's ``--speculate``).
+    speculate: int | None = None
 
 
 @attrs.frozen

@@ -19,6 +19,9 @@ NGRAM_MAX = 3
 NGRAM_MIN = 2
 #: Drafts per verify batch never exceed this, whatever ``--speculate K`` asks.
 K_LIMIT = 16
+#: Drafts in a request's first verify batch. A verify batch of n rows can cost nearly n one-token steps (small models
+#: on a CPU: docs/benchmarks.md), so a wrong first guess must be cheap; full acceptance grows K quickly.
+K_START = 1
 
 
 def draft_lookup(
@@ -39,14 +42,34 @@ def draft_lookup(
     return []
 
 
+def initial_k(k_max: int) -> int:
+    """The draft budget of a request's first step."""
+    return min(k_max, K_START)
+
+
 def adapt_k(k: int, drafted: int, accepted: int, k_max: int) -> int:
     """The next draft budget: grow by 2 after a fully accepted batch, else shrink to one more than was accepted (at
-    least 1). A step without drafts says nothing about them and keeps ``k``."""
+    least 1), and to 0 (drafting off, see :func:`resume_k`) when a lone draft was rejected. A step without drafts
+    says nothing about them and keeps ``k``."""
     if drafted == 0:
         return k
     if accepted >= drafted:
         return min(k_max, k + 2)
+    if accepted == 0 and k <= 1:
+        return 0
     return max(1, min(k - 1, accepted + 1))
+
+
+def resume_k(shadow: Sequence[int], sampled: int, k_max: int) -> int:
+    """While drafting is off (k = 0): the draft a step would have made (``shadow``, one token, looked up as usual
+    but not verified) and the token the step sampled. A right guess turns drafting back on at 1, so text where drafts
+    fail costs no verify batches, and text that starts repeating is noticed."""
+    return min(k_max, 1) if shadow and shadow[0] == sampled else 0
+
+
+def shadow_draft(history: Sequence[int], k: int, k_max: int) -> list[int]:
+    """The one-token guess :func:`resume_k` checks: only while drafting is off (k = 0) in a speculative request."""
+    return draft_lookup(history, 1) if k == 0 and k_max > 0 else []
 
 
 @attrs.frozen

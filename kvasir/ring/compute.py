@@ -97,8 +97,9 @@ class RingStage(Protocol):
 
     def new_sampler(self, params: SamplingParams) -> TokenSampler: ...
 
-    def sample(self, sampler: Any) -> int:
-        """The next token of the request whose sampler this is (last stage; after a final forward)."""
+    def sample(self, sampler: Any, index: int = -1) -> int:
+        """The next token of the request whose sampler this is (last stage; after a final forward), from the last
+        output row or from row ``index`` of a verify batch."""
         ...
 
     def forward(self, seq_id: int, pos0: int, *, tokens: Sequence[int] | None = ..., hidden: Any = ...) -> Any:
@@ -107,6 +108,14 @@ class RingStage(Protocol):
 
     def logits(self, index: int = -1) -> Any:
         """A copy of the last row's logits (last stage, after a forward): what a receipt hashes."""
+        ...
+
+    def forward_verify(self, seq_id: int, pos0: int, *, tokens: Sequence[int] | None = ..., hidden: Any = ...) -> Any:
+        """:meth:`forward` with every row an output (a speculative verify batch)."""
+        ...
+
+    def truncate(self, seq_id: int, pos: int) -> None:
+        """Keep positions ``[0, pos)`` of one sequence's cache (rejected drafts); StageError where it cannot."""
         ...
 
     def free_sequence(self, seq_id: int) -> None: ...

@@ -50,6 +50,7 @@ from kvasir.ring.requests import (
     uses_penalties,
 )
 from kvasir.ring.secure import Credentials, PeerPolicy
+from kvasir.ring.speculation import Drafter, sample_rows, window_step
 from kvasir.ring.status import FailoverStatus, MarketWindow, NodeStatus, RankStatus
 from kvasir.stage.vocab import TextStream
 from kvasir.wire import (
@@ -117,6 +118,9 @@ class NodeConfig:
     boundary_dtype: BoundaryDType = BoundaryDType.F32
     #: A standby (``Manifest.as_standby``): dormant, linked to nothing until a predecessor fails over to it.
     standby: bool = False
+    #: Speculative decoding for requests entering here that do not say: up to K prompt-lookup drafts per step
+    #: (0: plain one-token steps). The request's START carries its K; the last rank drafts (docs/speculation.md).
+    speculate: int = 0
 
 
 @attrs.define
@@ -407,18 +411,31 @@ class Node:
         with contextlib.suppress(SuccessorLost):  # kept for the replay, as above
             await self.links.send(frame)
 
-    def _boundary(self, request_id: int, pos: int, hidden: Any, *, final: bool, latest_token: int = -1) -> Boundary:
+    def _boundary(
+        self,
+        request_id: int,
+        pos: int,
+        hidden: Any,
+        *,
+        final: bool,
+        latest_token: int = -1,
+        drafts: tuple[int, ...] = (),
+    ) -> Boundary:
         hello = self.links.successor_hello
         dtype = choose_dtype(self.config.boundary_dtype, hello) if hello else BoundaryDType.F32
+        make = functools.partial(
+            Boundary.from_array, request_id, pos, hidden, final=final, latest_token=latest_token, drafts=drafts
+        )
         try:
-            return Boundary.from_array(request_id, pos, hidden, dtype=dtype, final=final, latest_token=latest_token)
+            return make(dtype=dtype)
         except ProtocolError:  # a value beyond f16's range (gemma's BOS row reaches 8e4): send this one exact
-            return Boundary.from_array(request_id, pos, hidden, final=final, latest_token=latest_token)
+            return make()
 
     def _outgoing_start(self, start: StartRequest) -> StartRequest:
         """START as our successor gets it: the prompt's token ids only while a node ahead needs them."""
         successor = (self.rank + 1) % self.manifest.size
-        penalties = uses_penalties(start.sampling)
+        # The last rank needs the prompt's ids for repeat penalties, and to draft from when the request speculates.
+        penalties = uses_penalties(start.sampling) or start.speculate > 0
         if start_needs_tokens(successor, start.entry_rank, self.manifest.size, penalties=penalties):
             return start
         return start.withheld()
@@ -435,11 +452,11 @@ class Node:
             live.touched = trio.current_time()
         try:
             match frame:
-                case Boundary() | Token() | End() if frame.latest_token >= self.stage.vocab.n_tokens:
+                case Boundary() | Token() | End() if _top_token(frame) >= self.stage.vocab.n_tokens:
                     # Never let it reach llama.cpp: a token id outside the vocabulary aborts the process there.
                     state = self.requests.get(frame.request_id)
                     if state is not None:
-                        message = f"token {frame.latest_token} outside the vocabulary of {self.stage.vocab.n_tokens}"
+                        message = f"token {_top_token(frame)} outside the vocabulary of {self.stage.vocab.n_tokens}"
                         await self._originate_error(state, ErrorCode.BAD_REQUEST, message)
                 case StartRequest():
                     await self._on_start(frame)
@@ -493,12 +510,17 @@ class Node:
     def _register(self, start: StartRequest, entry: EntryStream | None) -> RequestState:
         sampler = None
         if self.last:
+            if start.speculate and not start.prompt:  # drafts from anything less would not be generate's
+                raise InvalidRequest(ErrorCode.BAD_REQUEST, "the last rank got a speculative START without its prompt")
             sampler = functools.partial(self.stage.new_sampler, start.sampling)
         state = self.requests.register(start, entry, check_vocab=self.first or self.last, sampler=sampler)
-        if self.recorder is not None:
+        if self.recorder is not None and not start.speculate:
+            # Speculative requests are not recorded: an audit replays plain steps, not verify batches and rollbacks.
             self.recorder.begin(start.request_id, last=self.last, sampling=start.sampling, history=start.prompt)
         if self.last:
             state.text_stream = TextStream(self.stage.vocab)
+            if start.speculate:
+                state.drafter = Drafter.for_prompt(start.prompt, start.speculate)
         return state
 
     def _spawn_prefill(self, state: RequestState) -> None:
@@ -522,12 +544,16 @@ class Node:
         finally:
             state.prefilled.set()
 
-    async def _compute(self, state: RequestState, pos: int, **inputs: Any) -> Any:
+    async def _compute(self, state: RequestState, pos: int, *, verify: bool = False, **inputs: Any) -> Any:
         """Run the stage on one chunk of a request; None if the request ended meanwhile."""
         async with state.lock:
             if state.done:
                 return None
-            return await self.stage.run(functools.partial(self.stage.forward, state.seq, pos, **inputs))
+            return await self.stage.run(self._window, state, pos, verify, inputs)
+
+    def _window(self, state: RequestState, pos: int, verify: bool, inputs: dict[str, Any]) -> Any:
+        """Worker thread: one chunk of a request through this window (rolling back rejected drafts first)."""
+        return window_step(self.stage, state.seq, state.cache, state.start.speculate > 0, pos, verify, inputs)
 
     async def _on_boundary(self, frame: Boundary) -> None:
         self.requests.boundaries += 1
@@ -537,14 +563,16 @@ class Node:
         if await self._seen_before(state, frame.first_position, _boundary_digest(frame)):
             return
         if frame.first_position >= state.prompt_len and frame.latest_token >= 0:
-            self.requests.see(state, frame.first_position - state.prompt_len, frame.latest_token)
+            self.requests.see_step(state, frame.first_position, (frame.latest_token, *frame.drafts))
         if self.recorder is not None:
             self.recorder.on_input(
                 frame.request_id, frame.first_position, frame.n_tokens, frame.dtype.value, frame.payload
             )
         try:
             if not self.last:
-                hidden = await self._compute(state, frame.first_position, hidden=frame.to_array())
+                hidden = await self._compute(
+                    state, frame.first_position, verify=bool(frame.drafts), hidden=frame.to_array()
+                )
                 if hidden is not None:
                     await self._send_data(
                         state,
@@ -554,73 +582,90 @@ class Node:
                             hidden,
                             final=frame.final,
                             latest_token=frame.latest_token,
+                            drafts=frame.drafts,
                         ),
                     )
                 return
-            token = await self._compute_and_sample(state, frame)
+            tokens = await self._compute_and_sample(state, frame)
         except KvasirError as exc:
             await self._originate_error(state, ErrorCode.STAGE_FAILED, str(exc))
             return
-        if token is not None:
-            await self._after_sample(state, token)
+        if tokens is not None:
+            await self._after_sample(state, tokens, len(frame.drafts), step=frame.first_position >= state.prompt_len)
 
-    async def _compute_and_sample(self, state: RequestState, frame: Boundary) -> int | None:
-        """Last rank: run the window and, on a final boundary, sample — one worker-thread round trip for both."""
+    async def _compute_and_sample(self, state: RequestState, frame: Boundary) -> list[int] | None:
+        """Last rank: run the window and, on a final boundary, sample (row by row through a verify batch's
+        drafts) — one worker-thread round trip for both."""
         sampler = state.sampler
         assert sampler is not None
-        hidden = frame.to_array()
+        inputs = {"hidden": frame.to_array()}
 
-        def forward_and_sample() -> int | None:
-            self.stage.forward(state.seq, frame.first_position, hidden=hidden)
-            token = self.stage.sample(sampler) if frame.final else None
+        recorder = self.recorder if self.recorder is not None and self.recorder.records(frame.request_id) else None
+
+        def forward_and_sample() -> list[int] | None:
+            self._window(state, frame.first_position, bool(frame.drafts), inputs)
+            tokens = sample_rows(functools.partial(self.stage.sample, sampler), frame.drafts) if frame.final else None
             if recorder is not None:  # hashes the logits row (1 MiB on a 262k vocabulary) here, off the event loop
                 logits = self.stage.logits().tobytes()
+                token = tokens[0] if tokens else None  # a recorded request is plain: one row, one token
                 recorder.on_sample(frame.request_id, frame.first_position, frame.n_tokens, logits, token)
-            return token
-
-        recorder = self.recorder
+            return tokens
 
         async with state.lock:
             if state.done:
                 return None
             return await self.stage.run(forward_and_sample)
 
-    async def _after_sample(self, state: RequestState, token: int) -> None:
+    async def _after_sample(self, state: RequestState, tokens: Sequence[int], drafted: int, *, step: bool) -> None:
+        """Last rank: emit a step's sampled tokens (one, or a verify batch's accepted drafts and one more) in
+        ``generate``'s order, then send the next step to rank 0, with drafts when the request speculates."""
         if state.done:
-            return  # cancelled or failed while its sample was computed: the token belongs to nobody now
+            return  # cancelled or failed while its sample was computed: the tokens belong to nobody now
         start = state.start
-        if self.stage.vocab.is_eog(token):
-            await self._end(state, EndReason.EOG, latest=-1)
-            return
-        state.generated += 1
-        index = state.generated - 1
-        self.requests.see(state, index, token)
         assert state.text_stream is not None
-        state.text += state.text_stream.push(token)
-        if find_stop(state.text, start.stop) is not None:
-            await self._end(state, EndReason.STOP, latest=token)
-        elif state.generated >= start.max_tokens:
-            await self._end(state, EndReason.MAX_TOKENS, latest=token)
-        else:
-            await self._send_data(state, Token(start.request_id, state.prompt_len + index, token))
+        if state.drafter is not None and step:  # a decode step (the prefill's sample is no step: as in generate)
+            state.drafter.verified(drafted, len(tokens) - 1, tokens[0])
+            self.requests.speculation = self.requests.speculation.after(drafted, len(tokens) - 1)
+        for token in tokens:
+            if self.stage.vocab.is_eog(token):
+                await self._end(state, EndReason.EOG, latest=-1)
+                return
+            state.generated += 1
+            self.requests.see(state, state.generated - 1, token)
+            state.text += state.text_stream.push(token)
+            if state.drafter is not None:
+                state.drafter.emitted(token)
+            if find_stop(state.text, start.stop) is not None:
+                await self._end(state, EndReason.STOP, latest=token)
+                return
+            if state.generated >= start.max_tokens:
+                await self._end(state, EndReason.MAX_TOKENS, latest=token)
+                return
+        drafts: list[int] = []
+        if state.drafter is not None:
+            drafts = state.drafter.drafts(start.max_tokens - state.generated)
+        position = state.prompt_len + state.generated - 1
+        await self._send_data(state, Token(start.request_id, position, tokens[-1], tuple(drafts)))
 
     async def _on_token(self, frame: Token) -> None:
         state = self.requests.get(frame.request_id)
         if state is None or state.done:
             return
         await state.prefilled.wait()  # a replay into a rebuilt rank 0 brings the tokens while it still prefills
-        if await self._seen_before(state, frame.position, frame.token_id.to_bytes(4, "little")):
+        fed = (frame.token_id, *frame.drafts)
+        if await self._seen_before(state, frame.position, b"".join(t.to_bytes(4, "little") for t in fed)):
             return
-        self.requests.see(state, frame.position - state.prompt_len, frame.token_id)
+        self.requests.see_step(state, frame.position, fed)
         if self.recorder is not None:
-            self.recorder.on_tokens(state.request_id, frame.position, [frame.token_id])
+            self.recorder.on_tokens(state.request_id, frame.position, list(fed))
         try:
-            hidden = await self._compute(state, frame.position, tokens=[frame.token_id])
+            hidden = await self._compute(state, frame.position, verify=bool(frame.drafts), tokens=list(fed))
             if hidden is not None:
-                await self._send_data(
-                    state,
-                    self._boundary(frame.request_id, frame.position, hidden, final=True, latest_token=frame.token_id),
-                )
+                boundary = self._boundary(
+                    frame.request_id, frame.position, hidden, final=True, latest_token=frame.token_id,
+                    drafts=frame.drafts,
+                )  # fmt: skip
+                await self._send_data(state, boundary)
         except KvasirError as exc:
             await self._originate_error(state, ErrorCode.STAGE_FAILED, str(exc))
 
@@ -642,8 +687,7 @@ class Node:
     async def _on_end(self, frame: End) -> None:
         state = self.requests.get(frame.request_id)
         if state is not None:
-            if frame.latest_token >= 0 and frame.generated_tokens > state.seen:
-                self.requests.see(state, frame.generated_tokens - 1, frame.latest_token)
+            self.requests.see_end(state, frame.generated_tokens, frame.latest_token)
             await self.requests.finish(state, REASONS[frame.reason])
         if self._forwards(frame.origin_rank):
             await self._send_terminal(frame)
@@ -684,9 +728,16 @@ class Node:
 
     @asynccontextmanager
     async def request(
-        self, prompt: Sequence[int], params: SamplingParams, max_tokens: int, stop: Sequence[str] = ()
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        max_tokens: int,
+        stop: Sequence[str] = (),
+        *,
+        speculate: int | None = None,
     ) -> AsyncIterator[RequestHandle]:
-        """Submit a request at this node; iterate ``handle.events``. Leaving early cancels it."""
+        """Submit a request at this node; iterate ``handle.events``. Leaving early cancels it. ``speculate``: up to
+        this many drafts per step (None: the node's ``speculate``)."""
         if not prompt:
             raise InputError("empty prompt")
         if max_tokens < 1:
@@ -703,6 +754,7 @@ class Node:
                 entry_node_id=self.config.node_id,
                 sampling=params,
                 stop=tuple(stop),
+                speculate=self.config.speculate if speculate is None else speculate,
             )
         except ProtocolError as exc:  # beyond a wire limit (prompt length, stop strings…): the client's input
             raise InvalidRequest(ErrorCode.BAD_REQUEST, str(exc)) from None
@@ -800,8 +852,15 @@ def _boundary_digest(frame: Boundary) -> bytes:
     """What identifies a boundary's content: a replayed one must give the same digest."""
     h = hashlib.blake2b(digest_size=16)
     h.update(f"{frame.dtype.value}:{frame.n_tokens}:{frame.final}:{frame.latest_token}:".encode())
+    if frame.drafts:
+        h.update(f"{frame.drafts}:".encode())
     h.update(frame.payload)
     return h.digest()
+
+
+def _top_token(frame: Boundary | Token | End) -> int:
+    """The largest token id a data frame carries (its latest token and any drafts)."""
+    return max((frame.latest_token, *frame.drafts)) if isinstance(frame, Boundary | Token) else frame.latest_token
 
 
 def _rss_bytes() -> int:

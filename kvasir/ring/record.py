@@ -95,6 +95,10 @@ class NodeRecorder:
         )
         self._open[request] = OpenRecord(rec)
 
+    def records(self, request: int) -> bool:
+        """Whether ``request`` is being recorded (begun, not ended)."""
+        return request in self._open
+
     def on_input(self, request: int, pos: int, n_tokens: int, dtype: int, payload: bytes) -> None:
         o = self._open.get(request)
         if o is not None:

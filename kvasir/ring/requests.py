@@ -11,10 +11,12 @@ import attrs
 import trio
 
 from kvasir.core.sampling import SamplingParams
+from kvasir.core.speculate import SpeculationStats
 from kvasir.core.stops import find_stop
 from kvasir.errors import InputError, InvalidRequest, RequestRefused
 from kvasir.ring.compute import RingStage, TokenSampler
 from kvasir.ring.events import EventHub
+from kvasir.ring.speculation import CacheEnd, Drafter, TokenTrail
 from kvasir.ring.status import RequestCounters
 from kvasir.wire import EndReason, ErrorCode, Frame, StartRequest
 
@@ -137,6 +139,11 @@ class RequestState:
     received: dict[int, bytes] = attrs.field(factory=dict)
     #: Rank 0: set once its prompt is prefilled (a replay can bring the tokens before a rebuilt prefill is done).
     prefilled: trio.Event = attrs.field(factory=trio.Event)
+    #: Speculative decoding (kvasir.ring.speculation): where this node's cache of the request ends, the latest
+    #: verify batch seen (for streaming its accepted drafts) and, at the last rank, the drafting state.
+    cache: CacheEnd = attrs.field(factory=CacheEnd)
+    trail: TokenTrail = attrs.field(factory=TokenTrail)
+    drafter: Drafter | None = None
 
     @property
     def request_id(self) -> int:
@@ -206,6 +213,7 @@ class RequestTable:
         self.errors = 0
         #: Called with the request id once a request ended here and its compute is over (the node's receipts).
         self.on_end: Callable[[int], None] | None = None
+        self.speculation = SpeculationStats()
 
     def get(self, request_id: int) -> RequestState | None:
         return self._states.get(request_id)
@@ -230,9 +238,11 @@ class RequestTable:
         return self._seqs.free
 
     def counters(self) -> RequestCounters:
+        s = self.speculation
         return RequestCounters(
-            len(self._states), self._seqs.free, self.requests, self.tokens, self.boundaries, self.errors
-        )
+            len(self._states), self._seqs.free, self.requests, self.tokens, self.boundaries, self.errors,
+            s.verify_batches, s.drafted, s.accepted,
+        )  # fmt: skip
 
     def register(
         self,
@@ -303,6 +313,23 @@ class RequestTable:
                 "text": self.stage.vocab.piece(token).decode("utf-8", "replace"),
             }
         )
+
+    def see_step(self, state: RequestState, pos: int, tokens: Sequence[int]) -> None:
+        """A decode step at ``pos`` feeding ``tokens`` passes: its first token, after the drafts of the step before
+        that it shows accepted (speculation: they are emitted once the next step starts past them)."""
+        for position, token in state.trail.step(pos, tokens):
+            if position >= state.prompt_len:
+                self.see(state, position - state.prompt_len, token)
+
+    def see_end(self, state: RequestState, generated: int, latest: int) -> None:
+        """An END says ``generated`` tokens, the last being ``latest`` (−1: none sent, e.g. EOG): the last verify
+        batch's accepted drafts are in the batch seen last, then comes the last token."""
+        upto = state.prompt_len + generated - (1 if latest >= 0 else 0)
+        for position, token in state.trail.confirmed(upto):
+            if position >= state.prompt_len:
+                self.see(state, position - state.prompt_len, token)
+        if latest >= 0 and generated > state.seen:
+            self.see(state, generated - 1, latest)
 
     async def finish(
         self, state: RequestState, reason: str, error: str | None = None, code: ErrorCode | None = None

@@ -127,6 +127,10 @@ class RequestCounters:
     tokens: int = 0
     boundaries: int = 0
     errors: int = 0
+    #: Speculative decoding, counted at the last rank: verify batches sampled, drafts in them, drafts accepted.
+    verify_batches: int = 0
+    drafted: int = 0
+    accepted: int = 0
 
     def to_wire(self) -> Json:
         return attrs.asdict(self)

@@ -14,7 +14,15 @@ import attrs
 
 from kvasir.core.sampling import SamplingParams
 from kvasir.core.schedule import PREFILL_CHUNK
-from kvasir.core.speculate import K_LIMIT, SpeculationStats, adapt_k, draft_lookup
+from kvasir.core.speculate import (
+    K_LIMIT,
+    SpeculationStats,
+    adapt_k,
+    draft_lookup,
+    initial_k,
+    resume_k,
+    shadow_draft,
+)
 from kvasir.core.stops import find_stop
 from kvasir.errors import InputError
 from kvasir.stage.engine import FloatArray, Stage
@@ -191,7 +199,7 @@ class LocalPipeline:
         text = ""
         reason = "max_tokens"
         stats = SpeculationStats()
-        k = k_max
+        k = initial_k(k_max)
         try:
             for t in prompt:
                 sampler.accept(t)
@@ -227,6 +235,7 @@ class LocalPipeline:
                     break
                 # At most max_tokens - len(out) tokens may still be emitted: drafts + the one sampled after them.
                 drafts = draft_lookup(history, min(k, max_tokens - len(out) - 1))
+                shadow = shadow_draft(history, k, k_max)
                 fed = [new[-1], *drafts]
                 if drafts:
                     self.verify(seq_id, pos, fed)
@@ -244,7 +253,7 @@ class LocalPipeline:
                 pos += 1 + accepted
                 steps += len(new)
                 stats = stats.after(len(drafts), accepted)
-                k = adapt_k(k, len(drafts), accepted, k_max)
+                k = resume_k(shadow, new[0], k_max) if k == 0 else adapt_k(k, len(drafts), accepted, k_max)
             t2 = time.perf_counter()
             text += stream.flush() if reason != "stop" else ""
         finally:

@@ -40,17 +40,22 @@ N_VOCAB = 64
 EOG = N_VOCAB - 1
 
 
-def next_token(token: int, position: int) -> int:
-    """The token the fake last stage samples after ``token`` at ``position`` (never EOG, never 0)."""
+def next_token(token: int, position: int, period: int | None = None) -> int:
+    """The token the fake last stage samples after ``token`` at ``position`` (never EOG, never 0).
+
+    With ``period``, a repetitive text for speculative decoding: counting 1…period round and round, except that
+    every 7th position skips one (so prompt-lookup drafts are mostly right and sometimes wrong)."""
+    if period is not None:
+        return 1 + (token + (1 if position % 7 else 2) - 1) % period
     return 1 + (token * 7 + position * 3 + 5) % (N_VOCAB - 2)
 
 
-def expected_tokens(prompt: Sequence[int], max_tokens: int) -> list[int]:
+def expected_tokens(prompt: Sequence[int], max_tokens: int, period: int | None = None) -> list[int]:
     """What a ring of FakeStages generates for ``prompt`` (no EOG, no stop strings)."""
     out: list[int] = []
     token, pos = prompt[-1], len(prompt) - 1
     for _ in range(max_tokens):
-        token = next_token(token, pos)
+        token = next_token(token, pos, period)
         out.append(token)
         pos += 1
     return out
@@ -134,6 +139,7 @@ class FakeStage:
         compute_s: float = 0.0,
         eog_at: int | None = None,
         model_sha256: str | None = None,
+        period: int | None = None,
     ) -> None:
         self.info = FakeStageInfo(start, end, start == 0, end == n_layers, model_sha256=model_sha256)
         self.config = FakeStageConfig(n_ctx=n_ctx, n_seq_max=n_seq_max)
@@ -142,10 +148,13 @@ class FakeStage:
         self.busy_s = 0.0
         self.compute_s = compute_s
         self.eog_at = eog_at
+        self.period = period
         self.forwards = 0
         #: Next position each sequence expects (absent: the sequence is empty).
         self._next_pos: dict[int, int] = {}
-        self._last_row: np.ndarray[Any, np.dtype[np.float32]] | None = None
+        self._rows: np.ndarray[Any, np.dtype[np.float32]] | None = None
+        self.verifies = 0
+        self.truncations = 0
 
     def chat_template(self) -> str | None:
         return None
@@ -182,17 +191,30 @@ class FakeStage:
         self._next_pos[seq_id] = pos0 + len(rows)
         self.forwards += 1
         if self.info.last:
-            self._last_row = rows[-1]
+            self._rows = rows
             return None
         return rows
 
-    def sample(self, sampler: FakeSampler) -> int:
-        if not self.info.last or self._last_row is None:
+    def forward_verify(
+        self, seq_id: int, pos0: int, *, tokens: Sequence[int] | None = None, hidden: Any = None
+    ) -> np.ndarray[Any, np.dtype[np.float32]] | None:
+        self.verifies += 1
+        return self.forward(seq_id, pos0, tokens=tokens, hidden=hidden)
+
+    def truncate(self, seq_id: int, pos: int) -> None:
+        if pos > self._next_pos.get(seq_id, 0):
+            raise StageError(f"sequence {seq_id} cannot roll back to {pos}: it ends at {self._next_pos.get(seq_id, 0)}")
+        self._next_pos[seq_id] = pos
+        self.truncations += 1
+
+    def sample(self, sampler: FakeSampler, index: int = -1) -> int:
+        if not self.info.last or self._rows is None:
             raise StageError("only the last stage samples, after a forward")
-        token, pos = int(self._last_row[TOKEN]), int(self._last_row[POSITION])
+        row = self._rows[index]
+        token, pos = int(row[TOKEN]), int(row[POSITION])
         if self.eog_at is not None and pos + 1 >= self.eog_at:
             return EOG
-        return next_token(token, pos)
+        return next_token(token, pos, self.period)
 
     def logits(self, index: int = -1) -> np.ndarray[Any, np.dtype[np.float32]]:
         if not self.info.last or self._last_row is None:

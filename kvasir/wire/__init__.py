@@ -13,10 +13,12 @@ from kvasir.wire.boundary import (
 )
 from kvasir.wire.frames import (
     BOUNDARY_FIXED_SIZE,
+    FLAG_DRAFTS,
     FLAG_FINAL,
     HEADER_SIZE,
     MAGIC,
     MAX_BOUNDARY_TOKENS,
+    MAX_DRAFTS,
     MAX_EMBD,
     MAX_ERROR_MESSAGE_BYTES,
     MAX_FRAME_BYTES,
@@ -54,10 +56,12 @@ from kvasir.wire.stream import FrameDecoder, FrameReader
 
 __all__ = [
     "BOUNDARY_FIXED_SIZE",
+    "FLAG_DRAFTS",
     "FLAG_FINAL",
     "HEADER_SIZE",
     "MAGIC",
     "MAX_BOUNDARY_TOKENS",
+    "MAX_DRAFTS",
     "MAX_EMBD",
     "MAX_ERROR_MESSAGE_BYTES",
     "MAX_FRAME_BYTES",

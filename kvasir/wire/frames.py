@@ -16,6 +16,7 @@ import numpy as np
 
 from kvasir.core.codes import ErrorCode as ErrorCode  # re-exported: the wire speaks these codes
 from kvasir.core.sampling import SamplingError, SamplingParams
+from kvasir.core.speculate import K_LIMIT
 from kvasir.errors import ProtocolError
 from kvasir.wire._codec import I32_MAX, U32_MAX, BodyReader, pack_text
 from kvasir.wire.boundary import BoundaryDType, F32Array, decode_boundary, encode_boundary
@@ -48,6 +49,11 @@ NO_REQUEST = 0
 FLAG_FINAL = 0x0001
 #: START only: the prompt's token ids are withheld (the receiver and the rest of its way round need only the length).
 FLAG_WITHHELD = 0x0002
+#: BOUNDARY only: a speculative verify batch; the body ends with the token ids of rows 1…n-1 (the drafts; row 0's
+#: token is the header's latest token).
+FLAG_DRAFTS = 0x0004
+#: Drafts one verify batch may carry (a TOKEN's or a BOUNDARY's); ``--speculate K`` never asks more.
+MAX_DRAFTS = K_LIMIT
 
 HEADER = struct.Struct("<2sBBHHQiI")
 HEADER_SIZE = HEADER.size  # 24
@@ -137,7 +143,7 @@ class FrameHeader:
 # Per type: (smallest body, largest body or None for "only the frame limit"); checked on the header alone so
 # fixed-size frames of the wrong size are refused before their body is read.
 _HELLO_FIXED = struct.Struct("<7IB3s")
-_START_FIXED = struct.Struct("<IIIB3s")
+_START_FIXED = struct.Struct("<IIIBB2s")
 _SAMPLING = struct.Struct("<didddiIB3s")
 _BOUNDARY_FIXED = struct.Struct("<IIIB3s")
 BOUNDARY_FIXED_SIZE = _BOUNDARY_FIXED.size  # 16: a boundary body is this plus the payload
@@ -150,14 +156,14 @@ _BODY_SIZES: dict[FrameType, tuple[int, int | None]] = {
     FrameType.HELLO: (_HELLO_FIXED.size + 2 * (2 + 1), _HELLO_FIXED.size + 2 * (2 + MAX_ID_BYTES)),
     FrameType.START: (_START_FIXED.size + _SAMPLING.size + 2 + 1 + 4, None),
     FrameType.BOUNDARY: (_BOUNDARY_FIXED.size + 2, None),
-    FrameType.TOKEN: (_TOKEN.size, _TOKEN.size),
+    FrameType.TOKEN: (_TOKEN.size, _TOKEN.size + 4 * MAX_DRAFTS),
     FrameType.END: (_END.size, _END.size),
     FrameType.CANCEL: (_CANCEL.size, _CANCEL.size),
     FrameType.ERROR: (_ERROR_FIXED.size, _ERROR_FIXED.size + MAX_ERROR_MESSAGE_BYTES),
     FrameType.KEEPALIVE: (0, 0),
 }
 _LINK_FRAMES = frozenset({FrameType.HELLO, FrameType.KEEPALIVE})
-_ALLOWED_FLAGS: dict[FrameType, int] = {FrameType.BOUNDARY: FLAG_FINAL, FrameType.START: FLAG_WITHHELD}
+_ALLOWED_FLAGS: dict[FrameType, int] = {FrameType.BOUNDARY: FLAG_FINAL | FLAG_DRAFTS, FrameType.START: FLAG_WITHHELD}
 _TYPE_CODES = frozenset(t.value for t in FrameType)
 
 
@@ -304,6 +310,28 @@ def _tuple_of_ints(value: object) -> tuple[int, ...]:
     raise ProtocolError(f"START frame: prompt must be a sequence of token ids, got {type(value).__name__}")
 
 
+def _drafts(value: object) -> tuple[int, ...]:
+    if isinstance(value, np.ndarray):
+        return tuple(int(v) for v in value.tolist())
+    if isinstance(value, list | tuple):
+        return tuple(value)
+    raise ProtocolError(f"drafts must be a sequence of token ids, got {type(value).__name__}")
+
+
+def _check_drafts(kind: str, drafts: tuple[int, ...]) -> None:
+    _check_int(kind, "draft count", len(drafts), 0, MAX_DRAFTS)
+    for i, tok in enumerate(drafts):
+        if type(tok) is not int or not 0 <= tok <= I32_MAX:
+            raise ProtocolError(f"{kind} frame: drafts[{i}] = {tok!r} is not a token id in [0, {I32_MAX}]")
+
+
+def _read_drafts(r: BodyReader, n: int) -> tuple[int, ...]:
+    tokens = np.frombuffer(r.take(4 * n, "drafts"), dtype="<i4")
+    if len(tokens) and int(tokens.min()) < 0:
+        raise r.fail(f"a draft token id is negative ({int(tokens.min())})")
+    return tuple(tokens.tolist())
+
+
 def _tuple_of_str(value: object) -> tuple[str, ...]:
     if isinstance(value, str) or not isinstance(value, list | tuple):
         raise ProtocolError("START frame: stop must be a list or tuple of strings")
@@ -325,6 +353,8 @@ class StartRequest:
     stop: tuple[str, ...] = attrs.field(default=(), converter=_tuple_of_str)
     #: When the token ids are withheld (FLAG_WITHHELD): the prompt's length, and ``prompt`` is empty.
     withheld_length: int = 0
+    #: Speculative decoding: up to this many prompt-lookup drafts per verify batch (0: plain one-token steps).
+    speculate: int = 0
 
     @property
     def latest_token(self) -> int:
@@ -358,10 +388,13 @@ class StartRequest:
         _check_int(k, "stop count", len(self.stop), 0, MAX_STOP_STRINGS)
         for i, s in enumerate(self.stop):
             _check_text(k, f"stop[{i}]", s, MAX_STOP_BYTES)
+        _check_int(k, "speculate", self.speculate, 0, MAX_DRAFTS)
 
     def to_wire(self) -> bytes:
         parts = [
-            _START_FIXED.pack(self.entry_rank, self.max_tokens, self.prompt_length, len(self.stop), b""),
+            _START_FIXED.pack(
+                self.entry_rank, self.max_tokens, self.prompt_length, len(self.stop), self.speculate, b""
+            ),
             _pack_sampling(self.sampling),
             pack_text(self.entry_node_id),
             np.asarray(self.prompt, dtype="<i4").tobytes(),
@@ -375,8 +408,10 @@ class StartRequest:
         withheld = bool(header.flags & FLAG_WITHHELD)
         if header.latest_token != NO_TOKEN:
             raise r.fail("latest token must be -1 (nothing sampled yet)")
-        entry_rank, max_tokens, n_prompt, n_stop, pad = r.unpack(_START_FIXED, "fixed fields")
+        entry_rank, max_tokens, n_prompt, n_stop, speculate, pad = r.unpack(_START_FIXED, "fixed fields")
         r.reserved(pad)
+        if speculate > MAX_DRAFTS:
+            raise r.fail(f"speculate {speculate} exceeds {MAX_DRAFTS}")
         # Counts are checked before anything is sized by them.
         if not 1 <= n_prompt <= MAX_PROMPT_TOKENS:
             raise r.fail(f"prompt length {n_prompt} outside [1, {MAX_PROMPT_TOKENS}]")
@@ -392,7 +427,7 @@ class StartRequest:
         r.finish()
         return cls(
             header.request_id, tuple(tokens.tolist()), max_tokens, entry_rank, entry_node_id,
-            sampling, stop, n_prompt if withheld else 0,
+            sampling, stop, n_prompt if withheld else 0, speculate,
         )  # fmt: skip
 
     @classmethod
@@ -418,10 +453,18 @@ class Boundary:
     payload: bytes = attrs.field(repr=_payload_repr)  # n_tokens * n_embd * dtype.itemsize little-endian bytes
     final: bool = False  # the last rank samples after this chunk (FLAG_FINAL)
     latest_token: int = NO_TOKEN
+    #: A speculative verify batch (FLAG_DRAFTS): the token ids of rows 1…n-1, row 0 being ``latest_token``.
+    drafts: tuple[int, ...] = attrs.field(default=(), converter=_drafts)
 
     def __attrs_post_init__(self) -> None:
         k = "BOUNDARY"
         _check_request(k, self.request_id, self.latest_token)
+        _check_drafts(k, self.drafts)
+        if self.drafts and (len(self.drafts) != self.n_tokens - 1 or not self.final or self.latest_token < 0):
+            raise ProtocolError(
+                f"{k} frame: drafts ({len(self.drafts)}) need a final verify batch of n_tokens - 1 rows after its"
+                f" latest token (n_tokens {self.n_tokens})"
+            )
         _check_int(k, "n_tokens", self.n_tokens, 1, MAX_BOUNDARY_TOKENS)
         _check_int(k, "n_embd", self.n_embd, 1, MAX_EMBD)
         _check_int(k, "first position", self.first_position, 0, MAX_POSITION - self.n_tokens)
@@ -448,11 +491,12 @@ class Boundary:
         dtype: BoundaryDType = BoundaryDType.F32,
         final: bool = False,
         latest_token: int = NO_TOKEN,
+        drafts: tuple[int, ...] = (),
     ) -> Self:
         """Build from a float32 ``(n_tokens, n_embd)`` array; see :func:`encode_boundary` for its errors."""
         payload = encode_boundary(array, dtype)
         n_tokens, n_embd = array.shape
-        return cls(request_id, first_position, n_tokens, n_embd, dtype, payload, final, latest_token)
+        return cls(request_id, first_position, n_tokens, n_embd, dtype, payload, final, latest_token, drafts)
 
     def to_array(self) -> F32Array:
         """The hidden states as float32 ``(n_tokens, n_embd)``; read-only for f32 payloads."""
@@ -460,9 +504,11 @@ class Boundary:
 
     def to_wire(self) -> bytes:
         fixed = _BOUNDARY_FIXED.pack(self.first_position, self.n_tokens, self.n_embd, self.dtype, b"")
+        tail = np.asarray(self.drafts, dtype="<i4").tobytes()
+        flags = (FLAG_FINAL if self.final else 0) | (FLAG_DRAFTS if self.drafts else 0)
         return _pack(
-            self.TYPE, fixed + self.payload, request_id=self.request_id, latest_token=self.latest_token,
-            flags=FLAG_FINAL if self.final else 0,
+            self.TYPE, fixed + self.payload + tail, request_id=self.request_id, latest_token=self.latest_token,
+            flags=flags,
         )  # fmt: skip
 
     @classmethod
@@ -475,12 +521,21 @@ class Boundary:
         if not 1 <= n_embd <= MAX_EMBD:
             raise r.fail(f"n_embd {n_embd} outside [1, {MAX_EMBD}]")
         expected = n_tokens * n_embd * dtype.itemsize
-        if r.remaining != expected:
-            raise r.fail(f"payload is {r.remaining} bytes, expected {n_tokens}x{n_embd}x{dtype.itemsize} = {expected}")
+        n_drafts = n_tokens - 1 if header.flags & FLAG_DRAFTS else 0
+        if n_drafts > MAX_DRAFTS:
+            raise r.fail(f"a verify batch of {n_tokens} rows carries more than {MAX_DRAFTS} drafts")
+        if r.remaining != expected + 4 * n_drafts:
+            raise r.fail(
+                f"payload is {r.remaining - 4 * n_drafts} bytes, expected {n_tokens}x{n_embd}x{dtype.itemsize}"
+                f" = {expected}"
+            )
         payload = bytes(r.take(expected, "payload"))
+        drafts = _read_drafts(r, n_drafts)
+        if header.flags & FLAG_DRAFTS and not drafts:
+            raise r.fail("a verify batch (drafts flag) needs at least 2 rows")
         return cls(
             header.request_id, first, n_tokens, n_embd, dtype, payload,
-            bool(header.flags & FLAG_FINAL), header.latest_token,
+            bool(header.flags & FLAG_FINAL), header.latest_token, drafts,
         )  # fmt: skip
 
     @classmethod
@@ -497,6 +552,9 @@ class Token:
     request_id: int
     position: int
     token_id: int
+    #: Speculative decoding: draft tokens rank 0 embeds after ``token_id`` in one verify batch (positions
+    #: ``position + 1…``); the body's trailing token ids, so a TOKEN without drafts is the single-token frame.
+    drafts: tuple[int, ...] = attrs.field(default=(), converter=_drafts)
 
     @property
     def latest_token(self) -> int:
@@ -504,11 +562,12 @@ class Token:
 
     def __attrs_post_init__(self) -> None:
         _check_request("TOKEN", self.request_id, NO_TOKEN)
-        _check_int("TOKEN", "position", self.position, 0, MAX_POSITION - 1)
+        _check_int("TOKEN", "position", self.position, 0, MAX_POSITION - 1 - len(self.drafts))
         _check_int("TOKEN", "token id", self.token_id, 0, I32_MAX)
+        _check_drafts("TOKEN", self.drafts)
 
     def to_wire(self) -> bytes:
-        body = _TOKEN.pack(self.position, self.token_id)
+        body = _TOKEN.pack(self.position, self.token_id) + np.asarray(self.drafts, dtype="<i4").tobytes()
         return _pack(self.TYPE, body, request_id=self.request_id, latest_token=self.token_id)
 
     @classmethod
@@ -516,7 +575,9 @@ class Token:
         position, token_id = r.unpack(_TOKEN, "fields")
         if token_id != header.latest_token:
             raise r.fail(f"token id {token_id} differs from the header's latest token {header.latest_token}")
-        return cls(header.request_id, position, token_id)
+        if r.remaining % 4:
+            raise r.fail(f"{r.remaining} bytes of drafts is not a whole number of token ids")
+        return cls(header.request_id, position, token_id, _read_drafts(r, r.remaining // 4))
 
     @classmethod
     def from_wire(cls, data: bytes, *, max_frame_bytes: int = MAX_FRAME_BYTES) -> Token:

@@ -1,0 +1,121 @@
+"""Speculative decoding in the ring: what each node keeps per request, and the decisions (pure where they can be).
+
+The schedule is ``kvasir generate --speculate K``'s (docs/speculation.md), split across the ring:
+
+- the last rank knows the tokens: after each step it drafts (:class:`Drafter`, prompt lookup over prompt + output)
+  and sends rank 0 a TOKEN carrying the sampled token and the drafts;
+- rank 0 embeds them as one verify batch; every window runs it with every row an output
+  (``forward_verify``) and passes a BOUNDARY flagged with the drafts;
+- the last rank samples row by row while the sampled token equals the next draft (:func:`sample_rows`);
+- the next step's position says how much was kept: every node forgets its cache from that position on
+  (:class:`CacheEnd`: ``Stage.truncate``) before it computes the step, which is where ``generate`` truncates too.
+
+Every frame of a request starts at a higher position than the one before (the next step starts right after the
+accepted drafts), so replay deduplication by position still holds, and a replayed log rebuilds a replacement's
+cache with the same verify batches and the same truncations in the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+
+from kvasir.core.speculate import SpeculationStats, adapt_k, draft_lookup, initial_k, resume_k, shadow_draft
+from kvasir.ring.compute import RingStage
+
+
+@attrs.define
+class Drafter:
+    """Last rank: one speculative request's drafting state (the history and the adapted K)."""
+
+    k_max: int
+    k: int
+    history: list[int]
+    stats: SpeculationStats = attrs.field(factory=SpeculationStats)
+    #: While drafting is off: the guess the step in flight would have drafted (``resume_k``).
+    shadow: list[int] = attrs.field(factory=list)
+
+    @classmethod
+    def for_prompt(cls, prompt: Sequence[int], k_max: int) -> Drafter:
+        return cls(k_max=k_max, k=initial_k(k_max), history=list(prompt))
+
+    def emitted(self, token: int) -> None:
+        self.history.append(token)
+
+    def verified(self, drafted: int, accepted: int, sampled: int) -> None:
+        """A step with ``drafted`` drafts kept ``accepted`` of them and sampled ``sampled`` first: count it, adapt K."""
+        self.stats = self.stats.after(drafted, accepted)
+        if self.k == 0:
+            self.k = resume_k(self.shadow, sampled, self.k_max)
+        else:
+            self.k = adapt_k(self.k, drafted, accepted, self.k_max)
+
+    def drafts(self, may_emit: int) -> list[int]:
+        """Drafts for the next step when at most ``may_emit`` more tokens may be emitted (drafts + one sample)."""
+        self.shadow = shadow_draft(self.history, self.k, self.k_max)
+        return draft_lookup(self.history, min(self.k, may_emit - 1))
+
+
+def sample_rows(sample: Callable[[int], int], drafts: Sequence[int]) -> list[int]:
+    """The tokens one step emits: sample row 0, then the next row while the sampled token equals the next draft
+    (``generate``'s order of sampler calls, one per emitted token). Without drafts, the plain sample (row -1)."""
+    if not drafts:
+        return [sample(-1)]
+    new: list[int] = []
+    for i in range(len(drafts) + 1):
+        token = sample(i)
+        new.append(token)
+        if i >= len(drafts) or token != drafts[i]:
+            break
+    return new
+
+
+@attrs.define
+class CacheEnd:
+    """Where one request's cache ends at one node: the next step at an earlier position means drafts were rejected."""
+
+    end: int = 0
+
+    def rollback(self, pos: int) -> bool:
+        """Whether the cache must forget positions ``[pos, end)`` before a chunk at ``pos`` is computed."""
+        return pos < self.end
+
+    def computed(self, pos: int, n: int) -> None:
+        self.end = pos + n
+
+
+def window_step(
+    stage: RingStage, seq: int, cache: CacheEnd, speculative: bool, pos: int, verify: bool, inputs: dict[str, Any]
+) -> Any:
+    """Worker thread: one chunk through a window (``forward``, or ``forward_verify`` for a verify batch). A
+    speculative step that starts before the cache's end follows rejected drafts: forget them first, the same point
+    of the sequence where ``generate`` truncates."""
+    if speculative and cache.rollback(pos):
+        stage.truncate(seq, pos)
+    out = (stage.forward_verify if verify else stage.forward)(seq, pos, **inputs)
+    tokens = inputs.get("tokens")
+    cache.computed(pos, len(tokens) if tokens is not None else len(inputs["hidden"]))
+    return out
+
+
+@attrs.define
+class TokenTrail:
+    """Non-last nodes: the latest verify batch seen (its position and tokens), so the tokens a step accepted can be
+    told to the node's client and the TUI: a draft is accepted once the next step starts past it."""
+
+    pos: int = -1
+    tokens: tuple[int, ...] = ()
+
+    def step(self, pos: int, tokens: Sequence[int]) -> list[tuple[int, int]]:
+        """A step at ``pos`` feeding ``tokens``: the (position, token) pairs now known emitted, in order."""
+        known = [*self.confirmed(pos), (pos, tokens[0])]
+        self.pos, self.tokens = pos, tuple(tokens)
+        return known
+
+    def confirmed(self, upto: int) -> list[tuple[int, int]]:
+        """The previous batch's tokens at positions before ``upto``."""
+        if self.pos < 0:
+            return []
+        return [(self.pos + i, t) for i, t in enumerate(self.tokens) if self.pos + i < upto]

@@ -1,0 +1,71 @@
+"""Speculative decoding across a real ring: node processes on loopback running the real Gemma 3 270M give exactly
+``kvasir generate --speculate K`` (the whole model in one context, the same schedule), greedy and seeded, from any
+entry node; ``--speculate 0`` and a request asking K=0 are the plain ring. Fast orderings: test_ring_speculate_flow.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from kvasir.control.client import ControlClient
+from kvasir.stage.engine import Stage, StageConfig
+from kvasir.stage.pipeline import LocalPipeline
+from kvasir.wire import SamplingParams
+from tests.conftest import run_cli
+from tests.ringutil import ring_generate, running_ring
+from tests.test_speculate import REPEATING, STORY
+
+SEEDED = {"temperature": 0.8, "seed": 11}
+
+
+def test_gemma_ring_equals_generate_speculate(gemma_path: Path, cache_dir: Path) -> None:
+    with Stage.load(StageConfig(gemma_path, n_ctx=512, n_seq_max=1, n_threads=2)) as stage:
+        pipe = LocalPipeline([stage])
+        repeating = stage.vocab.tokenize(REPEATING)
+        story = stage.vocab.tokenize(STORY)
+        greedy = SamplingParams.GREEDY
+        want = pipe.generate(repeating, greedy, 40, speculate=4)
+        want_story = pipe.generate(story, greedy, 24, speculate=4)
+        want_seeded = pipe.generate(repeating, greedy.with_fields(SEEDED), 32, speculate=4)
+        plain = pipe.generate(repeating, greedy, 40)
+    assert want.speculation is not None and want.speculation.accepted >= 20  # the drafts really are verified
+    with running_ring(gemma_path, [(0, 6), (6, 12), (12, 18)], cache_dir, extra_args=("--speculate", "4")) as ring:
+        last = ring.sockets[-1]
+        for entry in (0, 1, 2):
+            with ControlClient(last) as c:
+                before = c.status()["requests"]
+            got = ring_generate(ring.sockets[entry], REPEATING, 40)
+            assert got["tokens"] == want.tokens and got["reason"] == "max_tokens", entry
+            assert got["generated_tokens"] == 40
+            with ControlClient(last) as c:
+                after = c.status()["requests"]
+            spec = want.speculation
+            # The last rank ran generate's schedule: the same verify batches, drafts and acceptances.
+            assert after["verify_batches"] - before["verify_batches"] == spec.verify_batches
+            assert after["drafted"] - before["drafted"] == spec.drafted
+            assert after["accepted"] - before["accepted"] == spec.accepted
+        assert ring_generate(ring.sockets[1], STORY, 24)["tokens"] == want_story.tokens
+        assert ring_generate(ring.sockets[0], REPEATING, 32, **SEEDED)["tokens"] == want_seeded.tokens
+        # K=0 asked by the request: the plain ring, no verify batch.
+        with ControlClient(last) as c:
+            before = c.status()["requests"]
+        assert ring_generate(ring.sockets[2], REPEATING, 40, speculate=0)["tokens"] == plain.tokens
+        with ControlClient(last) as c:
+            assert c.status()["requests"]["verify_batches"] == before["verify_batches"]
+
+
+def test_ring_up_speculate_matches_generate(tiny_model: Callable[..., Path], cache_dir: Path) -> None:
+    """The CLI end to end: `ring up --speculate K --prompt` (every node's default K) prints `generate --speculate
+    K`'s tokens on a tiny llama; an out-of-range K is refused."""
+    model = tiny_model("llama", "q8_0")
+    prompt = "one two three one two three one two three one two"
+    common = ["--prompt", prompt, "--max-tokens", "24", "--threads", "1", "--json", "--ctx", "256"]
+    want = run_cli("generate", str(model), *common, "--speculate", "3")
+    assert want.returncode == 0, want.stderr
+    assert json.loads(want.stdout)["speculation"]["verify_batches"] > 0  # this prompt's drafts are verified
+    got = run_cli("ring", "up", str(model), "--splits", "0,3,6", *common, "--speculate", "3", timeout=300)
+    assert got.returncode == 0, got.stderr
+    assert json.loads(got.stdout)["tokens"] == json.loads(want.stdout)["tokens"]
+    assert run_cli("ring", "up", "--speculate", "99", str(model), "--prompt", "x").returncode != 0
