@@ -132,6 +132,33 @@ async def test_a_replay_after_a_broken_link_is_recorded_once(
     assert by_start[6].tokens[-1] == tokens[-1]
 
 
+async def test_a_recording_ring_skips_speculative_requests_and_keeps_their_answers(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    """Recording nodes and a speculative request (verify batches and rollbacks, which an audit does not replay): the
+    answer is generate --speculate's, no receipt is written for it; a plain request after it is recorded."""
+    from tests.test_ring_speculate_flow import PERIOD, PROMPT, WINDOWS, answer, reference
+
+    net = MemoryNetwork()
+    manifest, stages = fake_ring(WINDOWS, net, compute_s=0.01, period=PERIOD)
+    want, schedule = reference(4, 30)
+    async with trio.open_nursery() as nursery:
+        nodes: list[Node] = []
+        for rank, stage in enumerate(stages):
+            rec = NodeRecorder(tmp_path, Identity.generate(), manifest.model_sha256, WINDOWS[rank], "FAKE-0")
+            config = NodeConfig(manifest, rank, node_id=f"node{rank}")
+            nodes.append(await nursery.start(_run_node, config, stage, net, rec))
+        await wait_for(lambda: all(n.ready for n in nodes), "the ring to link")
+        assert await answer(nodes[0], 30, speculate=4) == want
+        assert stages[-1].verifies == schedule[-1][0] > 0  # it did speculate
+        await wait_for(lambda: all(len(n.requests) == 0 for n in nodes), "every node to end the request")
+        await trio.sleep(1)
+        assert not list((tmp_path / "receipts").glob("*.json"))
+        assert await answer(nodes[0], 10) == want[:10]
+        await wait_for(lambda: len(list((tmp_path / "receipts").glob("*.json"))) == 4, "the plain request's receipts")
+        nursery.cancel_scope.cancel()
+
+
 async def _run_node(
     config: NodeConfig, stage: FakeStage, net: MemoryNetwork, rec: NodeRecorder, task_status: trio.TaskStatus[Node]
 ) -> None:

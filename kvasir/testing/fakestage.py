@@ -217,9 +217,10 @@ class FakeStage:
         return next_token(token, pos, self.period)
 
     def logits(self, index: int = -1) -> np.ndarray[Any, np.dtype[np.float32]]:
-        if not self.info.last or self._last_row is None:
+        if not self.info.last or self._rows is None:
             raise StageError("only the last stage has logits, after a forward")
-        return self._last_row.copy()
+        row: np.ndarray[Any, np.dtype[np.float32]] = self._rows[index].copy()
+        return row
 
     def free_sequence(self, seq_id: int) -> None:
         self._next_pos.pop(seq_id, None)
