@@ -1,16 +1,17 @@
 """A ring node's receipts (opt-in, ``kvasir node --record DIR``): what it received and sent for each request, hashed
 as frames pass, signed with its key when the request ends (docs/verification.md § The ring records).
 
-The node calls :meth:`NodeRecorder.on_input` for each input boundary it takes (rank 0: the prompt's chunks and the
-tokens coming back as ``TOKENS``), :meth:`on_output` for each boundary it sends (before the link, so the bytes are
-the frame's) or, on the last rank, :meth:`on_sample` with the last row's logits and the token (NO_TOKEN on a prefill
-chunk that does not sample), and :meth:`end` when the request ends here. Replayed frames are not recorded again
-(the node drops them before these calls), and recording never touches what is computed or sent: it reads the bytes.
+The node calls :meth:`NodeRecorder.take` for each input boundary it takes (rank 0: :meth:`on_tokens` for the
+prompt's chunks and the tokens coming back, as ``TOKENS``), :meth:`seal` for each boundary it sends (before the
+replay log and the link, so the bytes are the frame's) or, on the last rank, :meth:`on_sample` with the last row's
+logits and the token (NO_TOKEN on a prefill chunk that does not sample), and :meth:`end` when the request ends here.
+Replayed frames are not recorded again (the node drops them before these calls), and recording never touches what
+is computed: it reads the bytes.
 
-The live chain check (FLAG_CHAIN, docs/protocol.md): :meth:`NodeRecorder.seal` records an outgoing boundary and
-stamps it with this node's output chain head after it; :meth:`NodeRecorder.take` records an incoming one and, when
-it carries a head, compares it with the predecessor's output chain as this node rebuilt it from what it received
-(the same step hashes as its input chain, folded from the output chain's start).
+The live chain check (FLAG_CHAIN, docs/protocol.md): :meth:`seal` stamps the outgoing frame with this node's output
+chain head after it (the one its receipt signs); :meth:`take`, when the incoming frame carries a head, compares it
+with the predecessor's output chain as this node rebuilt it from what it received (its input chain's step hashes,
+folded from the output chain's start) and says why they differ; the node then fails the request (CHAIN_MISMATCH).
 
 At the end the request's :class:`~kvasir.verify.commit.WindowReceipt` goes to ``DIR/receipts/<name>.json`` and its
 :class:`~kvasir.verify.audit.WindowLog` (receipt and input boundaries) to ``DIR/pending/<name>.log.json``, each
@@ -52,8 +53,6 @@ class OpenRecord:
         self.inputs: list[Boundary] = []
         #: The predecessor's output chain as this node received it: what a FLAG_CHAIN head must equal.
         self.received = Chain(recorder.request, "out")
-        #: Input boundaries whose chain head was checked live.
-        self.checked = 0
 
     def log(self, identity: Identity) -> WindowLog:
         """The signed record. A request that ended between taking an input and sending its output (a cancel, a
@@ -130,7 +129,6 @@ class NodeRecorder:
         head = o.received.add(o.recorder.inputs.steps[-1])
         if not frame.chain:
             return None
-        o.checked += 1
         self.checked += 1
         if frame.chain.hex() == head:
             return None
