@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing, asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -16,8 +17,10 @@ import pytest
 import trio
 import trio.testing
 
+from kvasir.core.identity import Identity
 from kvasir.ring.manifest import Manifest
 from kvasir.ring.node import Node, NodeConfig, open_node
+from kvasir.ring.record import NodeRecorder
 from kvasir.ring.requests import EndEvent, TokenEvent
 from kvasir.testing.fakestage import FakeStage, MemoryNetwork, expected_tokens, fake_ring
 from kvasir.wire import SamplingParams
@@ -31,8 +34,12 @@ WINDOWS = [(0, 2), (2, 4), (4, 6), (6, 8)]
 class Ring:
     """Four nodes, each in its own cancel scope so one can die without a goodbye (as SIGKILL does)."""
 
-    def __init__(self, nursery: trio.Nursery, manifest: Manifest, net: MemoryNetwork, **config: Any) -> None:
+    def __init__(
+        self, nursery: trio.Nursery, manifest: Manifest, net: MemoryNetwork, record: Path | None = None, **config: Any
+    ) -> None:
         self.nursery, self.manifest, self.net, self.config = nursery, manifest, net, config
+        #: With a directory, every node (a replacement too) records its receipts there (``--record``).
+        self.record = record
         self.nodes: list[Node | None] = [None] * manifest.size
         self.scopes: list[trio.CancelScope | None] = [None] * manifest.size
 
@@ -41,7 +48,12 @@ class Ring:
             with trio.CancelScope() as scope:
                 self.scopes[rank] = scope
                 config = NodeConfig(self.manifest, rank, node_id=f"node{rank}", **self.config)
-                async with open_node(config, stage, transport=self.net, rng=random.Random(rank)) as node:
+                rec = None
+                if self.record is not None:
+                    window = (stage.info.start, stage.info.end)
+                    rec = NodeRecorder(self.record, Identity.generate(), self.manifest.model_sha256, window, "FAKE-0")
+                rng = random.Random(rank)
+                async with open_node(config, stage, transport=self.net, rng=rng, recorder=rec) as node:
                     task_status.started(node)
                     await trio.sleep_forever()
 
@@ -66,11 +78,11 @@ class Ring:
 
 
 @asynccontextmanager
-async def four_nodes(**config: Any) -> AsyncIterator[tuple[Ring, list[FakeStage]]]:
+async def four_nodes(record: Path | None = None, **config: Any) -> AsyncIterator[tuple[Ring, list[FakeStage]]]:
     net = MemoryNetwork()
     manifest, stages = fake_ring(WINDOWS, net, compute_s=0.01)
     async with trio.open_nursery() as nursery:
-        ring = Ring(nursery, manifest, net, **config)
+        ring = Ring(nursery, manifest, net, record, **config)
         for rank, stage in enumerate(stages):
             await ring.start(rank, stage)
         await wait_for(lambda: all(n.ready for n in ring.live()), "the ring to link")
@@ -116,14 +128,17 @@ async def test_a_broken_link_replays_and_the_answer_is_unchanged(autojump_clock:
 
 
 @pytest.mark.parametrize("victim", [1, 2, 3, 0])
+@pytest.mark.parametrize("recording", [False, True])
 async def test_a_dead_node_replaced_by_an_empty_one_gives_the_same_answer(
-    autojump_clock: trio.testing.MockClock, victim: int
+    autojump_clock: trio.testing.MockClock, victim: int, recording: bool, tmp_path: Path
 ) -> None:
     """A middle rank, the last rank (its sampler replays the steps: rank 0 checks each token again) and rank 0 (it
     rebuilds from the prompt and the tokens) die at token 8 of 40; a new node with an empty stage takes the window.
-    The request entered at another node, and its answer is exactly the fault-free one."""
+    The request entered at another node, and its answer is exactly the fault-free one. Recording (every node and the
+    replacement): the replacement's boundaries carry the chain of everything it recomputed, and its successor, which
+    dropped the replayed ones, checks the new ones against the chain of what it got from the dead node."""
     entry = 2 if victim != 2 else 1
-    async with four_nodes() as (ring, _):
+    async with four_nodes(tmp_path if recording else None) as (ring, _):
 
         async def crash() -> None:
             ring.kill(victim)
@@ -143,6 +158,14 @@ async def test_a_dead_node_replaced_by_an_empty_one_gives_the_same_answer(
         await wait_for(lambda: [x.status().requests.free_sequences for x in ring.live()] == [2] * 4, "all freed")
         # The replay logs are freed with their requests.
         assert all(x.status().failover.log_bytes == 0 for x in ring.live())
+        if recording:
+            recorders = [x.recorder for x in ring.live()]
+            assert all(r is not None and r.mismatches == 0 for r in recorders)
+            successor = ring.nodes[(victim + 1) % len(WINDOWS)]
+            assert successor is not None and successor.recorder is not None
+            # Checked: every boundary taken (rank 0 takes tokens only); a middle rank's successor got 8 before the
+            # crash and the rest from the replacement.
+            assert successor.recorder.checked == (0 if victim == 3 else 1 + 39)
 
 
 async def test_the_entry_node_dying_frees_its_requests_everywhere(autojump_clock: trio.testing.MockClock) -> None:

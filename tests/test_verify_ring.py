@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import attrs
 import pytest
 import trio
 import trio.testing
@@ -24,6 +25,7 @@ from kvasir.testing.fakestage import FakeStage, MemoryNetwork, expected_tokens, 
 from kvasir.verify.audit import WindowLog, audit_window, read_json
 from kvasir.verify.commit import VerificationError, WindowReceipt, first_mismatch
 from kvasir.verify.select import key_commitment, new_key, reveal, selected, selection_value
+from kvasir.wire import CHAIN_BYTES, FLAG_CHAIN, Boundary, Frame
 from tests.conftest import run_cli
 from tests.ringutil import ring_generate, running_ring, whole_model_tokens
 from tests.streams import wait_for
@@ -130,6 +132,10 @@ async def test_a_replay_after_a_broken_link_is_recorded_once(
     for (a, _), (b, _) in itertools.pairwise(FOUR):
         assert first_mismatch(by_start[a].output_hashes, by_start[b].input_hashes) is None
     assert by_start[6].tokens[-1] == tokens[-1]
+    # The live chain check ran on every boundary taken once (the replayed duplicates were dropped before it).
+    for rank, node in enumerate(nodes[1:], 1):
+        assert node.recorder is not None and node.recorder.mismatches == 0
+        assert node.recorder.checked == len(by_start[FOUR[rank][0]].input_hashes)
 
 
 async def test_a_recording_ring_skips_speculative_requests_and_keeps_their_answers(
@@ -137,7 +143,7 @@ async def test_a_recording_ring_skips_speculative_requests_and_keeps_their_answe
 ) -> None:
     """Recording nodes and a speculative request (verify batches and rollbacks, which an audit does not replay): the
     answer is generate --speculate's, no receipt is written for it; a plain request after it is recorded."""
-    from tests.test_ring_speculate_flow import PERIOD, PROMPT, WINDOWS, answer, reference
+    from tests.test_ring_speculate_flow import PERIOD, WINDOWS, answer, reference
 
     net = MemoryNetwork()
     manifest, stages = fake_ring(WINDOWS, net, compute_s=0.01, period=PERIOD)
@@ -159,8 +165,112 @@ async def test_a_recording_ring_skips_speculative_requests_and_keeps_their_answe
         nursery.cancel_scope.cancel()
 
 
+async def _recording_ring(nursery: trio.Nursery, tmp_path: Path, recording: list[bool]) -> list[Node]:
+    """FakeStages over memory streams for the four windows of tests/test_failover_flow.py; rank k records when
+    ``recording[k]``."""
+    from tests.test_failover_flow import WINDOWS as FOUR
+
+    net = MemoryNetwork()
+    manifest, stages = fake_ring(FOUR, net, compute_s=0.01)
+    nodes: list[Node] = []
+    for rank, stage in enumerate(stages):
+        rec = NodeRecorder(tmp_path, Identity.generate(), manifest.model_sha256, FOUR[rank], "FAKE-0")
+        config = NodeConfig(manifest, rank, node_id=f"node{rank}")
+        nodes.append(await nursery.start(_run_node, config, stage, net, rec if recording[rank] else None))
+    await wait_for(lambda: all(n.ready for n in nodes), "the ring to link")
+    return nodes
+
+
+async def _sent_boundaries(node: Node, sent: list[Boundary], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keep every boundary ``node`` hands to its successor link in ``sent``."""
+    send = node.links.send
+
+    async def keep(frame: Frame) -> None:
+        if isinstance(frame, Boundary):
+            sent.append(frame)
+        await send(frame)
+
+    monkeypatch.setattr(node.links, "send", keep)
+
+
+async def test_recording_nodes_stamp_boundaries_with_their_chain_and_successors_check_it(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every boundary a recording node sends carries its output chain head after it (FLAG_CHAIN); its recording
+    successor checks each one as it arrives; the answer is the unrecorded ring's. A node that does not record sends
+    plain boundaries, and one that does not record ignores the heads it gets."""
+    from tests.test_failover_flow import PROMPT, answer
+
+    async def nothing() -> None:
+        pass
+
+    async with trio.open_nursery() as nursery:
+        nodes = await _recording_ring(nursery, tmp_path, [True, True, False, True])
+        sent: list[list[Boundary]] = [[], [], [], []]
+        for rank in range(3):
+            await _sent_boundaries(nodes[rank], sent[rank], monkeypatch)
+        tokens, end = await answer(nodes[0], 12, 1, nothing)
+        assert tokens == expected_tokens(PROMPT, 12) and end.reason == "max_tokens"
+        await wait_for(lambda: all(len(n.requests) == 0 for n in nodes), "every node to end the request")
+        nursery.cancel_scope.cancel()
+    n_steps = 1 + 11  # the prompt in one chunk, then a decode step per token but the last
+    assert [len(s) for s in sent[:3]] == [n_steps] * 3
+    assert all(len(b.chain) == CHAIN_BYTES and FLAG_CHAIN & b.to_wire()[4] for b in sent[0] + sent[1])
+    assert not any(b.chain for b in sent[2])  # rank 2 does not record
+    receipts = {r.start: r for r in map(WindowReceipt.from_wire, map(read_json, (tmp_path / "receipts").glob("*")))}
+    assert sorted(receipts) == [0, 2, 6]
+    # The heads sent are the chain each sender signed: the last one is its receipt's output head.
+    assert sent[0][-1].chain.hex() == receipts[0].output_head and sent[1][-1].chain.hex() == receipts[2].output_head
+    recorders = [n.recorder for n in nodes]
+    assert recorders[1] is not None and recorders[1].checked == n_steps  # from recording rank 0
+    assert recorders[3] is not None and recorders[3].checked == 0  # rank 2 sent no heads: nothing to check
+    assert all(r is None or r.mismatches == 0 for r in recorders)
+
+
+@pytest.mark.parametrize("successor_records", [True, False])
+async def test_a_boundary_that_is_not_what_its_sender_committed_fails_the_request(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, successor_records: bool
+) -> None:
+    """Rank 1 commits each boundary, then one byte of a decode step's payload flips on its way (after the recorder
+    saw it): its recording successor fails the request with CHAIN_MISMATCH at that frame, never computing on it. A
+    successor that does not record takes the frame and goes on (nothing tells it)."""
+    from tests.test_failover_flow import PROMPT, answer
+
+    async def nothing() -> None:
+        pass
+
+    async with trio.open_nursery() as nursery:
+        nodes = await _recording_ring(nursery, tmp_path, [True, True, successor_records, True])
+        send, bad = nodes[1].links.send, len(PROMPT) + 3
+
+        async def flip(frame: Frame) -> None:
+            if isinstance(frame, Boundary) and frame.first_position == bad:
+                payload = bytearray(frame.payload)
+                payload[5] ^= 0x10
+                frame = attrs.evolve(frame, payload=bytes(payload))
+            await send(frame)
+
+        monkeypatch.setattr(nodes[1].links, "send", flip)
+        tokens, end = await answer(nodes[0], 12, 1, nothing)
+        await wait_for(lambda: all(len(n.requests) == 0 for n in nodes), "every node to end the request")
+        nursery.cancel_scope.cancel()
+    rec = nodes[2].recorder
+    if successor_records:
+        assert end.reason == "error" and end.code == "chain_mismatch", end
+        assert end.error is not None and f"position {bad}" in end.error
+        steps = bad - len(PROMPT)  # good decode steps before the bad one
+        assert rec is not None and (rec.checked, rec.mismatches) == (1 + steps + 1, 1)  # prompt, good steps, bad one
+        assert len(tokens) == 1 + steps  # the tokens sampled before the bad step; none after
+    else:
+        assert end.reason == "max_tokens" and len(tokens) == 12 and rec is None
+
+
 async def _run_node(
-    config: NodeConfig, stage: FakeStage, net: MemoryNetwork, rec: NodeRecorder, task_status: trio.TaskStatus[Node]
+    config: NodeConfig,
+    stage: FakeStage,
+    net: MemoryNetwork,
+    rec: NodeRecorder | None,
+    task_status: trio.TaskStatus[Node],
 ) -> None:
     async with open_node(config, stage, transport=net, recorder=rec) as node:
         task_status.started(node)

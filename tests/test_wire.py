@@ -19,6 +19,8 @@ from hypothesis import strategies as st
 from kvasir.core.sampling import SamplingError
 from kvasir.errors import InputError, ProtocolError, RingError, ShapeError
 from kvasir.wire import (
+    CHAIN_BYTES,
+    FLAG_CHAIN,
     FLAG_DRAFTS,
     FLAG_FINAL,
     HEADER_SIZE,
@@ -120,11 +122,12 @@ def boundaries(draw: st.DrawFn) -> Boundary:
     n_tokens = draw(st.integers(1, 6))
     n_embd = draw(st.integers(1, 24))
     payload = draw(st.binary(min_size=n_tokens * n_embd * dtype.itemsize, max_size=n_tokens * n_embd * dtype.itemsize))
+    chain = draw(st.binary(min_size=CHAIN_BYTES, max_size=CHAIN_BYTES)) if draw(st.booleans()) else b""
     if n_tokens > 1 and draw(st.booleans()):  # a speculative verify batch: row 0's token, then the drafts
         drafts = draw(st.lists(token_ids, min_size=n_tokens - 1, max_size=n_tokens - 1))
         return Boundary(
             draw(request_ids), draw(st.integers(0, 2**31 - 1 - n_tokens)), n_tokens, n_embd, dtype, payload,
-            final=True, latest_token=draw(token_ids), drafts=tuple(drafts),
+            final=True, latest_token=draw(token_ids), drafts=tuple(drafts), chain=chain,
         )  # fmt: skip
     return Boundary(
         request_id=draw(request_ids),
@@ -135,6 +138,7 @@ def boundaries(draw: st.DrawFn) -> Boundary:
         payload=payload,
         final=draw(st.booleans()),
         latest_token=draw(latest),
+        chain=chain,
     )
 
 
@@ -223,9 +227,35 @@ def test_single_token_frames_keep_their_bytes() -> None:
     verify = Boundary(5, 3, 3, 1, BoundaryDType.F32, b"\0" * 12, final=True, latest_token=9, drafts=(4, 6))
     assert verify.to_wire()[4:6] == struct.pack("<H", FLAG_FINAL | FLAG_DRAFTS)
     assert verify.to_wire().endswith(struct.pack("<ii", 4, 6))
+    assert b"".join(Boundary.from_wire(f).to_wire()[4:6] for f in (plain, verify.to_wire())) == struct.pack(
+        "<HH", FLAG_FINAL, FLAG_FINAL | FLAG_DRAFTS
+    )  # no chain head: nothing after the payload and drafts
     start = StartRequest(1, [1, 2], 3, 0, "n")
     assert start.to_wire()[HEADER_SIZE + 13 : HEADER_SIZE + 16] == b"\0\0\0"  # speculate 0: as the reserved bytes were
     assert StartRequest.from_wire(attrs.evolve(start, speculate=5).to_wire()).speculate == 5
+
+
+def test_a_chain_head_follows_the_payload_and_the_drafts() -> None:
+    """FLAG_CHAIN: 32 bytes after everything else; the same frame without it keeps its exact bytes."""
+    head = bytes(range(CHAIN_BYTES))
+    plain = Boundary(5, 3, 1, 2, BoundaryDType.F32, b"\1" * 8, final=True, latest_token=9)
+    chained = attrs.evolve(plain, chain=head)
+    wire = chained.to_wire()
+    assert wire[4:6] == struct.pack("<H", FLAG_FINAL | FLAG_CHAIN)
+    assert wire[HEADER_SIZE + 16 : HEADER_SIZE + 24] == b"\1" * 8 and wire.endswith(head)
+    assert len(wire) == len(plain.to_wire()) + CHAIN_BYTES
+    assert decode_header(wire).body_length == 16 + 8 + CHAIN_BYTES
+    assert Boundary.from_wire(wire) == chained and Boundary.from_wire(wire).chain == head
+    assert Boundary.from_wire(plain.to_wire()).chain == b""
+    verify = Boundary(5, 3, 3, 1, BoundaryDType.F32, b"\0" * 12, final=True, latest_token=9, drafts=(4, 6), chain=head)
+    assert verify.to_wire().endswith(struct.pack("<ii", 4, 6) + head)
+    assert Boundary.from_wire(verify.to_wire()) == verify
+
+
+def test_chunk_size_leaves_room_for_a_chain_head() -> None:
+    n = max_chunk_tokens(MIN_FRAME_LIMIT, 1, BoundaryDType.F32)
+    longest = attrs.evolve(Boundary.from_array(1, 0, _hidden(n, 1)), chain=b"\0" * CHAIN_BYTES)
+    assert len(longest.to_wire()) <= MIN_FRAME_LIMIT < len(longest.to_wire()) + 4  # one more row would not fit
 
 
 # ------------------------------------------------------------------------------------------------ boundaries
@@ -352,6 +382,17 @@ def patched(frame: Frame, offset: int, fmt: str, value: float) -> bytes:
     return bytes(data)
 
 
+def _rebody(frame: Frame, cut: int, *, flags: int | None = None) -> bytes:
+    """``frame``'s bytes with ``cut`` bytes off its body's end (the header's length follows) and other flags."""
+    data = frame.to_wire()
+    body = data[HEADER_SIZE : len(data) + cut] if cut else data[HEADER_SIZE:]
+    header = decode_header(data)
+    return raw(
+        header.type, body, request_id=header.request_id, latest_token=header.latest_token,
+        flags=header.flags if flags is None else flags,
+    )  # fmt: skip
+
+
 HELLO = Hello("node-a", "ab" * 32, 0, 2, 0, 9, 18, 640)
 START = StartRequest(7, (1, 2, 3), 16, 0, "node-a", SamplingParams(seed=3), ("</s>", "\n\n"))
 BOUNDARY = Boundary.from_array(7, 0, _hidden(2, 4), final=True)
@@ -424,6 +465,18 @@ MALFORMED: dict[str, tuple[bytes, str]] = {
         "reserved bytes 010000 must be zero",
     ),
     "boundary reserved": (patched(BOUNDARY, H + 15, "<B", 7), "must be zero"),
+    "chain flag without a head": (
+        patched(BOUNDARY, 4, "<H", FLAG_FINAL | FLAG_CHAIN),
+        "payload is 0 bytes, expected 2x4x4 = 32 (then 32 bytes of drafts and chain head)",
+    ),
+    "chain head cut short": (
+        _rebody(attrs.evolve(BOUNDARY, chain=b"\7" * CHAIN_BYTES), -1),
+        "payload is 31 bytes, expected 2x4x4 = 32",
+    ),
+    "chain head without its flag": (
+        _rebody(attrs.evolve(BOUNDARY, chain=b"\7" * CHAIN_BYTES), 0, flags=FLAG_FINAL),
+        "payload is 64 bytes, expected 2x4x4 = 32",
+    ),
     "sampling reserved": (patched(START, _SAMPLING_AT + 45, "<B", 1), "must be zero"),
     "start reserved": (patched(START, H + 14, "<B", 1), "must be zero"),
     "start speculate too high": (patched(START, H + 13, "<B", 17), "speculate 17 exceeds 16"),
@@ -505,6 +558,8 @@ def test_decoder_refuses_garbage_on_its_first_bytes() -> None:
         (lambda: StartRequest(1, [1], 1, 0, "n", stop=("x",) * 17), "stop count 17"),
         (lambda: Boundary(1, 0, 2, 2, BoundaryDType.F16, b"\0" * 7), "payload is 7 bytes"),
         (lambda: Boundary(1, 0, 1, 1, BoundaryDType.F32, b"\0" * 4, latest_token=-5), "latest token -5"),
+        (lambda: Boundary(1, 0, 1, 1, BoundaryDType.F32, b"\0" * 4, chain=b"\0" * 31), "chain head must be"),
+        (lambda: Boundary(1, 0, 1, 1, BoundaryDType.F32, b"\0" * 4, chain="ab" * 32), "chain head must be"),  # type: ignore[arg-type]
         (lambda: Token(1, 0, -1), "token id -1"),
         (lambda: Token(1, 0, 1, drafts=(1,) * 17), "draft count 17"),
         (lambda: Token(1, 0, 1, drafts=(-2,)), "drafts\\[0\\]"),

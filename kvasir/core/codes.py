@@ -18,3 +18,4 @@ class ErrorCode(enum.IntEnum):
     SHUTTING_DOWN = 10
     LINK_LOST = 11  # the sender lost its link to a neighbour with the request in flight: it cannot go on
     REPLAY_MISMATCH = 12  # a replayed frame differs from the one received before at that position (never silent)
+    CHAIN_MISMATCH = 13  # a BOUNDARY's chain head is not the receiver's own chain of what it received (never silent)

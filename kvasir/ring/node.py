@@ -392,12 +392,10 @@ class Node:
     async def _send_data(self, state: RequestState, frame: Frame) -> None:
         """Send a request's START, boundary or token, keeping it in the request's replay log first."""
         if not state.done:
+            if self.recorder is not None and isinstance(frame, Boundary):
+                frame = self.recorder.seal(frame)  # committed, and stamped with the chain head (FLAG_CHAIN)
             state.sent.append(frame)
             state.sent_bytes += _frame_bytes(frame)
-            if self.recorder is not None and isinstance(frame, Boundary):
-                self.recorder.on_output(
-                    frame.request_id, frame.first_position, frame.n_tokens, frame.dtype.value, frame.payload
-                )
         try:
             await self.links.send(frame)
         except SuccessorLost:
@@ -564,10 +562,10 @@ class Node:
             return
         if frame.first_position >= state.prompt_len and frame.latest_token >= 0:
             self.requests.see_step(state, frame.first_position, (frame.latest_token, *frame.drafts))
-        if self.recorder is not None:
-            self.recorder.on_input(
-                frame.request_id, frame.first_position, frame.n_tokens, frame.dtype.value, frame.payload
-            )
+        if self.recorder is not None and (broken := self.recorder.take(frame)) is not None:
+            log.error("request %x: rank %d: %s", state.request_id, self.rank, broken)
+            await self._originate_error(state, ErrorCode.CHAIN_MISMATCH, f"rank {self.rank}: {broken}")
+            return
         try:
             if not self.last:
                 hidden = await self._compute(

@@ -1,11 +1,17 @@
 """A ring node's receipts (opt-in, ``kvasir node --record DIR``): what it received and sent for each request, hashed
 as frames pass, signed with its key when the request ends (docs/verification.md § The ring records).
 
-The node calls :meth:`NodeRecorder.on_input` for each input boundary it takes (rank 0: the prompt's chunks and the
-tokens coming back as ``TOKENS``), :meth:`on_output` for each boundary it sends (before the link, so the bytes are
-the frame's) or, on the last rank, :meth:`on_sample` with the last row's logits and the token (NO_TOKEN on a prefill
-chunk that does not sample), and :meth:`end` when the request ends here. Replayed frames are not recorded again
-(the node drops them before these calls), and recording never touches what is computed or sent: it reads the bytes.
+The node calls :meth:`NodeRecorder.take` for each input boundary it takes (rank 0: :meth:`on_tokens` for the
+prompt's chunks and the tokens coming back, as ``TOKENS``), :meth:`seal` for each boundary it sends (before the
+replay log and the link, so the bytes are the frame's) or, on the last rank, :meth:`on_sample` with the last row's
+logits and the token (NO_TOKEN on a prefill chunk that does not sample), and :meth:`end` when the request ends here.
+Replayed frames are not recorded again (the node drops them before these calls), and recording never touches what
+is computed: it reads the bytes.
+
+The live chain check (FLAG_CHAIN, docs/protocol.md): :meth:`seal` stamps the outgoing frame with this node's output
+chain head after it (the one its receipt signs); :meth:`take`, when the incoming frame carries a head, compares it
+with the predecessor's output chain as this node rebuilt it from what it received (its input chain's step hashes,
+folded from the output chain's start) and says why they differ; the node then fails the request (CHAIN_MISMATCH).
 
 At the end the request's :class:`~kvasir.verify.commit.WindowReceipt` goes to ``DIR/receipts/<name>.json`` and its
 :class:`~kvasir.verify.audit.WindowLog` (receipt and input boundaries) to ``DIR/pending/<name>.log.json``, each
@@ -23,12 +29,15 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
+import attrs
+
 from kvasir.core.identity import Identity
 from kvasir.core.sampling import SamplingParams
 from kvasir.errors import KvasirError
 from kvasir.verify.audit import NO_TOKEN, Boundary, WindowLog, write_json
 from kvasir.verify.commit import TOKENS, Chain, Recorder, tokens_payload
 from kvasir.verify.select import PENDING, RECEIPTS, log_name
+from kvasir.wire import frames
 
 log = logging.getLogger("kvasir.node")
 
@@ -42,6 +51,8 @@ class OpenRecord:
     def __init__(self, recorder: Recorder) -> None:
         self.recorder = recorder
         self.inputs: list[Boundary] = []
+        #: The predecessor's output chain as this node received it: what a FLAG_CHAIN head must equal.
+        self.received = Chain(recorder.request, "out")
 
     def log(self, identity: Identity) -> WindowLog:
         """The signed record. A request that ended between taking an input and sending its output (a cancel, a
@@ -82,6 +93,8 @@ class NodeRecorder:
         self._spool: OrderedDict[Path, int] = OrderedDict((p, p.stat().st_size) for p in spool)
         self.spool_bytes = sum(self._spool.values())
         self.written = self.evicted = self.failed = 0
+        #: Input boundaries checked live against their chain head, and the mismatches among them.
+        self.checked = self.mismatches = 0
         self._lock = threading.Lock()
 
     def begin(self, request: int, *, last: bool, sampling: SamplingParams, history: Sequence[int]) -> None:
@@ -104,6 +117,35 @@ class NodeRecorder:
         if o is not None:
             o.recorder.on_input(pos, n_tokens, payload, dtype)
             o.inputs.append(Boundary(pos, n_tokens, dtype, payload))
+
+    def take(self, frame: frames.Boundary) -> str | None:
+        """Record an input boundary; when it carries a chain head (FLAG_CHAIN) and this request is recorded here,
+        check it: the reason it differs from the chain of what this node received, or None. Unrecorded: ignored."""
+        o = self._open.get(frame.request_id)
+        if o is None:
+            return None
+        o.recorder.on_input(frame.first_position, frame.n_tokens, frame.payload, frame.dtype.value)
+        o.inputs.append(Boundary(frame.first_position, frame.n_tokens, frame.dtype.value, frame.payload))
+        head = o.received.add(o.recorder.inputs.steps[-1])
+        if not frame.chain:
+            return None
+        self.checked += 1
+        if frame.chain.hex() == head:
+            return None
+        self.mismatches += 1
+        return (
+            f"the boundary at position {frame.first_position} carries chain head {frame.chain.hex()[:16]}…, but the"
+            f" chain of the boundaries received is at {head[:16]}… (step {len(o.received.steps) - 1})"
+        )
+
+    def seal(self, frame: frames.Boundary) -> frames.Boundary:
+        """Record an output boundary as it is sent; if the request is recorded here, the frame with this node's
+        output chain head after it (FLAG_CHAIN), else the frame unchanged."""
+        o = self._open.get(frame.request_id)
+        if o is None:
+            return frame
+        head = o.recorder.on_output(frame.first_position, frame.n_tokens, frame.payload, frame.dtype.value)
+        return attrs.evolve(frame, chain=bytes.fromhex(head))
 
     def on_tokens(self, request: int, pos: int, tokens: Sequence[int]) -> None:
         self.on_input(request, pos, len(tokens), TOKENS, tokens_payload(tokens))

@@ -13,6 +13,8 @@ from kvasir.wire.boundary import (
 )
 from kvasir.wire.frames import (
     BOUNDARY_FIXED_SIZE,
+    CHAIN_BYTES,
+    FLAG_CHAIN,
     FLAG_DRAFTS,
     FLAG_FINAL,
     HEADER_SIZE,
@@ -56,6 +58,8 @@ from kvasir.wire.stream import FrameDecoder, FrameReader
 
 __all__ = [
     "BOUNDARY_FIXED_SIZE",
+    "CHAIN_BYTES",
+    "FLAG_CHAIN",
     "FLAG_DRAFTS",
     "FLAG_FINAL",
     "HEADER_SIZE",

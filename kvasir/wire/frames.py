@@ -52,6 +52,11 @@ FLAG_WITHHELD = 0x0002
 #: BOUNDARY only: a speculative verify batch; the body ends with the token ids of rows 1…n-1 (the drafts; row 0's
 #: token is the header's latest token).
 FLAG_DRAFTS = 0x0004
+#: BOUNDARY only: the body ends (after the drafts, if any) with the sender's output hash-chain head after this frame,
+#: :data:`CHAIN_BYTES` bytes: set by a recording node, checked by a recording successor (docs/protocol.md).
+FLAG_CHAIN = 0x0008
+#: Size of the chain head a FLAG_CHAIN boundary carries (a sha256).
+CHAIN_BYTES = 32
 #: Drafts one verify batch may carry (a TOKEN's or a BOUNDARY's); ``--speculate K`` never asks more.
 MAX_DRAFTS = K_LIMIT
 
@@ -163,7 +168,10 @@ _BODY_SIZES: dict[FrameType, tuple[int, int | None]] = {
     FrameType.KEEPALIVE: (0, 0),
 }
 _LINK_FRAMES = frozenset({FrameType.HELLO, FrameType.KEEPALIVE})
-_ALLOWED_FLAGS: dict[FrameType, int] = {FrameType.BOUNDARY: FLAG_FINAL | FLAG_DRAFTS, FrameType.START: FLAG_WITHHELD}
+_ALLOWED_FLAGS: dict[FrameType, int] = {
+    FrameType.BOUNDARY: FLAG_FINAL | FLAG_DRAFTS | FLAG_CHAIN,
+    FrameType.START: FLAG_WITHHELD,
+}
 _TYPE_CODES = frozenset(t.value for t in FrameType)
 
 
@@ -455,10 +463,15 @@ class Boundary:
     latest_token: int = NO_TOKEN
     #: A speculative verify batch (FLAG_DRAFTS): the token ids of rows 1…n-1, row 0 being ``latest_token``.
     drafts: tuple[int, ...] = attrs.field(default=(), converter=_drafts)
+    #: FLAG_CHAIN: the sender's output hash-chain head after this frame (CHAIN_BYTES), or empty. Not content: a
+    #: replay carries the same one, and a receiver that does not record ignores it.
+    chain: bytes = attrs.field(default=b"", repr=lambda c: c.hex() if c else "-")
 
     def __attrs_post_init__(self) -> None:
         k = "BOUNDARY"
         _check_request(k, self.request_id, self.latest_token)
+        if not isinstance(self.chain, bytes) or len(self.chain) not in (0, CHAIN_BYTES):
+            raise ProtocolError(f"{k} frame: chain head must be empty or {CHAIN_BYTES} bytes")
         _check_drafts(k, self.drafts)
         if self.drafts and (len(self.drafts) != self.n_tokens - 1 or not self.final or self.latest_token < 0):
             raise ProtocolError(
@@ -504,8 +517,9 @@ class Boundary:
 
     def to_wire(self) -> bytes:
         fixed = _BOUNDARY_FIXED.pack(self.first_position, self.n_tokens, self.n_embd, self.dtype, b"")
-        tail = np.asarray(self.drafts, dtype="<i4").tobytes()
+        tail = np.asarray(self.drafts, dtype="<i4").tobytes() + self.chain
         flags = (FLAG_FINAL if self.final else 0) | (FLAG_DRAFTS if self.drafts else 0)
+        flags |= FLAG_CHAIN if self.chain else 0
         return _pack(
             self.TYPE, fixed + self.payload + tail, request_id=self.request_id, latest_token=self.latest_token,
             flags=flags,
@@ -524,18 +538,20 @@ class Boundary:
         n_drafts = n_tokens - 1 if header.flags & FLAG_DRAFTS else 0
         if n_drafts > MAX_DRAFTS:
             raise r.fail(f"a verify batch of {n_tokens} rows carries more than {MAX_DRAFTS} drafts")
-        if r.remaining != expected + 4 * n_drafts:
+        tail = 4 * n_drafts + (CHAIN_BYTES if header.flags & FLAG_CHAIN else 0)
+        if r.remaining != expected + tail:
             raise r.fail(
-                f"payload is {r.remaining - 4 * n_drafts} bytes, expected {n_tokens}x{n_embd}x{dtype.itemsize}"
-                f" = {expected}"
+                f"payload is {r.remaining - tail} bytes, expected {n_tokens}x{n_embd}x{dtype.itemsize} = {expected}"
+                + (f" (then {tail} bytes of drafts and chain head)" if tail else "")
             )
         payload = bytes(r.take(expected, "payload"))
         drafts = _read_drafts(r, n_drafts)
         if header.flags & FLAG_DRAFTS and not drafts:
             raise r.fail("a verify batch (drafts flag) needs at least 2 rows")
+        chain = bytes(r.take(CHAIN_BYTES, "chain head")) if header.flags & FLAG_CHAIN else b""
         return cls(
             header.request_id, first, n_tokens, n_embd, dtype, payload,
-            bool(header.flags & FLAG_FINAL), header.latest_token, drafts,
+            bool(header.flags & FLAG_FINAL), header.latest_token, drafts, chain,
         )  # fmt: skip
 
     @classmethod

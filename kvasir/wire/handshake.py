@@ -6,7 +6,7 @@ import enum
 
 from kvasir.errors import RingError
 from kvasir.wire.boundary import BoundaryDType
-from kvasir.wire.frames import BOUNDARY_FIXED_SIZE, HEADER_SIZE, MAX_BOUNDARY_TOKENS, ErrorCode, Hello
+from kvasir.wire.frames import BOUNDARY_FIXED_SIZE, CHAIN_BYTES, HEADER_SIZE, MAX_BOUNDARY_TOKENS, ErrorCode, Hello
 
 
 class Side(enum.Enum):
@@ -69,6 +69,7 @@ def choose_dtype(preferred: BoundaryDType, receiver: Hello) -> BoundaryDType:
 
 
 def max_chunk_tokens(max_frame_bytes: int, n_embd: int, dtype: BoundaryDType) -> int:
-    """How many tokens one BOUNDARY frame may carry under the receiver's frame limit (0 if not even one)."""
-    room = max_frame_bytes - HEADER_SIZE - BOUNDARY_FIXED_SIZE
+    """How many tokens one BOUNDARY frame may carry under the receiver's frame limit (0 if not even one), with room
+    for a chain head (FLAG_CHAIN) after the payload."""
+    room = max_frame_bytes - HEADER_SIZE - BOUNDARY_FIXED_SIZE - CHAIN_BYTES
     return max(0, min(MAX_BOUNDARY_TOKENS, room // (n_embd * dtype.itemsize)))
