@@ -137,7 +137,7 @@ async def test_a_recording_ring_skips_speculative_requests_and_keeps_their_answe
 ) -> None:
     """Recording nodes and a speculative request (verify batches and rollbacks, which an audit does not replay): the
     answer is generate --speculate's, no receipt is written for it; a plain request after it is recorded."""
-    from tests.test_ring_speculate_flow import PERIOD, PROMPT, WINDOWS, answer, reference
+    from tests.test_ring_speculate_flow import PERIOD, WINDOWS, answer, reference
 
     net = MemoryNetwork()
     manifest, stages = fake_ring(WINDOWS, net, compute_s=0.01, period=PERIOD)
