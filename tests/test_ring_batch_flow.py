@@ -165,6 +165,68 @@ async def test_a_dead_node_replaced_mid_batch_gives_the_same_answers(
         await wait_for(lambda: [x.status().requests.free_sequences for x in ring.live()] == [SEQS] * 3, "freed")
 
 
+class BatchSensitiveStage(FakeStage):
+    """A window whose numbers depend on the batch, as llama.cpp's do: a batch of several sequences moves a padding
+    column (the tokens stay right, the bits change)."""
+
+    def forward_batch(self, items: Sequence[Any]) -> list[np.ndarray[Any, np.dtype[np.float32]] | None]:
+        out = super().forward_batch(items)
+        if len(items) > 1:
+            for rows in out:
+                if rows is not None:
+                    rows[:, -1] += 0.25
+        return out
+
+
+async def test_a_rebuilt_window_behind_batches_fails_loudly_not_silently(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Batching's failover guarantee: rank 1 computed in batches (batch-dependent bits) and dies; its replacement
+    recomputes the replayed steps one by one, so rank 2 sees replayed boundaries differ from what it got: those
+    requests end with REPLAY_MISMATCH, never with a silently different answer."""
+    net = MemoryNetwork()
+    manifest, stages = fake_ring(WINDOWS, net, compute_s=0.01, n_seq_max=SEQS)
+    stages[1] = BatchSensitiveStage(*WINDOWS[1], WINDOWS[-1][1], model_sha256="f" * 64, compute_s=0.01, n_seq_max=SEQS)
+    ends: dict[int, tuple[list[int], EndEvent]] = {}
+    async with trio.open_nursery() as nursery:
+        ring = Ring(nursery, manifest, net, batch=8)
+        for rank, stage in enumerate(stages):
+            await ring.start(rank, stage)
+        await wait_for(lambda: all(n.ready for n in ring.live()), "the ring to link")
+        node = ring.nodes[0]
+        assert node is not None
+        crashed = trio.Event()
+
+        async def one(i: int) -> None:
+            tokens: list[int] = []
+            async with node.request(PROMPTS[i], GREEDY, 24) as handle, aclosing(node.events(handle)) as events:
+                async for ev in events:
+                    if isinstance(ev, TokenEvent) and ev.token >= 0:
+                        tokens.append(ev.token)
+                        if i == 0 and len(tokens) == 10 and not crashed.is_set():
+                            crashed.set()
+                            ring.kill(1)
+                            await trio.sleep(1.0)
+                            await ring.start(1, fresh(1))
+                    elif isinstance(ev, EndEvent):
+                        ends[i] = (tokens, ev)
+
+        async with trio.open_nursery() as clients:
+            for i in range(SEQS):
+                clients.start_soon(one, i)
+        nursery.cancel_scope.cancel()
+    assert max(stages[1].batch_sizes) > 1
+    mismatched = 0
+    for i, (tokens, end) in ends.items():
+        assert tokens == expected_tokens(PROMPTS[i], 24)[: len(tokens)]  # never a wrong token
+        if end.reason == "error":
+            assert end.code == "replay_mismatch", end
+            mismatched += 1
+        else:
+            assert end.reason == "max_tokens" and len(tokens) == 24
+    assert mismatched > 0
+
+
 async def test_which_frames_batch() -> None:
     start = StartRequest(request_id=3, prompt=(1, 2, 3), max_tokens=9, entry_rank=0, entry_node_id="n", sampling=GREEDY)
     plain = RequestState(start=start, seq=0)
