@@ -32,6 +32,9 @@ from kvasir.ring.requests import RequestState
 from kvasir.stage.engine import BatchItem
 from kvasir.wire import Boundary, Token
 
+#: The longest a batch waits for frames that have already arrived to be read (normally microseconds).
+GATHER_LIMIT_S = 0.002
+
 
 @attrs.frozen(eq=False)
 class DecodeStep:
@@ -115,7 +118,9 @@ class DecodeBatcher:
                 await self._wake.wait()
             # Let every frame that has already arrived reach the queue first (a predecessor's batch comes as a burst
             # of frames): one step that waits alone still runs at once, as the event loop has nothing else to do.
-            await trio.testing.wait_all_tasks_blocked()
+            # Bounded: a busy task elsewhere must not hold the batch back.
+            with trio.move_on_after(GATHER_LIMIT_S):
+                await trio.testing.wait_all_tasks_blocked()
             batch = take_batch(self._queue, self.limit)
             self.batches += 1
             self.steps += len(batch)
