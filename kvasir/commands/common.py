@@ -64,6 +64,25 @@ def add_speculate_arg(p: argparse.ArgumentParser, what: str) -> None:
     )
 
 
+def add_batch_arg(p: argparse.ArgumentParser) -> None:
+    """``--batch N`` for ``node`` and ``ring up``: batched decode across requests (kvasir.ring.batching)."""
+
+    def n(text: str) -> int:
+        value = int(text)
+        if not 1 <= value <= 64:
+            raise argparse.ArgumentTypeError("must be in [1, 64]")
+        return value
+
+    p.add_argument(
+        "--batch",
+        type=n,
+        metavar="N",
+        default=1,
+        help="compute up to N requests' decode steps in one llama_decode: more tokens/s under concurrent requests, "
+        "but answers are no longer bit-exact against `kvasir generate` (default 1: exact; docs/speculation.md)",
+    )
+
+
 def sampling_from_args(args: argparse.Namespace) -> SamplingParams:
     if args.max_tokens < 1:
         raise InputError("--max-tokens must be at least 1")

@@ -19,7 +19,7 @@ from typing import Any
 import trio
 
 from kvasir.api.server import ApiAccess
-from kvasir.commands.common import add_speculate_arg
+from kvasir.commands.common import add_batch_arg, add_speculate_arg
 from kvasir.commands.config import fill_from_config
 from kvasir.commands.id import add_identity_argument, default_identity_path
 from kvasir.control.paths import node_socket_path
@@ -68,6 +68,7 @@ def add_parser(sub: Any) -> None:
     add_identity_argument(p)
     p.add_argument("--prefill-chunk", type=int, default=PREFILL_CHUNK, help="prompt tokens per prefill boundary")
     add_speculate_arg(p, "requests entering here that do not ask their own")
+    add_batch_arg(p)
     p.add_argument(
         "--relay",
         default=None,
@@ -250,6 +251,7 @@ async def serve_node(manifest: Manifest, rank: int, config: StageConfig, args: a
             link_wait=max(30.0, args.failover_wait + 5.0),
             standby=args.standby is not None,
             speculate=args.speculate,
+            batch=args.batch,
         )
         recorder = None
         if args.record is not None:
@@ -333,6 +335,7 @@ def enroll_config(args: argparse.Namespace) -> Any:
         node_options={
             "prefill_chunk": args.prefill_chunk,
             "speculate": args.speculate,
+            "batch": args.batch,
             "boundary_dtype": BoundaryDType[args.boundary_dtype.upper()],
             "failover_wait": args.failover_wait,
             "link_wait": max(30.0, args.failover_wait + 5.0),

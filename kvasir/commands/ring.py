@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kvasir.commands.common import (
+    add_batch_arg,
     add_model_arg,
     add_speculate_arg,
     add_text_args,
@@ -80,6 +81,7 @@ def add_parser(sub: Any) -> None:
     )
     up.add_argument("--seqs", type=int, default=8, help="concurrent requests per node")
     add_speculate_arg(up, "every request (the nodes' default)")
+    add_batch_arg(up)
     up.add_argument("--gpu-layers", type=int, default=None, help="layers on the GPU per node (-1 all; default 0)")
     up.set_defaults(run=run_up)
 
@@ -135,6 +137,7 @@ def run_up(args: argparse.Namespace) -> int:
                 *(("--gpu-layers", str(args.gpu_layers)) if args.gpu_layers else ()),
                 *(("--record", str(args.record.resolve())) if args.record is not None else ()),
                 *(("--speculate", str(args.speculate)) if args.speculate else ()),
+                *(("--batch", str(args.batch)) if args.batch > 1 else ()),
             ),
         )
         try:

@@ -114,6 +114,15 @@ class RingStage(Protocol):
         """:meth:`forward` with every row an output (a speculative verify batch)."""
         ...
 
+    def forward_batch(self, items: Sequence[Any]) -> list[Any]:
+        """Several sequences' chunks (``BatchItem``: ascending ids, equal token counts) in one decode: each item's
+        boundary (Nones on the last stage, where item ``i``'s logits row is :meth:`batch_index`)."""
+        ...
+
+    def batch_index(self, item: int, n: int) -> int:
+        """The output row of item ``item``'s last token in a :meth:`forward_batch` of ``n``-token items."""
+        ...
+
     def truncate(self, seq_id: int, pos: int) -> None:
         """Keep positions ``[0, pos)`` of one sequence's cache (rejected drafts); StageError where it cannot."""
         ...

@@ -33,6 +33,7 @@ from kvasir.core.sampling import MAX_SEED
 from kvasir.core.schedule import PREFILL_CHUNK
 from kvasir.core.stops import find_stop
 from kvasir.errors import InputError, InvalidRequest, KvasirError, ProtocolError, RequestRefused, RingError
+from kvasir.ring.batching import DecodeBatcher, DecodeStep, batchable, compute_batch
 from kvasir.ring.compute import RingStage
 from kvasir.ring.edges import RelayConnect, RingEdges
 from kvasir.ring.events import EventHub
@@ -51,7 +52,7 @@ from kvasir.ring.requests import (
 )
 from kvasir.ring.secure import Credentials, PeerPolicy
 from kvasir.ring.speculation import Drafter, sample_rows, window_step
-from kvasir.ring.status import FailoverStatus, MarketWindow, NodeStatus, RankStatus
+from kvasir.ring.status import FailoverStatus, MarketWindow, NodeStatus, RankStatus, RequestCounters
 from kvasir.stage.vocab import TextStream
 from kvasir.wire import (
     Boundary,
@@ -121,6 +122,9 @@ class NodeConfig:
     #: Speculative decoding for requests entering here that do not say: up to K prompt-lookup drafts per step
     #: (0: plain one-token steps). The request's START carries its K; the last rank drafts (docs/speculation.md).
     speculate: int = 0
+    #: Batched decode (kvasir.ring.batching): up to this many requests' decode steps in one llama_decode. 1 (the
+    #: default) keeps one sequence per decode, bit-exact against ``generate``; more trades exactness for throughput.
+    batch: int = 1
 
 
 @attrs.define
@@ -156,6 +160,8 @@ async def open_node(
             node.requests.on_end = node._record_end
         await nursery.start(node.links.run)
         nursery.start_soon(node.requests.reap, config.stall_timeout + config.link_wait)
+        if node.batcher is not None:
+            nursery.start_soon(node.batcher.run)
         log.info("rank %d up (port %d), layers %d:%d", node.rank, node.port, stage.info.start, stage.info.end)
         try:
             yield node
@@ -207,6 +213,7 @@ class Node:
         self.requests = RequestTable(stage, self.hub, config.rank)
         self.recorder: NodeRecorder | None = None
         self.failover = FailoverStatus()
+        self.batcher = DecodeBatcher(config.batch, self._decode_batch) if config.batch > 1 else None
         self._terminal: deque[tuple[float, Frame]] = deque(maxlen=TERMINAL_MEMORY)
         #: Link generations: a failover timer acts only if no newer link came (and went) since it started.
         self._pred_gen = self._succ_gen = 0
@@ -566,6 +573,8 @@ class Node:
             log.error("request %x: rank %d: %s", state.request_id, self.rank, broken)
             await self._originate_error(state, ErrorCode.CHAIN_MISMATCH, f"rank {self.rank}: {broken}")
             return
+        if await self._batched(state, frame):
+            return
         try:
             if not self.last:
                 hidden = await self._compute(
@@ -656,6 +665,8 @@ class Node:
         self.requests.see_step(state, frame.position, fed)
         if self.recorder is not None:
             self.recorder.on_tokens(state.request_id, frame.position, list(fed))
+        if await self._batched(state, frame):
+            return
         try:
             hidden = await self._compute(state, frame.position, verify=bool(frame.drafts), tokens=list(fed))
             if hidden is not None:
@@ -666,6 +677,49 @@ class Node:
                 await self._send_data(state, boundary)
         except KvasirError as exc:
             await self._originate_error(state, ErrorCode.STAGE_FAILED, str(exc))
+
+    async def _batched(self, state: RequestState, frame: Token | Boundary) -> bool:
+        """Batching on and a plain decode step: queue it for the batcher (returns at once, so the next frame is read
+        while it waits) and say so. Other frames of a request wait for its queued step: its frames stay in order."""
+        if self.batcher is None:
+            return False
+        recorded = self.recorder is not None and self.recorder.records(state.request_id)
+        if not batchable(state, frame, recorded=recorded):
+            await self.batcher.idle(state)
+            return False
+        await self.batcher.submit(DecodeStep(state, frame))
+        return True
+
+    async def _decode_batch(self, steps: list[DecodeStep]) -> None:
+        """The batcher's compute: the steps in one worker-thread call (each request's lock held, as ``_compute``
+        holds it), then each request's next frame exactly as an unbatched step sends it."""
+        outs: list[Any] = []
+        error: KvasirError | None = None
+        async with contextlib.AsyncExitStack() as locks:
+            for step in steps:
+                await locks.enter_async_context(step.state.lock)
+            live = [step for step in steps if not step.state.done]
+            try:
+                outs = await self.stage.run(compute_batch, self.stage, live) if live else []
+            except KvasirError as exc:
+                error = exc
+        for i, step in enumerate(live):
+            state, frame = step.state, step.frame
+            try:
+                if error is not None:
+                    await self._originate_error(state, ErrorCode.STAGE_FAILED, str(error))
+                elif self.last:
+                    await self._after_sample(state, [outs[i]], 0, step=True)
+                else:
+                    latest = frame.token_id if isinstance(frame, Token) else frame.latest_token
+                    await self._send_data(
+                        state, self._boundary(state.request_id, step.pos, outs[i], final=True, latest_token=latest)
+                    )
+            except RingError as exc:  # as _on_frame: the request cannot go on from here
+                log.warning("rank %d: %s", self.rank, exc)
+                await self.requests.finish(state, "error", str(exc), ErrorCode.STAGE_FAILED)
+            except KvasirError as exc:
+                await self._originate_error(state, ErrorCode.STAGE_FAILED, str(exc))
 
     async def _seen_before(self, state: RequestState, position: int, digest: bytes) -> bool:
         """Whether a frame for ``position`` of ``state`` arrived before (a replay): then it must be identical (else the
@@ -808,6 +862,12 @@ class Node:
 
     # ------------------------------------------------------------------------------------------ status
 
+    def _counters(self) -> RequestCounters:
+        counters = self.requests.counters()
+        if self.batcher is None:
+            return counters
+        return attrs.evolve(counters, decode_batches=self.batcher.batches, batched_steps=self.batcher.steps)
+
     def status(self) -> NodeStatus:
         info = self.stage.info
         pred, succ = self.links.status()
@@ -828,7 +888,7 @@ class Node:
             ranks=tuple(RankStatus(r.rank, (r.start, r.end), r.address, r.link) for r in self.manifest.ranks),
             predecessor=pred,
             successor=succ,
-            requests=self.requests.counters(),
+            requests=self._counters(),
             rss_bytes=_rss_bytes(),
             market=None if view is None else tuple(view),
             failover=attrs.evolve(self.failover, log_bytes=self.requests.replay_bytes),

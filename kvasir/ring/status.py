@@ -131,6 +131,9 @@ class RequestCounters:
     verify_batches: int = 0
     drafted: int = 0
     accepted: int = 0
+    #: Batched decode (``--batch N``): batches of decode steps run, and the steps in them.
+    decode_batches: int = 0
+    batched_steps: int = 0
 
     def to_wire(self) -> Json:
         return attrs.asdict(self)

@@ -155,6 +155,8 @@ class FakeStage:
         self._rows: np.ndarray[Any, np.dtype[np.float32]] | None = None
         self.verifies = 0
         self.truncations = 0
+        #: The size of each forward_batch call.
+        self.batch_sizes: list[int] = []
 
     def chat_template(self) -> str | None:
         return None
@@ -200,6 +202,26 @@ class FakeStage:
     ) -> np.ndarray[Any, np.dtype[np.float32]] | None:
         self.verifies += 1
         return self.forward(seq_id, pos0, tokens=tokens, hidden=hidden)
+
+    def forward_batch(self, items: Sequence[Any]) -> list[np.ndarray[Any, np.dtype[np.float32]] | None]:
+        """Each item as :meth:`forward` (the fake is exact whatever the batch); the last stage keeps every item's rows
+        for :meth:`sample` at :meth:`batch_index`. Checks what the real stage refuses; counts each batch's size."""
+        ids = [it.seq_id for it in items]
+        if not items or any(a >= b for a, b in itertools.pairwise(ids)) or len({it.n for it in items}) != 1:
+            raise InputError("forward_batch() takes distinct sequences in ascending order with equal token counts")
+        out, rows = [], []
+        for it in items:
+            out.append(self.forward(it.seq_id, it.pos0, tokens=it.tokens, hidden=it.hidden))
+            if self._rows is not None and self.info.last:
+                rows.append(self._rows)
+        self.forwards -= len(items) - 1
+        self.batch_sizes.append(len(items))
+        if self.info.last:
+            self._rows = np.concatenate(rows)
+        return out
+
+    def batch_index(self, item: int, n: int) -> int:
+        return (item + 1) * n - 1
 
     def truncate(self, seq_id: int, pos: int) -> None:
         if pos > self._next_pos.get(seq_id, 0):
