@@ -181,16 +181,23 @@ def test_real_ring_refuses_strangers_and_keeps_its_answer(tiny_model: Callable[.
         target = ring.manifest.rank(1)
         rss_before = _rss_kib(ring.processes[1].pid)
         # Four connections each start a 60 MiB frame and hold it open.
-        bombs = []
+        bombs: list[socket.socket] = []
         header = Boundary(1, 0, 1, 16, BoundaryDType.F32, bytes(64)).to_wire()[:24]
-        for _ in range(4):
-            s = socket.create_connection((target.host, target.port), timeout=5)
-            s.sendall(header + os.urandom(1 << 20))
-            bombs.append(s)
-        time.sleep(1.0)
-        grown_mib = (_rss_kib(ring.processes[1].pid) - rss_before) / 1024
-        for s in bombs:
-            s.close()
+        refused = 0
+        try:
+            for _ in range(4):
+                s = socket.create_connection((target.host, target.port), timeout=5)
+                bombs.append(s)
+                try:
+                    s.sendall(header + os.urandom(1 << 20))
+                except (ConnectionResetError, BrokenPipeError):
+                    refused += 1  # the node dropped the stranger before the megabyte was in: as good
+            time.sleep(1.0)
+            grown_mib = (_rss_kib(ring.processes[1].pid) - rss_before) / 1024
+        finally:
+            for s in bombs:
+                s.close()
+        print(f"{refused} of 4 pre-auth senders were cut off mid-frame")
         print(f"rank 1 grew {grown_mib:.1f} MiB under 4 pre-auth 60 MiB frames")
         assert grown_mib < 16, f"rank 1 grew {grown_mib:.1f} MiB under pre-auth frames"
         # A v1 peer gets the v2 challenge and nothing that names the node.

@@ -86,6 +86,9 @@ def stream(
     raise RingError("the stream ended without an end message")
 
 
+#: A kill is noted just before the signal; the process may still take a request in the moment it takes to die.
+KILL_GRACE_S = 1.0
+
 #: What a node answers when every sequence is in use (admission refused: the request never started).
 BUSY = "has no free sequence"
 
@@ -146,7 +149,7 @@ def soak(
                 with lock:
                     if BUSY in str(exc):
                         counts["busy_retried"] += 1
-                    elif any(r == entry and at >= t0 for at, r in kills):
+                    elif any(r == entry and at >= t0 - KILL_GRACE_S for at, r in kills):
                         counts["lost_at_killed_entry"] += 1
                     else:
                         counts["errors"] += 1
