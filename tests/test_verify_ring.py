@@ -10,6 +10,7 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import attrs
 import pytest
@@ -101,15 +102,8 @@ async def test_a_replay_after_a_broken_link_is_recorded_once(
     from tests.test_failover_flow import PROMPT, answer
     from tests.test_failover_flow import WINDOWS as FOUR
 
-    net = MemoryNetwork()
-    manifest, stages = fake_ring(FOUR, net, compute_s=0.01)
     async with trio.open_nursery() as nursery:
-        nodes: list[Node] = []
-        for rank, stage in enumerate(stages):
-            rec = NodeRecorder(tmp_path, Identity.generate(), manifest.model_sha256, FOUR[rank], "FAKE-0")
-            config = NodeConfig(manifest, rank, node_id=f"node{rank}")
-            nodes.append(await nursery.start(_run_node, config, stage, net, rec))
-        await wait_for(lambda: all(n.ready for n in nodes), "the ring to link")
+        nodes = await _recording_ring(nursery, tmp_path, [True] * 4)
 
         async def cut() -> None:
             link = nodes[1].links.successor
@@ -145,16 +139,10 @@ async def test_a_recording_ring_skips_speculative_requests_and_keeps_their_answe
     answer is generate --speculate's, no receipt is written for it; a plain request after it is recorded."""
     from tests.test_ring_speculate_flow import PERIOD, WINDOWS, answer, reference
 
-    net = MemoryNetwork()
-    manifest, stages = fake_ring(WINDOWS, net, compute_s=0.01, period=PERIOD)
     want, schedule = reference(4, 30)
+    stages: list[FakeStage] = []
     async with trio.open_nursery() as nursery:
-        nodes: list[Node] = []
-        for rank, stage in enumerate(stages):
-            rec = NodeRecorder(tmp_path, Identity.generate(), manifest.model_sha256, WINDOWS[rank], "FAKE-0")
-            config = NodeConfig(manifest, rank, node_id=f"node{rank}")
-            nodes.append(await nursery.start(_run_node, config, stage, net, rec))
-        await wait_for(lambda: all(n.ready for n in nodes), "the ring to link")
+        nodes = await _recording_ring(nursery, tmp_path, [True] * 4, WINDOWS, stages, period=PERIOD)
         assert await answer(nodes[0], 30, speculate=4) == want
         assert stages[-1].verifies == schedule[-1][0] > 0  # it did speculate
         await wait_for(lambda: all(len(n.requests) == 0 for n in nodes), "every node to end the request")
@@ -165,18 +153,28 @@ async def test_a_recording_ring_skips_speculative_requests_and_keeps_their_answe
         nursery.cancel_scope.cancel()
 
 
-async def _recording_ring(nursery: trio.Nursery, tmp_path: Path, recording: list[bool]) -> list[Node]:
-    """FakeStages over memory streams for the four windows of tests/test_failover_flow.py; rank k records when
-    ``recording[k]``."""
+async def _recording_ring(
+    nursery: trio.Nursery,
+    tmp_path: Path,
+    recording: list[bool],
+    windows: list[tuple[int, int]] | None = None,
+    stages: list[FakeStage] | None = None,
+    **stage: Any,
+) -> list[Node]:
+    """FakeStages over memory streams (by default the four windows of tests/test_failover_flow.py); rank k records
+    when ``recording[k]``. ``stages``, if given, receives the ring's FakeStages."""
     from tests.test_failover_flow import WINDOWS as FOUR
 
+    windows = windows or FOUR
     net = MemoryNetwork()
-    manifest, stages = fake_ring(FOUR, net, compute_s=0.01)
+    manifest, made = fake_ring(windows, net, compute_s=0.01, **stage)
+    if stages is not None:
+        stages.extend(made)
     nodes: list[Node] = []
-    for rank, stage in enumerate(stages):
-        rec = NodeRecorder(tmp_path, Identity.generate(), manifest.model_sha256, FOUR[rank], "FAKE-0")
+    for rank, fake in enumerate(made):
+        rec = NodeRecorder(tmp_path, Identity.generate(), manifest.model_sha256, windows[rank], "FAKE-0")
         config = NodeConfig(manifest, rank, node_id=f"node{rank}")
-        nodes.append(await nursery.start(_run_node, config, stage, net, rec if recording[rank] else None))
+        nodes.append(await nursery.start(_run_node, config, fake, net, rec if recording[rank] else None))
     await wait_for(lambda: all(n.ready for n in nodes), "the ring to link")
     return nodes
 
