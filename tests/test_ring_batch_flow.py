@@ -19,12 +19,12 @@ import trio
 import trio.testing
 
 from kvasir.ring.batching import DecodeStep, batchable, take_batch
-from kvasir.ring.node import Node
 from kvasir.ring.requests import EndEvent, RequestState, TokenEvent
 from kvasir.testing.fakestage import FakeStage, MemoryNetwork, expected_tokens, fake_ring
 from kvasir.wire import Boundary, SamplingParams, StartRequest, Token
 from tests.streams import wait_for
 from tests.test_failover_flow import Ring
+from tests.test_ring_speculate_flow import answer
 
 GREEDY = SamplingParams(temperature=0.0)
 WINDOWS = [(0, 2), (2, 4), (4, 6)]
@@ -50,23 +50,6 @@ async def three_nodes(batch: int, **config: Any) -> AsyncIterator[tuple[Ring, li
         nursery.cancel_scope.cancel()
 
 
-async def answer(
-    node: Node, prompt: Sequence[int], max_tokens: int, fault: Any = None, at: int = 0, **kw: Any
-) -> list[int]:
-    tokens: list[int] = []
-    async with node.request(prompt, GREEDY, max_tokens, **kw) as handle, aclosing(node.events(handle)) as events:
-        async for ev in events:
-            if isinstance(ev, TokenEvent) and ev.token >= 0:
-                assert ev.index == len(tokens)
-                tokens.append(ev.token)
-                if fault is not None and len(tokens) == at:
-                    await fault()
-            elif isinstance(ev, EndEvent):
-                assert ev.reason == "max_tokens" and ev.error is None, ev
-                return tokens
-    raise AssertionError("no end event")
-
-
 async def concurrent(
     ring: Ring, n: int, max_tokens: int, fault: Any = None, entry: int | None = None
 ) -> dict[int, list[int]]:
@@ -75,7 +58,7 @@ async def concurrent(
     async def one(i: int) -> None:
         node = ring.nodes[i % len(WINDOWS) if entry is None else entry]  # default: entries at every rank
         assert node is not None
-        got[i] = await answer(node, PROMPTS[i], max_tokens, fault if i == 0 else None, at=10)
+        got[i] = await answer(node, max_tokens, prompt=PROMPTS[i], fault=fault if i == 0 else None, at_token=10)
 
     async with trio.open_nursery() as nursery:
         for i in range(n):
@@ -112,7 +95,7 @@ async def test_a_lone_request_is_not_held_back(autojump_clock: trio.testing.Mock
             node = ring.nodes[0]
             assert node is not None
             t0 = trio.current_time()
-            assert await answer(node, PROMPTS[0], 20) == expected_tokens(PROMPTS[0], 20)
+            assert await answer(node, 20, prompt=PROMPTS[0]) == expected_tokens(PROMPTS[0], 20)
             times.append(trio.current_time() - t0)
             assert all(s.batch_sizes == ([1] * 19 if batch > 1 else []) for s in stages)
     assert times[0] == pytest.approx(times[1])
@@ -134,7 +117,7 @@ async def test_speculative_requests_stay_unbatched(autojump_clock: trio.testing.
         got: dict[int, list[int]] = {}
 
         async def one(i: int, speculate: int) -> None:
-            got[i] = await answer(node, PROMPTS[i], 16, speculate=speculate)
+            got[i] = await answer(node, 16, prompt=PROMPTS[i], speculate=speculate)
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(one, 0, 3)

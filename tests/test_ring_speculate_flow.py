@@ -8,7 +8,7 @@ node that dies mid-answer and comes back empty must not change the answer. The r
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
@@ -52,10 +52,18 @@ async def ring_of(speculate: int = 0, **kw: Any) -> AsyncIterator[tuple[Ring, li
 
 
 async def answer(
-    node: Node, max_tokens: int, *, at_token: int = 0, fault: Any = None, reason: str = "max_tokens", **kw: Any
+    node: Node,
+    max_tokens: int,
+    *,
+    at_token: int = 0,
+    fault: Any = None,
+    reason: str = "max_tokens",
+    prompt: Sequence[int] = PROMPT,
+    **kw: Any,
 ) -> list[int]:
+    """Stream a greedy request at ``node``, checking token indices and the end; ``fault()`` after ``at_token``."""
     tokens: list[int] = []
-    async with node.request(PROMPT, GREEDY, max_tokens, **kw) as handle, aclosing(node.events(handle)) as events:
+    async with node.request(prompt, GREEDY, max_tokens, **kw) as handle, aclosing(node.events(handle)) as events:
         async for ev in events:
             if isinstance(ev, TokenEvent) and ev.token >= 0:
                 assert ev.index == len(tokens)
