@@ -8,7 +8,7 @@ interleaved, ``--repeats`` of each. Text kinds: self-repeating (greedy; drafts m
 (sampled at T=1 with a fixed seed: drafts proposed from repeated n-grams and mostly rejected). Per kind: median
 tokens/s with min–max, the per-repeat ratio's median and min–max, acceptance (the last rank's counters) and whether
 every speculative answer equals the plain one. Then what a verify batch costs the whole model in one process
-(``forward`` of 1 row against ``forward_verify`` of n rows): the ceiling on what speculation can gain.
+(1 row; n rows one at a time, as a verify batch runs them; n rows in one llama_decode).
 
     python3 bench/ring_speculate.py [--models gemma,smol,tiny] [--stages 3] [--k 6] [--tokens 96] [--repeats 5]
 """
@@ -20,6 +20,7 @@ import contextlib
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from kvasir.demo import chat_model_path, demo_model_path
 from kvasir.local.launcher import start_ring
 from kvasir.shard.cache import default_cache_dir, even_splits
 from kvasir.shard.gguf_file import describe
-from kvasir.stage.engine import Stage, StageConfig
+from kvasir.stage.engine import BatchItem, Stage, StageConfig
 from kvasir.testing.fleet import PROFILES, FleetNode, fleet, start_fleet_ring
 from kvasir.testing.tinymodels import tiny_model_cached
 
@@ -126,22 +127,32 @@ def bench_ring(table: Table, name: str, model: Path, args: argparse.Namespace, c
             )
 
 
+SIZES = (2, 3, 4, 7, 8)
+
+
 def verify_cost(table: Table, name: str, model: Path, threads: int) -> None:
-    """ms of one step of the whole model: 1 row (``forward``), n rows with every row an output (``forward_verify``)."""
+    """ms of one step of the whole model: 1 row (``forward``); n rows as a verify batch computes them (one row at a
+    time: ``forward_verify``); n rows in one llama_decode with every row an output (what a batched verify would
+    cost: not bit-exact, docs/speculation.md § Why row by row)."""
     with Stage.load(StageConfig(model, n_ctx=1024, n_seq_max=1, n_threads=threads)) as stage:
         prompt = stage.vocab.tokenize(REPEATING)
         stage.forward(0, 0, tokens=prompt)
         pos = len(prompt)
-        cells = []
-        for n in (1, 2, 4, 7):
-            call = stage.forward if n == 1 else stage.forward_verify
+
+        def batched(seq: int, pos0: int, *, tokens: list[int]) -> None:
+            stage._decode([BatchItem(seq, pos0, tokens, None)], all_outputs=True)
+
+        def timed(call: Callable[..., object], n: int) -> str:
             ts = []
             for _ in range(9):
                 t0 = time.perf_counter()
                 call(0, pos, tokens=list(range(10, 10 + n)))
                 ts.append((time.perf_counter() - t0) * 1e3)
                 stage.truncate(0, pos)
-            cells.append(spread(ts, "{:.2f}"))
+            return spread(ts, "{:.1f}")
+
+        cells = [timed(stage.forward, 1)]
+        cells += [f"{timed(stage.forward_verify, n)} / {timed(batched, n)}" for n in SIZES]
         table.add_row(name, *cells)
 
 
@@ -174,7 +185,7 @@ def main() -> None:
     for col in cols:
         table.add_column(col, justify="right")
     cost = Table(title=f"one step of the whole model in one process, {args.threads} thread(s): ms, median (min–max)")
-    for col in ("model", "1 row (forward)", "2 rows (verify)", "4 rows (verify)", "7 rows (verify)"):
+    for col in ("model", "1 row", *(f"{n} rows: by row / batched" for n in SIZES)):
         cost.add_column(col, justify="right")
     for name, model in models.items():
         bench_ring(table, name, model, args, cache)

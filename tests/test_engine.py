@@ -126,3 +126,26 @@ def test_longest_piece_bounds_every_token(gemma_path: Path) -> None:
         tokens = vocab.tokenize(text, add_special=False)
         assert len(text.encode()) / longest <= len(tokens)
         assert max(len(vocab.piece(t)) for t in tokens) <= longest
+
+
+def test_greedy_argmax_equals_llama_greedy_sampler(gemma_path: Path) -> None:
+    """Greedy sampling reads the logits row with numpy's argmax; llama.cpp's greedy sampler picks the same token on
+    every row of a real prompt (ties: both take the first maximum)."""
+    with Stage.load(StageConfig(gemma_path, n_ctx=256, n_seq_max=1, n_threads=2)) as stage:
+        prompt = stage.vocab.tokenize("The quick brown fox jumps over the lazy dog. " * 4)
+        fast = stage.new_sampler(SamplingParams(temperature=0.0))
+        chain = stage.new_sampler(SamplingParams(temperature=0.0))
+        chain._argmax = False  # the llama.cpp sampler chain (greedy)
+        assert fast._argmax
+        picks: list[tuple[int, int]] = []
+
+        def both(row: int) -> bool:  # after each row of a verify batch, its logits current
+            picks.append((stage.sample(fast), stage.sample(chain)))
+            return False
+
+        stage.forward_verify(0, 0, tokens=prompt, until=both)
+        assert len(picks) == len(prompt)
+        assert all(a == b for a, b in picks), picks
+        assert len({a for a, _ in picks}) > 3  # real, varied rows
+        with_penalty = stage.new_sampler(SamplingParams(temperature=0.0, repeat_penalty=1.3))
+        assert not with_penalty._argmax  # penalties need the chain's history

@@ -30,7 +30,10 @@ def test_gemma_ring_equals_generate_speculate(gemma_path: Path, cache_dir: Path)
         want_story = pipe.generate(story, greedy, 24, speculate=4)
         want_seeded = pipe.generate(repeating, greedy.with_fields(SEEDED), 32, speculate=4)
         plain = pipe.generate(repeating, greedy, 40)
+        plain_seeded = pipe.generate(repeating, greedy.with_fields(SEEDED), 32)
     assert want.speculation is not None and want.speculation.accepted >= 20  # the drafts really are verified
+    # Verify rows are computed as plain steps: speculation changes no answer, greedy or sampled.
+    assert want.tokens == plain.tokens and want_seeded.tokens == plain_seeded.tokens
     with running_ring(gemma_path, [(0, 6), (6, 12), (12, 18)], cache_dir, extra_args=("--speculate", "4")) as ring:
         last = ring.sockets[-1]
         for entry in (0, 1, 2):

@@ -16,9 +16,10 @@ import pytest
 import trio
 import trio.testing
 
+from kvasir.core.speculate import RowSampler
 from kvasir.ring.node import Node
 from kvasir.ring.requests import EndEvent, TokenEvent
-from kvasir.ring.speculation import CacheEnd, Drafter, TokenTrail, sample_rows
+from kvasir.ring.speculation import CacheEnd, Drafter, TokenTrail
 from kvasir.stage.pipeline import LocalPipeline
 from kvasir.testing.fakestage import FakeStage, MemoryNetwork, expected_tokens, fake_ring
 from kvasir.wire import SamplingParams
@@ -31,11 +32,12 @@ WINDOWS = [(0, 2), (2, 4), (4, 6), (6, 8)]
 PERIOD = 5
 
 
-def reference(k: int | None, max_tokens: int, **kw: Any) -> tuple[list[int], list[tuple[int, int]]]:
-    """``generate --speculate k`` on the same fake model: its tokens, and each stage's (verifies, truncations)."""
+def reference(k: int | None, max_tokens: int, **kw: Any) -> tuple[list[int], list[tuple[int, int, int]]]:
+    """``generate --speculate k`` on the same fake model: its tokens, and each stage's (verify batches, rows computed
+    in them, truncations)."""
     stages = [FakeStage(a, b, WINDOWS[-1][1], period=PERIOD, **kw) for a, b in WINDOWS]
     result = LocalPipeline(stages).generate(PROMPT, GREEDY, max_tokens, speculate=k)  # type: ignore[arg-type]
-    return result.tokens, [(s.verifies, s.truncations) for s in stages]
+    return result.tokens, [(s.verifies, s.verify_rows, s.truncations) for s in stages]
 
 
 @asynccontextmanager
@@ -81,13 +83,15 @@ async def answer(
 async def test_the_ring_runs_generates_speculative_schedule(autojump_clock: trio.testing.MockClock, entry: int) -> None:
     want, schedule = reference(4, 40)
     assert want == expected_tokens(PROMPT, 40, PERIOD)
-    assert schedule[-1][0] > 5 and schedule[-1][1] > 2  # the fake text both accepts and rejects drafts
+    assert schedule[-1][0] > 5 and schedule[0][2] > 2  # the fake text both accepts and rejects drafts
+    # The last stage stops a verify batch at its first rejected draft: fewer rows than the windows before it.
+    assert schedule[-1][1] < schedule[0][1]
     async with ring_of(speculate=4) as (ring, stages):
         node = ring.nodes[entry]
         assert node is not None
         # Every entry streams every token in order, accepted drafts included (answer() checks the indices).
         assert await answer(node, 40) == want
-        assert [(s.verifies, s.truncations) for s in stages] == schedule
+        assert [(s.verifies, s.verify_rows, s.truncations) for s in stages] == schedule
         await wait_for(lambda: [x.status().requests.free_sequences for x in ring.live()] == [2] * 4, "all freed")
 
 
@@ -103,7 +107,7 @@ async def test_speculate_zero_and_a_per_request_k(autojump_clock: trio.testing.M
         assert want == plain
         forwards = [s.verifies for s in stages]
         assert await answer(node, 30, speculate=2) == want
-        assert [s.verifies - f for s, f in zip(stages, forwards, strict=True)] == [v for v, _ in schedule]
+        assert [s.verifies - f for s, f in zip(stages, forwards, strict=True)] == [v for v, _, _ in schedule]
 
 
 async def test_two_speculative_requests_at_once(autojump_clock: trio.testing.MockClock) -> None:
@@ -165,20 +169,25 @@ async def test_a_dead_node_replaced_mid_speculation_gives_the_same_answer(
         assert predecessor is not None and predecessor.failover.replays >= 1
 
 
-def test_sample_rows_accepts_while_equal_to_the_drafts() -> None:
-    rows = {0: 7, 1: 8, 2: 5, 3: 9, -1: 4}
-    calls: list[int] = []
+def test_row_sampler_accepts_while_equal_to_the_drafts() -> None:
+    """Called after each verify row (as ``forward_verify`` on the last stage does): it samples that row and says
+    stop at the first sampled token that differs from its draft, or after the row past the last draft."""
+    samples = iter([7, 8, 5, 9])
 
-    def sample(i: int) -> int:
-        calls.append(i)
-        return rows[i]
+    def run(drafts: list[int]) -> tuple[list[int], int]:
+        rows = RowSampler(lambda: next(samples), drafts)
+        computed = 0
+        for i in range(len(drafts) + 1):
+            computed += 1
+            if rows(i):
+                break
+        return rows.tokens, computed
 
-    assert sample_rows(sample, [8, 6, 1]) == [7] and calls == [0]  # row 0 gives 7, not the first draft's 8
-    calls.clear()
-    assert sample_rows(sample, [7, 8, 9]) == [7, 8, 5] and calls == [0, 1, 2]
-    calls.clear()
-    assert sample_rows(sample, [7, 8]) == [7, 8, 5]  # every draft accepted: one more from the last row
-    assert sample_rows(sample, []) == [4]  # no drafts: the plain sample
+    assert run([8, 6, 1]) == ([7], 1)  # row 0 gives 7, not the first draft's 8: rows 1..3 never computed
+    samples = iter([7, 8, 5, 9])
+    assert run([7, 8, 9]) == ([7, 8, 5], 3)
+    samples = iter([7, 8, 5])
+    assert run([7, 8]) == ([7, 8, 5], 3)  # every draft accepted: one more from the last row
 
 
 def test_drafter_cache_end_and_trail() -> None:

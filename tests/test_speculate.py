@@ -77,9 +77,9 @@ STORY = "Write a short story about a lighthouse keeper who finds a strange map"
 
 
 def test_speculative_generation_on_gemma(gemma_path: Path) -> None:
-    """Greedy: `--speculate K` reruns are identical, K=0 is the plain loop, and on these prompts (measured) the
-    verify batches' logits keep every argmax, so the output equals the plain loop's. Seeded sampling: the sampler
-    sees the plain loop's calls, so its output equals the plain loop's where the logits agree (checked here too)."""
+    """Greedy: `--speculate K` reruns are identical, K=0 is the plain loop, and the output equals the plain loop's
+    (every verify row is the plain step's computation). Seeded sampling: the sampler sees the plain loop's calls,
+    so its output equals the plain loop's too."""
     with Stage.load(StageConfig(gemma_path, n_ctx=512, n_seq_max=1, n_threads=1)) as stage:
         pipe = LocalPipeline([stage])
         greedy = SamplingParams.GREEDY
@@ -100,6 +100,41 @@ def test_speculative_generation_on_gemma(gemma_path: Path) -> None:
         spec = pipe.generate(prompt, seeded, 32, speculate=4)
         assert spec.tokens == pipe.generate(prompt, seeded, 32, speculate=4).tokens
         assert spec.tokens == pipe.generate(prompt, seeded, 32).tokens
+
+
+def test_verify_rows_are_the_plain_steps_bits(gemma_path: Path, cache_dir: Path) -> None:
+    """A verify batch through two windows gives, byte for byte, the boundary rows and logits of the one-token
+    steps it stands for; the last window stops at ``until``'s word and computes nothing after it."""
+    paths = stage_files(gemma_path, parse_splits("0,9,18", 18), cache_dir)
+    configs = [StageConfig(p, n_ctx=128, n_seq_max=1, n_threads=1) for p in paths]
+    with Stage.load(configs[0]) as a, Stage.load(configs[1]) as b:
+        prompt = a.vocab.tokenize(REPEATING)
+        fed = a.vocab.tokenize(" The dog sat on")[:4]
+        hidden = a.forward(0, 0, tokens=prompt)
+        assert hidden is not None
+        b.forward(0, 0, hidden=hidden)
+        n = len(prompt)
+        steps, logits = [], []
+        for i, t in enumerate(fed):
+            row = a.forward(0, n + i, tokens=[t])
+            assert row is not None
+            steps.append(row)
+            b.forward(0, n + i, hidden=row)
+            logits.append(b.logits())
+        a.truncate(0, n)
+        b.truncate(0, n)
+        rows = a.forward_verify(0, n, tokens=fed)
+        assert rows is not None and rows.tobytes() == np.concatenate(steps).tobytes()
+        seen: list[bytes] = []
+
+        def until(i: int) -> bool:
+            seen.append(b.logits().tobytes())
+            return i == 1  # as a rejected second draft: rows 2 and 3 are not computed
+
+        assert b.forward_verify(0, n, hidden=rows, until=until) is None
+        assert seen == [x.tobytes() for x in logits[:2]]
+        b.forward(0, n + 2, hidden=rows[2:3])  # the cache ended right after row 1: the next row fits there
+        assert b.logits().tobytes() == logits[2].tobytes()
 
 
 def test_generate_cli_speculate(gemma_path: Path) -> None:

@@ -7,7 +7,7 @@ See docs/speculation.md.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import numpy as np
@@ -97,3 +97,19 @@ class SpeculationStats:
 
     def to_json(self) -> dict[str, int | float]:
         return {**attrs.asdict(self), "acceptance": round(self.acceptance, 4)}
+
+
+@attrs.define
+class RowSampler:
+    """Last rank: samples a verify batch as the stage computes it (``forward_verify``'s ``until``): row 0, then the
+    next row while the sampled token equals the next draft (``generate``'s order of sampler calls, one per emitted
+    token). The rows after a rejected draft are never computed."""
+
+    sample: Callable[[], int]
+    drafts: Sequence[int]
+    tokens: list[int] = attrs.field(factory=list)
+
+    def __call__(self, row: int) -> bool:
+        token = self.sample()
+        self.tokens.append(token)
+        return row >= len(self.drafts) or token != self.drafts[row]

@@ -99,7 +99,7 @@ class RingStage(Protocol):
 
     def sample(self, sampler: Any, index: int = -1) -> int:
         """The next token of the request whose sampler this is (last stage; after a final forward), from the last
-        output row or from row ``index`` of a verify batch."""
+        output row or from row ``index`` of a batched decode."""
         ...
 
     def forward(self, seq_id: int, pos0: int, *, tokens: Sequence[int] | None = ..., hidden: Any = ...) -> Any:
@@ -110,8 +110,17 @@ class RingStage(Protocol):
         """A copy of the last row's logits (last stage, after a forward): what a receipt hashes."""
         ...
 
-    def forward_verify(self, seq_id: int, pos0: int, *, tokens: Sequence[int] | None = ..., hidden: Any = ...) -> Any:
-        """:meth:`forward` with every row an output (a speculative verify batch)."""
+    def forward_verify(
+        self,
+        seq_id: int,
+        pos0: int,
+        *,
+        tokens: Sequence[int] | None = ...,
+        hidden: Any = ...,
+        until: Callable[[int], bool] | None = ...,
+    ) -> Any:
+        """A speculative verify batch, one :meth:`forward` row at a time (every row's boundary); on the last stage
+        ``until(i)`` after row ``i`` (its logits current), True ending the batch there."""
         ...
 
     def forward_batch(self, items: Sequence[Any]) -> list[Any]:

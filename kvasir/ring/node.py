@@ -31,6 +31,7 @@ import trio
 from kvasir.core.identity import Identity
 from kvasir.core.sampling import MAX_SEED
 from kvasir.core.schedule import PREFILL_CHUNK
+from kvasir.core.speculate import RowSampler
 from kvasir.core.stops import find_stop
 from kvasir.errors import InputError, InvalidRequest, KvasirError, ProtocolError, RequestRefused, RingError
 from kvasir.ring.batching import DecodeBatcher, DecodeStep, batchable, compute_batch
@@ -51,7 +52,7 @@ from kvasir.ring.requests import (
     uses_penalties,
 )
 from kvasir.ring.secure import Credentials, PeerPolicy
-from kvasir.ring.speculation import Drafter, sample_rows, window_step
+from kvasir.ring.speculation import Drafter, window_step
 from kvasir.ring.status import FailoverStatus, MarketWindow, NodeStatus, RankStatus, RequestCounters
 from kvasir.stage.vocab import TextStream
 from kvasir.wire import (
@@ -556,9 +557,11 @@ class Node:
                 return None
             return await self.stage.run(self._window, state, pos, verify, inputs)
 
-    def _window(self, state: RequestState, pos: int, verify: bool, inputs: dict[str, Any]) -> Any:
+    def _window(
+        self, state: RequestState, pos: int, verify: bool, inputs: dict[str, Any], rows: RowSampler | None = None
+    ) -> Any:
         """Worker thread: one chunk of a request through this window (rolling back rejected drafts first)."""
-        return window_step(self.stage, state.seq, state.cache, state.start.speculate > 0, pos, verify, inputs)
+        return window_step(self.stage, state.seq, state.cache, state.start.speculate > 0, pos, verify, inputs, rows)
 
     async def _on_boundary(self, frame: Boundary) -> None:
         self.requests.boundaries += 1
@@ -567,8 +570,16 @@ class Node:
             return  # finished or cancelled while this frame was in flight
         if await self._seen_before(state, frame.first_position, _boundary_digest(frame)):
             return
-        if frame.first_position >= state.prompt_len and frame.latest_token >= 0:
-            self.requests.see_step(state, frame.first_position, (frame.latest_token, *frame.drafts))
+        step = frame.first_position >= state.prompt_len and frame.latest_token >= 0
+        try:
+            await self._boundary_step(state, frame)
+        finally:
+            # Seen (streamed to a client here, published) only once the step is on its way: that work is off the
+            # ring's path to the successor (docs/benchmarks.md § The ring on loopback).
+            if step:
+                self.requests.see_step(state, frame.first_position, (frame.latest_token, *frame.drafts))
+
+    async def _boundary_step(self, state: RequestState, frame: Boundary) -> None:
         if self.recorder is not None and (broken := self.recorder.take(frame)) is not None:
             log.error("request %x: rank %d: %s", state.request_id, self.rank, broken)
             await self._originate_error(state, ErrorCode.CHAIN_MISMATCH, f"rank {self.rank}: {broken}")
@@ -610,8 +621,10 @@ class Node:
         recorder = self.recorder if self.recorder is not None and self.recorder.records(frame.request_id) else None
 
         def forward_and_sample() -> list[int] | None:
-            self._window(state, frame.first_position, bool(frame.drafts), inputs)
-            tokens = sample_rows(functools.partial(self.stage.sample, sampler), frame.drafts) if frame.final else None
+            sample = functools.partial(self.stage.sample, sampler)
+            rows = RowSampler(sample, frame.drafts) if frame.drafts and frame.final else None
+            self._window(state, frame.first_position, bool(frame.drafts), inputs, rows)
+            tokens = None if not frame.final else rows.tokens if rows is not None else [sample()]
             if recorder is not None:  # hashes the logits row (1 MiB on a 262k vocabulary) here, off the event loop
                 logits = self.stage.logits().tobytes()
                 token = tokens[0] if tokens else None  # a recorded request is plain: one row, one token
@@ -633,26 +646,37 @@ class Node:
         if state.drafter is not None and step:  # a decode step (the prefill's sample is no step: as in generate)
             state.drafter.verified(drafted, len(tokens) - 1, tokens[0])
             self.requests.speculation = self.requests.speculation.after(drafted, len(tokens) - 1)
+        first = state.generated
+
+        def see() -> None:  # streamed and published once the step is on its way (as in _on_boundary)
+            for index in range(first, state.generated):
+                self.requests.see(state, index, tokens[index - first])
+
         for token in tokens:
             if self.stage.vocab.is_eog(token):
+                see()
                 await self._end(state, EndReason.EOG, latest=-1)
                 return
             state.generated += 1
-            self.requests.see(state, state.generated - 1, token)
             state.text += state.text_stream.push(token)
             if state.drafter is not None:
                 state.drafter.emitted(token)
             if find_stop(state.text, start.stop) is not None:
+                see()
                 await self._end(state, EndReason.STOP, latest=token)
                 return
             if state.generated >= start.max_tokens:
+                see()
                 await self._end(state, EndReason.MAX_TOKENS, latest=token)
                 return
         drafts: list[int] = []
         if state.drafter is not None:
             drafts = state.drafter.drafts(start.max_tokens - state.generated)
         position = state.prompt_len + state.generated - 1
-        await self._send_data(state, Token(start.request_id, position, tokens[-1], tuple(drafts)))
+        try:
+            await self._send_data(state, Token(start.request_id, position, tokens[-1], tuple(drafts)))
+        finally:
+            see()
 
     async def _on_token(self, frame: Token) -> None:
         state = self.requests.get(frame.request_id)
@@ -662,12 +686,11 @@ class Node:
         fed = (frame.token_id, *frame.drafts)
         if await self._seen_before(state, frame.position, b"".join(t.to_bytes(4, "little") for t in fed)):
             return
-        self.requests.see_step(state, frame.position, fed)
         if self.recorder is not None:
             self.recorder.on_tokens(state.request_id, frame.position, list(fed))
-        if await self._batched(state, frame):
-            return
         try:
+            if await self._batched(state, frame):
+                return
             hidden = await self._compute(state, frame.position, verify=bool(frame.drafts), tokens=list(fed))
             if hidden is not None:
                 boundary = self._boundary(
@@ -677,6 +700,8 @@ class Node:
                 await self._send_data(state, boundary)
         except KvasirError as exc:
             await self._originate_error(state, ErrorCode.STAGE_FAILED, str(exc))
+        finally:
+            self.requests.see_step(state, frame.position, fed)  # after the send, as in _on_boundary
 
     async def _batched(self, state: RequestState, frame: Token | Boundary) -> bool:
         """Batching on and a plain decode step: queue it for the batcher (returns at once, so the next frame is read

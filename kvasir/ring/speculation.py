@@ -4,9 +4,9 @@ The schedule is ``kvasir generate --speculate K``'s (docs/speculation.md), split
 
 - the last rank knows the tokens: after each step it drafts (:class:`Drafter`, prompt lookup over prompt + output)
   and sends rank 0 a TOKEN carrying the sampled token and the drafts;
-- rank 0 embeds them as one verify batch; every window runs it with every row an output
-  (``forward_verify``) and passes a BOUNDARY flagged with the drafts;
-- the last rank samples row by row while the sampled token equals the next draft (:func:`sample_rows`);
+- rank 0 embeds them as one verify batch; every window runs it one row at a time (``forward_verify``: each row is
+  the plain one-token step, so the answer is the plain ring's) and passes a BOUNDARY flagged with the drafts;
+- the last rank samples each row as it is computed and stops at the first rejected draft (:class:`RowSampler`);
 - the next step's position says how much was kept: every node forgets its cache from that position on
   (:class:`CacheEnd`: ``Stage.truncate``) before it computes the step, which is where ``generate`` truncates too.
 
@@ -17,12 +17,20 @@ cache with the same verify batches and the same truncations in the same order.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
 
-from kvasir.core.speculate import SpeculationStats, adapt_k, draft_lookup, initial_k, resume_k, shadow_draft
+from kvasir.core.speculate import (
+    RowSampler,
+    SpeculationStats,
+    adapt_k,
+    draft_lookup,
+    initial_k,
+    resume_k,
+    shadow_draft,
+)
 from kvasir.ring.compute import RingStage
 
 
@@ -58,20 +66,6 @@ class Drafter:
         return draft_lookup(self.history, min(self.k, may_emit - 1))
 
 
-def sample_rows(sample: Callable[[int], int], drafts: Sequence[int]) -> list[int]:
-    """The tokens one step emits: sample row 0, then the next row while the sampled token equals the next draft
-    (``generate``'s order of sampler calls, one per emitted token). Without drafts, the plain sample (row -1)."""
-    if not drafts:
-        return [sample(-1)]
-    new: list[int] = []
-    for i in range(len(drafts) + 1):
-        token = sample(i)
-        new.append(token)
-        if i >= len(drafts) or token != drafts[i]:
-            break
-    return new
-
-
 @attrs.define
 class CacheEnd:
     """Where one request's cache ends at one node: the next step at an earlier position means drafts were rejected."""
@@ -87,16 +81,24 @@ class CacheEnd:
 
 
 def window_step(
-    stage: RingStage, seq: int, cache: CacheEnd, speculative: bool, pos: int, verify: bool, inputs: dict[str, Any]
+    stage: RingStage,
+    seq: int,
+    cache: CacheEnd,
+    speculative: bool,
+    pos: int,
+    verify: bool,
+    inputs: dict[str, Any],
+    rows: RowSampler | None = None,
 ) -> Any:
-    """Worker thread: one chunk through a window (``forward``, or ``forward_verify`` for a verify batch). A
-    speculative step that starts before the cache's end follows rejected drafts: forget them first, the same point
-    of the sequence where ``generate`` truncates."""
+    """Worker thread: one chunk through a window (``forward``, or ``forward_verify`` for a verify batch, sampled by
+    ``rows`` on the last rank). A speculative step that starts before the cache's end follows rejected drafts:
+    forget them first, the same point of the sequence where ``generate`` truncates."""
     if speculative and cache.rollback(pos):
         stage.truncate(seq, pos)
-    out = (stage.forward_verify if verify else stage.forward)(seq, pos, **inputs)
+    out = stage.forward_verify(seq, pos, until=rows, **inputs) if verify else stage.forward(seq, pos, **inputs)
     tokens = inputs.get("tokens")
-    cache.computed(pos, len(tokens) if tokens is not None else len(inputs["hidden"]))
+    n = len(tokens) if tokens is not None else len(inputs["hidden"])
+    cache.computed(pos, len(rows.tokens) if verify and rows is not None else n)
     return out
 
 

@@ -273,13 +273,36 @@ class Stage:
         *,
         tokens: Sequence[int] | None = None,
         hidden: FloatArray | None = None,
+        until: Callable[[int], bool] | None = None,
     ) -> FloatArray | None:
-        """:meth:`forward` with every token an output: a speculative verify batch (the current token + drafts).
+        """A speculative verify batch (the current token + drafts) at positions ``pos0…``, computed one row at a time.
 
-        Non-last stages return the boundary, exactly as :meth:`forward` (they output every row anyway); the last
-        stage keeps one logits row per token, read with :meth:`logits` / :meth:`sample` at ``index`` 0…n-1.
+        Row ``i`` is exactly the one-token :meth:`forward` at ``pos0 + i``, so a verify batch has the plain decode's
+        bits: speculation never changes an answer. (One llama_decode of n rows would differ in the last bits, and on
+        a CPU build costs more than n one-row steps for n < 8: docs/speculation.md § Why row by row.)
+
+        Non-last stages return every row's boundary ``[n, n_embd]``. On the last stage ``until(i)`` is called after
+        row ``i``, whose logits are then the context's (:meth:`sample` with the default index); when it returns True
+        the rows after ``i`` are not computed (a rejected draft ends the batch). Returns None there.
         """
-        return self._decode([BatchItem(seq_id, pos0, tokens, hidden)], all_outputs=True)[0]
+        if (tokens is None) == (hidden is None):
+            raise InputError("forward() takes tokens or hidden states, not both")
+        n = len(tokens) if tokens is not None else len(hidden) if hidden is not None else 0
+        if n == 0:
+            raise InputError("a verify batch needs at least one row")
+        rows: list[FloatArray] = []
+        for i in range(n):
+            out = self.forward(
+                seq_id,
+                pos0 + i,
+                tokens=None if tokens is None else tokens[i : i + 1],
+                hidden=None if hidden is None else hidden[i : i + 1],
+            )
+            if out is not None:
+                rows.append(out)
+            elif until is not None and until(i):
+                break
+        return np.concatenate(rows) if rows else None
 
     def forward_batch(self, items: Sequence[BatchItem]) -> list[FloatArray | None]:
         """Several sequences' chunks in one llama_decode (batched decode across requests).

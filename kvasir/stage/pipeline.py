@@ -5,6 +5,7 @@ Data flow is the ring's: tokens → first stage → boundary → … → last st
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from collections.abc import Callable, Sequence
@@ -16,6 +17,7 @@ from kvasir.core.sampling import SamplingParams
 from kvasir.core.schedule import PREFILL_CHUNK
 from kvasir.core.speculate import (
     K_LIMIT,
+    RowSampler,
     SpeculationStats,
     adapt_k,
     draft_lookup,
@@ -74,18 +76,13 @@ class LocalPipeline:
             assert hidden is not None
             hidden = stage.forward(seq_id, pos0, hidden=hidden)
 
-    def verify(self, seq_id: int, pos0: int, tokens: Sequence[int]) -> None:
-        """Run a verify batch (the current token + drafts) through every stage; the last stage then holds one logits
-        row per token, batch positions 0…n-1."""
-        hidden: FloatArray | None = self.stages[0].forward_verify(seq_id, pos0, tokens=tokens)
+    def verify(self, seq_id: int, pos0: int, tokens: Sequence[int], until: Callable[[int], bool] | None = None) -> None:
+        """Run a verify batch (the current token + drafts) through every stage, one row at a time in each (each row
+        the plain one-token step); the last stage calls ``until(i)`` after row ``i`` and stops when it is True."""
+        hidden: FloatArray | None = self.stages[0].forward_verify(seq_id, pos0, tokens=tokens, until=until)
         for stage in self.stages[1:]:
             assert hidden is not None
-            hidden = stage.forward_verify(seq_id, pos0, hidden=hidden)
-
-    def truncate(self, seq_id: int, pos: int) -> None:
-        """Roll every stage's cache of one sequence back to positions ``[0, pos)``."""
-        for stage in self.stages:
-            stage.truncate(seq_id, pos)
+            hidden = stage.forward_verify(seq_id, pos0, hidden=hidden, until=until)
 
     def prefill(self, seq_id: int, tokens: Sequence[int], pos0: int = 0) -> None:
         for i in range(0, len(tokens), self.chunk):
@@ -180,8 +177,8 @@ class LocalPipeline:
         the sampled tokens (the accepted drafts and one more) and rolls every cache back past the rejected drafts.
 
         The sampler sees exactly the calls of the plain loop (one per emitted token, same order, same penalty
-        history, same seeded draws), so the output differs from the plain loop only where the verify batch's
-        logits differ from one-token steps'. A step without drafts is a plain one-token step.
+        history, same seeded draws), and every verify row is computed as the plain one-token step, so the output is
+        the plain loop's, bit for bit. A step without drafts is a plain one-token step.
         """
         if not 0 <= k_max <= K_LIMIT:
             raise InputError(f"speculate {k_max} outside [0, {K_LIMIT}]")
@@ -238,18 +235,17 @@ class LocalPipeline:
                 shadow = shadow_draft(history, k, k_max)
                 fed = [new[-1], *drafts]
                 if drafts:
-                    self.verify(seq_id, pos, fed)
+                    rows = RowSampler(functools.partial(self.last.sample, sampler), drafts)
+                    self.verify(seq_id, pos, fed, rows)
+                    new = rows.tokens
                 else:
                     self.step(seq_id, pos, fed)
-                new = []
-                for i in range(len(fed)):
-                    token = self.last.sample(sampler, i if drafts else -1)
-                    new.append(token)
-                    if i >= len(drafts) or token != drafts[i]:
-                        break
+                    new = [self.last.sample(sampler)]
                 accepted = len(new) - 1
                 if accepted < len(drafts):
-                    self.truncate(seq_id, pos + 1 + accepted)
+                    # The last stage stopped at the rejected draft: only the windows before it computed past it.
+                    for stage in self.stages[:-1]:
+                        stage.truncate(seq_id, pos + 1 + accepted)
                 pos += 1 + accepted
                 steps += len(new)
                 stats = stats.after(len(drafts), accepted)

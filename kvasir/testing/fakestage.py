@@ -154,6 +154,8 @@ class FakeStage:
         self._next_pos: dict[int, int] = {}
         self._rows: np.ndarray[Any, np.dtype[np.float32]] | None = None
         self.verifies = 0
+        #: Rows computed in verify batches (the last stage stops at a rejected draft).
+        self.verify_rows = 0
         self.truncations = 0
         #: The size of each forward_batch call.
         self.batch_sizes: list[int] = []
@@ -198,10 +200,34 @@ class FakeStage:
         return rows
 
     def forward_verify(
-        self, seq_id: int, pos0: int, *, tokens: Sequence[int] | None = None, hidden: Any = None
+        self,
+        seq_id: int,
+        pos0: int,
+        *,
+        tokens: Sequence[int] | None = None,
+        hidden: Any = None,
+        until: Callable[[int], bool] | None = None,
     ) -> np.ndarray[Any, np.dtype[np.float32]] | None:
+        """As the real stage: row by row, each row a one-token :meth:`forward`; ``until(i)`` after each row on the
+        last stage (True: the later rows are not computed). Counts verify batches and the rows computed."""
         self.verifies += 1
-        return self.forward(seq_id, pos0, tokens=tokens, hidden=hidden)
+        if (tokens is None) == (hidden is None):
+            raise InputError("forward() takes tokens or hidden states, not both")
+        n = len(tokens) if tokens is not None else len(hidden)
+        rows = []
+        for i in range(n):
+            out = self.forward(
+                seq_id,
+                pos0 + i,
+                tokens=None if tokens is None else tokens[i : i + 1],
+                hidden=None if hidden is None else hidden[i : i + 1],
+            )
+            self.verify_rows += 1
+            if out is not None:
+                rows.append(out)
+            elif until is not None and until(i):
+                break
+        return np.concatenate(rows) if rows else None
 
     def forward_batch(self, items: Sequence[Any]) -> list[np.ndarray[Any, np.dtype[np.float32]] | None]:
         """Each item as :meth:`forward` (the fake is exact whatever the batch); the last stage keeps every item's rows
