@@ -219,6 +219,11 @@ class LinkManager:
         if self._succ_scope is not None:
             self._succ_scope.cancel()
 
+    @property
+    def successor_down(self) -> bool:
+        """No successor link and none being replayed into: a frame sent now would wait for one."""
+        return self.successor is None and not self._replaying
+
     async def send(self, frame: Frame) -> None:
         """Send to the successor, waiting up to ``link_wait`` for its link (and as long as a replay into a successor
         that came back is running: that one is not missing, only busy); RingError if there is none."""

@@ -404,6 +404,11 @@ class Node:
                 frame = self.recorder.seal(frame)  # committed, and stamped with the chain head (FLAG_CHAIN)
             state.sent.append(frame)
             state.sent_bytes += _frame_bytes(frame)
+        if self._succ_lost_at is not None and self.links.successor_down and not isinstance(frame, StartRequest):
+            # The successor link broke (which armed the give-up timer of every request then in flight): the frame
+            # waits in the replay log for the window to come back, and this node goes on reading its predecessor,
+            # where an END or ERROR for this very request may be next (waiting here would hold it up to link_wait).
+            return
         try:
             await self.links.send(frame)
         except SuccessorLost:
