@@ -2,7 +2,8 @@
 
 Prints (1) decode ms/token for the whole model and for rings of 2/3/4 processes on this machine, with the ratio;
 (2) per-hop latency p50/p99 of a 4096-wide f32 boundary frame over a loopback TCP link, and bytes per token per hop;
-(3) tokens/s with 1, 4 and 8 concurrent requests through a 4-process ring.
+(3) tokens/s with 1, 4 and 8 concurrent requests through a 4-process ring; (4) where a decode token's time goes in
+the 4-process ring (each node's compute, worker-thread hand-off and link-send counters from its status).
 
     python3 bench/ring_loopback.py [--model PATH] [--tokens 32] [--repeats 3] [--threads N]
 """
@@ -62,6 +63,39 @@ def ring_decode(sock: Path, tokens: int, repeats: int) -> list[float]:
         if r and n > 1:
             out.append((t_last - t_first) * 1e3 / (n - 1))
     return out
+
+
+TIMERS = ("busy_s", "handoff_s", "send_s")
+
+
+def timers(sockets: list[Path]) -> list[list[float]]:
+    """Each node's cumulative compute, worker-thread hand-off and link-send seconds (its status)."""
+    out = []
+    for sock in sockets:
+        with ControlClient(sock, timeout=60) as c:
+            st = c.status()
+        out.append([float(st[k]) for k in TIMERS])
+    return out
+
+
+def decode_breakdown(sockets: list[Path], tokens: int) -> tuple[float, list[list[float]]]:
+    """One request's decode, from its first token to its last: ms per token of wall time, and per node ms per token
+    of compute, hand-off and send (status deltas; the prompt's prefill happens before the first snapshot)."""
+    n = 0
+    t_first = t_last = 0.0
+    before: list[list[float]] = []
+    with ControlClient(sockets[0], timeout=300) as c:
+        for msg in c.generate(prompt=PROMPT, max_tokens=tokens, temperature=0.0):
+            if msg["type"] == "token" and msg["token"] >= 0:
+                n += 1
+                t_last = time.perf_counter()
+                if n == 1:
+                    before = timers(sockets)  # the ring keeps decoding meanwhile: its first steps are counted
+                    t_first = time.perf_counter()
+    after = timers(sockets)
+    steps = n - 1
+    per_node = [[(b - a) * 1e3 / steps for a, b in zip(x, y, strict=True)] for x, y in zip(before, after, strict=True)]
+    return (t_last - t_first) * 1e3 / steps, per_node
 
 
 async def hop_latency(n_embd: int, samples: int) -> tuple[list[float], int]:
@@ -152,6 +186,8 @@ def main() -> None:
             d = ring_decode(ring.sockets[0], args.tokens, args.repeats)
             md = statistics.median(d)
             t.add_row(f"ring of {n} processes", f"{md:.2f}", f"{min(d):.2f}–{max(d):.2f}", f"{md / mb:.3f}x")
+            if n == 4:
+                breakdown = decode_breakdown(ring.sockets, 4 * args.tokens)
         finally:
             ring.stop()
     ring = start_ring(model, even_splits(info.n_layer, 4), cache, threads=args.concurrency_threads, ctx=1024)
@@ -161,6 +197,19 @@ def main() -> None:
     finally:
         ring.stop()
     console.print(t)
+
+    wall, per_node = breakdown
+    b = Table(
+        title=f"where a decode token's {wall:.2f} ms go in the ring of 4 ({4 * args.tokens} tokens, one request; "
+        "each node's status counters)"
+    )
+    for col in ("node", "compute ms", "hand-off ms", "send ms"):
+        b.add_column(col, justify="right")
+    for rank, (busy, handoff, send) in enumerate(per_node):
+        b.add_row(f"rank {rank}", f"{busy:.2f}", f"{handoff:.2f}", f"{send:.2f}")
+    counted = sum(map(sum, per_node))
+    b.caption = f"the rest, {wall - counted:.2f} ms per token, is between the nodes: wake-ups, frame handling"
+    console.print(b)
 
     lat, size = trio.run(hop_latency, 4096, 2000)
     h = Table(title="one hop on loopback TCP: 4096-wide f32 decode boundary")

@@ -51,6 +51,11 @@ def test_gemma_three_process_ring(gemma_path: Path, cache_dir: Path) -> None:
         got = ring_generate(ring.sockets[1], prompt, 10)
         assert got["tokens"] == want
         assert got["text"].strip()
+        # Where each node's time went (status): compute, the worker-thread hand-offs around it, link sends.
+        for sock in ring.sockets:
+            with ControlClient(sock) as c:
+                st = c.status()
+            assert 0 < st["handoff_s"] < st["busy_s"] and 0 < st["send_s"] < st["busy_s"], st
 
 
 def test_eight_concurrent_requests_each_equal_solo(tiny_model: Callable[..., Path], cache_dir: Path) -> None:

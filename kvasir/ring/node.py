@@ -20,6 +20,7 @@ import hashlib
 import logging
 import random
 import secrets
+import time
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -211,6 +212,8 @@ class Node:
         self._nursery = nursery
         self._market_view = market_view
         self.started_at = trio.current_time()
+        #: Seconds in link sends of data frames (status: where a step's time goes, docs/benchmarks.md).
+        self.send_s = 0.0
         self.requests = RequestTable(stage, self.hub, config.rank)
         self.recorder: NodeRecorder | None = None
         self.failover = FailoverStatus()
@@ -409,12 +412,15 @@ class Node:
             # waits in the replay log for the window to come back, and this node goes on reading its predecessor,
             # where an END or ERROR for this very request may be next (waiting here would hold it up to link_wait).
             return
+        t0 = time.perf_counter()
         try:
             await self.links.send(frame)
         except SuccessorLost:
             if state.done:
                 raise
             # It is in the replay log: the successor that comes back gets it (or the request fails after the wait).
+        finally:
+            self.send_s += time.perf_counter() - t0
 
     async def _send_terminal(self, frame: End | Cancel | Error) -> None:
         """Send a ring-circling END, CANCEL or ERROR, remembered for a replay (it may die with the successor)."""
@@ -913,6 +919,8 @@ class Node:
             backend=info.backend,
             threads=info.n_threads,
             busy_s=round(self.stage.busy_s, 4),
+            handoff_s=round(self.stage.handoff_s, 4),
+            send_s=round(self.send_s, 4),
             ready=self.ready,
             uptime_s=round(trio.current_time() - self.started_at, 1),
             ranks=tuple(RankStatus(r.rank, (r.start, r.end), r.address, r.link) for r in self.manifest.ranks),

@@ -235,6 +235,9 @@ class NodeStatus:
     backend: str = "?"
     threads: int | None = None
     busy_s: float = 0.0
+    #: Seconds handing stage calls to the worker thread and back, and in link sends to the successor.
+    handoff_s: float = 0.0
+    send_s: float = 0.0
     ready: bool = False
     uptime_s: float = 0.0
     ranks: tuple[RankStatus, ...] = ()
@@ -261,6 +264,8 @@ class NodeStatus:
             "backend": self.backend,
             "threads": self.threads,
             "busy_s": self.busy_s,
+            "handoff_s": self.handoff_s,
+            "send_s": self.send_s,
             "ready": self.ready,
             "uptime_s": self.uptime_s,
             "ranks": [r.to_wire() for r in self.ranks],
@@ -292,6 +297,8 @@ class NodeStatus:
             backend=str(obj.get("backend", "?")),
             threads=None if threads is None else int(threads),
             busy_s=float(obj.get("busy_s") or 0.0),
+            handoff_s=float(obj.get("handoff_s") or 0.0),
+            send_s=float(obj.get("send_s") or 0.0),
             ready=bool(obj.get("ready", False)),
             uptime_s=float(obj.get("uptime_s") or 0.0),
             ranks=tuple(RankStatus.from_wire(r) for r in ranks),

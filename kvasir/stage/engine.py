@@ -145,6 +145,8 @@ class Stage:
         self._capture: Capture | None = None
         #: Seconds spent in stage calls (compute), for status and benchmarks.
         self.busy_s = 0.0
+        #: Seconds spent handing stage calls to the worker thread and back (``run``'s wall time less the compute).
+        self.handoff_s = 0.0
 
     # ------------------------------------------------------------------------------------------------ lifecycle
 
@@ -423,14 +425,24 @@ class Stage:
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a blocking stage call in a worker thread, one at a time per stage (llama.cpp releases the GIL)."""
 
+        spent = 0.0
+
         def timed() -> T:
+            nonlocal spent
             t0 = time.perf_counter()
             try:
                 return fn(*args)
             finally:
-                self.busy_s += time.perf_counter() - t0
+                spent = time.perf_counter() - t0
+                self.busy_s += spent
 
-        return await trio.to_thread.run_sync(timed, limiter=self.limiter)
+        async with self.limiter:
+            t_call = time.perf_counter()
+            try:
+                return await trio.to_thread.run_sync(timed)
+            finally:
+                # The worker thread's wake-up and the event loop's, around the compute (docs/benchmarks.md).
+                self.handoff_s += time.perf_counter() - t_call - spent
 
 
 def _backend_name(devices: Sequence[str], n_gpu_layers: int) -> str:

@@ -146,6 +146,7 @@ class FakeStage:
         self.vocab = FakeVocab()
         self.limiter = trio.CapacityLimiter(1)
         self.busy_s = 0.0
+        self.handoff_s = 0.0  # no worker thread here
         self.compute_s = compute_s
         self.eog_at = eog_at
         self.period = period
