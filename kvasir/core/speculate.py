@@ -8,6 +8,7 @@ See docs/speculation.md.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 import numpy as np
@@ -113,3 +114,28 @@ class RowSampler:
         token = self.sample()
         self.tokens.append(token)
         return row >= len(self.drafts) or token != self.drafts[row]
+
+
+def verify_rows(
+    forward: Callable[..., Any],
+    n: int,
+    *,
+    tokens: Sequence[int] | None,
+    hidden: Any,
+    until: Callable[[int], bool] | None,
+) -> list[Any]:
+    """A verify batch of ``n`` rows one row at a time: ``forward(i, tokens=[row i]|hidden=row i)`` each (a stage's
+    one-token step at the batch's position + i). The boundaries the rows returned; where ``forward`` returns None (a
+    last stage), ``until(i)`` after row ``i`` and True ends the batch there."""
+    rows = []
+    for i in range(n):
+        out = forward(
+            i,
+            tokens=None if tokens is None else tokens[i : i + 1],
+            hidden=None if hidden is None else hidden[i : i + 1],
+        )
+        if out is not None:
+            rows.append(out)
+        elif until is not None and until(i):
+            break
+    return rows

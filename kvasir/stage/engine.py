@@ -23,6 +23,7 @@ import numpy as np
 import trio
 
 from kvasir.core.sampling import SamplingParams
+from kvasir.core.speculate import verify_rows
 from kvasir.errors import InputError, ShapeError, StageError
 from kvasir.shard.arch import rules_for
 from kvasir.shard.cache import default_cache_dir
@@ -292,18 +293,9 @@ class Stage:
         n = len(tokens) if tokens is not None else len(hidden) if hidden is not None else 0
         if n == 0:
             raise InputError("a verify batch needs at least one row")
-        rows: list[FloatArray] = []
-        for i in range(n):
-            out = self.forward(
-                seq_id,
-                pos0 + i,
-                tokens=None if tokens is None else tokens[i : i + 1],
-                hidden=None if hidden is None else hidden[i : i + 1],
-            )
-            if out is not None:
-                rows.append(out)
-            elif until is not None and until(i):
-                break
+        rows = verify_rows(
+            lambda i, **row: self.forward(seq_id, pos0 + i, **row), n, tokens=tokens, hidden=hidden, until=until
+        )
         return np.concatenate(rows) if rows else None
 
     def forward_batch(self, items: Sequence[BatchItem]) -> list[FloatArray | None]:

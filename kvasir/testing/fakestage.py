@@ -25,6 +25,7 @@ import numpy as np
 import trio
 import trio.testing
 
+from kvasir.core.speculate import verify_rows
 from kvasir.errors import InputError, StageError
 from kvasir.ring.linkmgr import StreamHandler
 from kvasir.ring.manifest import Manifest, RankEntry
@@ -215,19 +216,12 @@ class FakeStage:
         if (tokens is None) == (hidden is None):
             raise InputError("forward() takes tokens or hidden states, not both")
         n = len(tokens) if tokens is not None else len(hidden)
-        rows = []
-        for i in range(n):
-            out = self.forward(
-                seq_id,
-                pos0 + i,
-                tokens=None if tokens is None else tokens[i : i + 1],
-                hidden=None if hidden is None else hidden[i : i + 1],
-            )
+
+        def row(i: int, **one: Any) -> np.ndarray[Any, np.dtype[np.float32]] | None:
             self.verify_rows += 1
-            if out is not None:
-                rows.append(out)
-            elif until is not None and until(i):
-                break
+            return self.forward(seq_id, pos0 + i, **one)
+
+        rows = verify_rows(row, n, tokens=tokens, hidden=hidden, until=until)
         return np.concatenate(rows) if rows else None
 
     def forward_batch(self, items: Sequence[Any]) -> list[np.ndarray[Any, np.dtype[np.float32]] | None]:
