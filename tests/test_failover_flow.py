@@ -22,7 +22,7 @@ from kvasir.ring.manifest import Manifest
 from kvasir.ring.node import Node, NodeConfig, open_node
 from kvasir.ring.record import NodeRecorder
 from kvasir.ring.requests import EndEvent, TokenEvent
-from kvasir.testing.fakestage import FakeStage, MemoryNetwork, expected_tokens, fake_ring
+from kvasir.testing.fakestage import N_EMBD, FakeStage, MemoryNetwork, expected_tokens, fake_ring
 from kvasir.wire import SamplingParams
 from tests.streams import wait_for
 
@@ -237,3 +237,25 @@ async def test_a_window_that_stays_away_fails_its_requests_after_the_failover_wa
         assert end.reason == "error" and end.code == "link_lost", end
         assert 4.0 <= waited < 12, waited
         await wait_for(lambda: [x.status().requests.free_sequences for x in ring.live()] == [2] * 3, "freed", 12)
+
+
+async def test_without_its_successor_a_node_logs_a_step_and_reads_on(autojump_clock: trio.testing.MockClock) -> None:
+    """Once a node has seen its successor link break, a request's next data frame goes into the replay log at once
+    instead of waiting for the link (up to ``link_wait``): the node keeps reading its predecessor, where the END or
+    ERROR for that request may be next (a leaving node's SHUTTING_DOWN was held back 20 s that way)."""
+    async with four_nodes(failover_wait=6.0) as (ring, _):
+        node = ring.nodes[0]
+        assert node is not None
+
+        async def crash() -> None:
+            ring.kill(1)
+            await wait_for(lambda: node.links.successor_down, "rank 0 to see its successor gone")
+            state = next(s for s in node.requests if not s.done)
+            logged = len(state.sent)
+            step = node._boundary(state.request_id, 10_000, np.zeros((1, N_EMBD), np.float32), final=True)
+            with trio.fail_after(1):  # link_wait is 30 s
+                await node._send_data(state, step)
+            assert len(state.sent) == logged + 1 and state.sent[-1] is step
+
+        _tokens, end = await answer(node, 40, 8, crash)
+        assert end.reason == "error" and end.code == "link_lost"  # rank 1 stayed away
