@@ -3,8 +3,9 @@
 Per model (Gemma 3 270M, SmolLM2-135M-Instruct) and prompt kind (self-repeating, non-repeating): decode tokens/s of
 plain `generate` and of `generate --speculate K` (runs interleaved, median with min–max), the drafts' acceptance,
 and the ratio (wall clock, and tokens per CPU-second of the process: steadier on a shared machine). Then, over
-many prompts: greedy tokens where the speculative output differs from the plain one (the verify batch's shape
-changes llama.cpp's numbers), and whether a speculative rerun with the same K is identical.
+many prompts: greedy tokens where the speculative output differs from the plain one (none expected: verify rows are
+computed as plain one-token steps, docs/speculation.md § Why row by row), and whether a speculative rerun with the
+same K is identical.
 
     python3 bench/speculate.py [--repeats 3] [--tokens 96] [--k 6] [--threads 2] [--prompts 16] [--models gemma,smol]
 """
