@@ -141,6 +141,9 @@ def test_stop_strings_and_status_cli(tiny_model: Callable[..., Path], cache_dir:
         assert st["rank"] == 1 and st["ready"] and st["window"] == [3, 6]
         assert st["links"]["successor"]["frames_out"] > 0 and st["contribution"]["tokens"] > 0
         ring_free = st["requests"]["free_sequences"]
+        human = run_cli("status", "--socket", str(ring.sockets[1]))
+        assert human.returncode == 0, human.stderr
+        assert f"time: compute {st['busy_s']:.2f} s" in human.stdout and "worker hand-off" in human.stdout
     assert ring_free == 8
 
 

@@ -55,8 +55,16 @@ def run(args: argparse.Namespace) -> int:
         markup=False,
         soft_wrap=True,
     )
+    c.print(time_line(st), markup=False, soft_wrap=True)
     c.print(failover_line(st.get("failover") or {}), markup=False, soft_wrap=True)
     return 0
+
+
+def time_line(st: dict[str, Any]) -> str:
+    """Where this node's time went (docs/benchmarks.md § The ring on loopback): compute, the worker-thread hand-offs
+    around it, link sends."""
+    busy, handoff, send = (float(st.get(k) or 0.0) for k in ("busy_s", "handoff_s", "send_s"))
+    return f"time: compute {busy:.2f} s, worker hand-off {handoff:.2f} s, link sends {send:.2f} s"
 
 
 def failover_line(f: dict[str, Any]) -> str:
