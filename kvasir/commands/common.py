@@ -59,8 +59,8 @@ def add_speculate_arg(p: argparse.ArgumentParser, what: str) -> None:
         type=k,
         metavar="K",
         default=0,
-        help=f"{what}: draft up to K tokens per step by prompt lookup, verified in one batch through every window "
-        f"(0..{K_LIMIT}; default 0, plain steps; docs/speculation.md)",
+        help=f"{what}: draft up to K tokens per step by prompt lookup, verified in one ring pass through every window "
+        f"(0..{K_LIMIT}; default 0, plain steps; the answer is the same either way; docs/speculation.md)",
     )
 
 

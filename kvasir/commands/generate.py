@@ -28,8 +28,8 @@ def add_parser(sub: Any) -> None:
         type=int,
         metavar="K",
         default=None,
-        help=f"draft up to K tokens per step by prompt lookup and verify them in one batch (0..{K_LIMIT}; "
-        "see docs/speculation.md for what stays exact)",
+        help=f"draft up to K tokens per step by prompt lookup and verify them in one step (0..{K_LIMIT}; the answer "
+        "is the plain one's, docs/speculation.md)",
     )
     p.set_defaults(run=run)
 
