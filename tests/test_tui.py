@@ -22,7 +22,7 @@ from kvasir.tui.app import KvasirTUI
 from kvasir.tui.model import NodeModel, Segment, fill_gaps, sanitize
 from kvasir.tui.screens import Sampling, parse_sampling
 from kvasir.tui.source import Message, ReplaySource, SocketSource
-from kvasir.tui.widgets import CoverageMap, RingView, render_coverage
+from kvasir.tui.widgets import CoverageMap, RingView, render_coverage, render_node
 from tests.ringutil import ring_generate, running_ring
 
 SESSION = Path(__file__).parent / "data" / "tui_session.jsonl"
@@ -85,6 +85,15 @@ def test_rates_from_successive_snapshots() -> None:
     assert list(pred.frames_hist) == [20.0, 5.0]  # the counter went down: a new link, counted from zero
     assert pred.bytes_s == 500.0 and model.links["successor"].rtt_ms == 2.5
     assert model.token_rate == 2.0
+
+
+def test_node_panel_shows_where_the_time_went() -> None:
+    model = NodeModel()
+    model.apply({"type": "status", "status": _status(1.0, 0)})
+    assert "time" not in str(render_node(model))  # a node that has not computed yet: no row
+    busy = {**_status(2.0, 5), "busy_s": 12.34, "handoff_s": 0.56, "send_s": 0.25}
+    model.apply({"type": "status", "status": busy})
+    assert "compute 12.3 s · worker hand-off 0.6 s · link sends 0.2 s" in str(render_node(model))
 
 
 def test_token_events_and_sanitize() -> None:

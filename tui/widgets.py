@@ -255,6 +255,14 @@ def render_node(model: NodeModel) -> Text:
             f"{req.get('requests', 0)} total · {req.get('errors', 0)} errors",
         ),
     ]
+    if st.get("busy_s"):  # where the node's time went (docs/benchmarks.md § The ring on loopback)
+        rows.append(
+            (
+                "time",
+                f"compute {st['busy_s']:.1f} s · worker hand-off {st.get('handoff_s', 0.0):.1f} s"
+                f" · link sends {st.get('send_s', 0.0):.1f} s",
+            )
+        )
     fo = st.get("failover") or {}
     if fo.get("replays"):  # shown once this node has replayed requests into a successor that came back
         window = fo.get("last_window") or ("?", "?")
