@@ -16,10 +16,10 @@ import pytest
 import trio
 import trio.testing
 
-from kvasir.core.speculate import RowSampler
+from kvasir.core.speculate import Drafter, RowSampler
 from kvasir.ring.node import Node
 from kvasir.ring.requests import EndEvent, TokenEvent
-from kvasir.ring.speculation import CacheEnd, Drafter, TokenTrail
+from kvasir.ring.speculation import CacheEnd, TokenTrail
 from kvasir.stage.pipeline import LocalPipeline
 from kvasir.testing.fakestage import FakeStage, MemoryNetwork, expected_tokens, fake_ring
 from kvasir.wire import SamplingParams

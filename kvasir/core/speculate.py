@@ -139,3 +139,36 @@ def verify_rows(
         elif until is not None and until(i):
             break
     return rows
+
+
+@attrs.define
+class Drafter:
+    """One speculative request's drafting state (the history and the adapted K): the ring's last rank and
+    ``generate --speculate K`` draft with it, so both follow the same schedule."""
+
+    k_max: int
+    k: int
+    history: list[int]
+    stats: SpeculationStats = attrs.field(factory=SpeculationStats)
+    #: While drafting is off: the guess the step in flight would have drafted (``resume_k``).
+    shadow: list[int] = attrs.field(factory=list)
+
+    @classmethod
+    def for_prompt(cls, prompt: Sequence[int], k_max: int) -> Drafter:
+        return cls(k_max=k_max, k=initial_k(k_max), history=list(prompt))
+
+    def emitted(self, token: int) -> None:
+        self.history.append(token)
+
+    def verified(self, drafted: int, accepted: int, sampled: int) -> None:
+        """A step with ``drafted`` drafts kept ``accepted`` of them and sampled ``sampled`` first: count it, adapt K."""
+        self.stats = self.stats.after(drafted, accepted)
+        if self.k == 0:
+            self.k = resume_k(self.shadow, sampled, self.k_max)
+        else:
+            self.k = adapt_k(self.k, drafted, accepted, self.k_max)
+
+    def drafts(self, may_emit: int) -> list[int]:
+        """Drafts for the next step when at most ``may_emit`` more tokens may be emitted (drafts + one sample)."""
+        self.shadow = shadow_draft(self.history, self.k, self.k_max)
+        return draft_lookup(self.history, min(self.k, may_emit - 1))

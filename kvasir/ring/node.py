@@ -32,7 +32,7 @@ import trio
 from kvasir.core.identity import Identity
 from kvasir.core.sampling import MAX_SEED
 from kvasir.core.schedule import PREFILL_CHUNK
-from kvasir.core.speculate import RowSampler
+from kvasir.core.speculate import Drafter, RowSampler
 from kvasir.core.stops import find_stop
 from kvasir.errors import InputError, InvalidRequest, KvasirError, ProtocolError, RequestRefused, RingError
 from kvasir.ring.batching import DecodeBatcher, DecodeStep, batchable, compute_batch
@@ -53,7 +53,7 @@ from kvasir.ring.requests import (
     uses_penalties,
 )
 from kvasir.ring.secure import Credentials, PeerPolicy
-from kvasir.ring.speculation import Drafter, window_step
+from kvasir.ring.speculation import window_step
 from kvasir.ring.status import FailoverStatus, MarketWindow, NodeStatus, RankStatus, RequestCounters
 from kvasir.stage.vocab import TextStream
 from kvasir.wire import (

@@ -11,12 +11,12 @@ import attrs
 import trio
 
 from kvasir.core.sampling import SamplingParams
-from kvasir.core.speculate import SpeculationStats
+from kvasir.core.speculate import Drafter, SpeculationStats
 from kvasir.core.stops import find_stop
 from kvasir.errors import InputError, InvalidRequest, RequestRefused
 from kvasir.ring.compute import RingStage, TokenSampler
 from kvasir.ring.events import EventHub
-from kvasir.ring.speculation import CacheEnd, Drafter, TokenTrail
+from kvasir.ring.speculation import CacheEnd, TokenTrail
 from kvasir.ring.status import RequestCounters
 from kvasir.wire import EndReason, ErrorCode, Frame, StartRequest
 

@@ -2,7 +2,8 @@
 
 The schedule is ``kvasir generate --speculate K``'s (docs/speculation.md), split across the ring:
 
-- the last rank knows the tokens: after each step it drafts (:class:`Drafter`, prompt lookup over prompt + output)
+- the last rank knows the tokens: after each step it drafts (``kvasir.core.speculate.Drafter``, prompt lookup over
+  prompt + output, the same object ``generate`` drafts with)
   and sends rank 0 a TOKEN carrying the sampled token and the drafts;
 - rank 0 embeds them as one verify batch; every window runs it one row at a time (``forward_verify``: each row is
   the plain one-token step, so the answer is the plain ring's) and passes a BOUNDARY flagged with the drafts;
@@ -22,48 +23,8 @@ from typing import Any
 
 import attrs
 
-from kvasir.core.speculate import (
-    RowSampler,
-    SpeculationStats,
-    adapt_k,
-    draft_lookup,
-    initial_k,
-    resume_k,
-    shadow_draft,
-)
+from kvasir.core.speculate import RowSampler
 from kvasir.ring.compute import RingStage
-
-
-@attrs.define
-class Drafter:
-    """Last rank: one speculative request's drafting state (the history and the adapted K)."""
-
-    k_max: int
-    k: int
-    history: list[int]
-    stats: SpeculationStats = attrs.field(factory=SpeculationStats)
-    #: While drafting is off: the guess the step in flight would have drafted (``resume_k``).
-    shadow: list[int] = attrs.field(factory=list)
-
-    @classmethod
-    def for_prompt(cls, prompt: Sequence[int], k_max: int) -> Drafter:
-        return cls(k_max=k_max, k=initial_k(k_max), history=list(prompt))
-
-    def emitted(self, token: int) -> None:
-        self.history.append(token)
-
-    def verified(self, drafted: int, accepted: int, sampled: int) -> None:
-        """A step with ``drafted`` drafts kept ``accepted`` of them and sampled ``sampled`` first: count it, adapt K."""
-        self.stats = self.stats.after(drafted, accepted)
-        if self.k == 0:
-            self.k = resume_k(self.shadow, sampled, self.k_max)
-        else:
-            self.k = adapt_k(self.k, drafted, accepted, self.k_max)
-
-    def drafts(self, may_emit: int) -> list[int]:
-        """Drafts for the next step when at most ``may_emit`` more tokens may be emitted (drafts + one sample)."""
-        self.shadow = shadow_draft(self.history, self.k, self.k_max)
-        return draft_lookup(self.history, min(self.k, may_emit - 1))
 
 
 @attrs.define

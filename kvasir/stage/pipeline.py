@@ -15,16 +15,7 @@ import attrs
 
 from kvasir.core.sampling import SamplingParams
 from kvasir.core.schedule import PREFILL_CHUNK
-from kvasir.core.speculate import (
-    K_LIMIT,
-    RowSampler,
-    SpeculationStats,
-    adapt_k,
-    draft_lookup,
-    initial_k,
-    resume_k,
-    shadow_draft,
-)
+from kvasir.core.speculate import K_LIMIT, Drafter, RowSampler, SpeculationStats
 from kvasir.core.stops import find_stop
 from kvasir.errors import InputError
 from kvasir.stage.engine import FloatArray, Stage
@@ -191,12 +182,10 @@ class LocalPipeline:
         vocab.check_tokens(prompt)
         sampler = self.last.new_sampler(params)
         stream = TextStream(vocab)
-        history = list(prompt)
+        drafter = Drafter.for_prompt(prompt, k_max)  # the ring's last rank drafts with the same object
         out: list[int] = []
         text = ""
         reason = "max_tokens"
-        stats = SpeculationStats()
-        k = initial_k(k_max)
         try:
             for t in prompt:
                 sampler.accept(t)
@@ -214,7 +203,7 @@ class LocalPipeline:
                         done = True
                         break
                     out.append(token)
-                    history.append(token)
+                    drafter.emitted(token)
                     delta = stream.push(token)
                     text += delta
                     if on_token is not None:
@@ -230,9 +219,7 @@ class LocalPipeline:
                         break
                 if done:
                     break
-                # At most max_tokens - len(out) tokens may still be emitted: drafts + the one sampled after them.
-                drafts = draft_lookup(history, min(k, max_tokens - len(out) - 1))
-                shadow = shadow_draft(history, k, k_max)
+                drafts = drafter.drafts(max_tokens - len(out))
                 fed = [new[-1], *drafts]
                 if drafts:
                     rows = RowSampler(functools.partial(self.last.sample, sampler), drafts)
@@ -248,8 +235,7 @@ class LocalPipeline:
                         stage.truncate(seq_id, pos + 1 + accepted)
                 pos += 1 + accepted
                 steps += len(new)
-                stats = stats.after(len(drafts), accepted)
-                k = resume_k(shadow, new[0], k_max) if k == 0 else adapt_k(k, len(drafts), accepted, k_max)
+                drafter.verified(len(drafts), accepted, new[0])
             t2 = time.perf_counter()
             text += stream.flush() if reason != "stop" else ""
         finally:
@@ -262,5 +248,5 @@ class LocalPipeline:
             stop_reason=reason,
             prefill_ms=(t1 - t0) * 1e3,
             decode_ms_per_token=(t2 - t1) * 1e3 / steps if steps else 0.0,
-            speculation=stats,
+            speculation=drafter.stats,
         )
