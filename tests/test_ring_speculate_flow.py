@@ -1,13 +1,15 @@
 """Speculative decoding across the ring, fast: real nodes on FakeStages (a repetitive fake model, so prompt-lookup
 drafts are mostly right and sometimes wrong) over memory streams, under trio's MockClock.
 
-The ring must run ``generate --speculate K``'s schedule: the same tokens, the same verify batches and the same
-truncations as :class:`~kvasir.stage.pipeline.LocalPipeline` on the same FakeStages, from any entry node, and a
-node that dies mid-answer and comes back empty must not change the answer. The real model: test_ring_speculate.py.
+The ring must run ``generate --speculate K``'s schedule: the same tokens, the same rows computed and the same
+truncations at every window as :class:`~kvasir.stage.pipeline.LocalPipeline` on the same FakeStages, from any entry
+node, with the windows working on successive rows of a verify batch at once; and a node that dies mid-answer and
+comes back empty must not change the answer. The real model: test_ring_speculate.py.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing, asynccontextmanager
 from typing import Any
@@ -32,12 +34,17 @@ WINDOWS = [(0, 2), (2, 4), (4, 6), (6, 8)]
 PERIOD = 5
 
 
-def reference(k: int | None, max_tokens: int, **kw: Any) -> tuple[list[int], list[tuple[int, int, int]]]:
+def reference(k: int | None, max_tokens: int, **kw: Any) -> tuple[list[int], list[tuple[int, int, int, int]]]:
     """``generate --speculate k`` on the same fake model: its tokens, and each stage's (verify batches, rows computed
-    in them, truncations)."""
+    in them, forward calls in all, truncations)."""
     stages = [FakeStage(a, b, WINDOWS[-1][1], period=PERIOD, **kw) for a, b in WINDOWS]
     result = LocalPipeline(stages).generate(PROMPT, GREEDY, max_tokens, speculate=k)  # type: ignore[arg-type]
-    return result.tokens, [(s.verifies, s.verify_rows, s.truncations) for s in stages]
+    return result.tokens, [(s.verifies, s.verify_rows, s.forwards, s.truncations) for s in stages]
+
+
+def overlapping(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> int:
+    """How many of ``a``'s compute spans overlap one of ``b``'s."""
+    return sum(any(s0 < t1 and t0 < s1 for t0, t1 in b) for s0, s1 in a)
 
 
 @asynccontextmanager
@@ -83,7 +90,7 @@ async def answer(
 async def test_the_ring_runs_generates_speculative_schedule(autojump_clock: trio.testing.MockClock, entry: int) -> None:
     want, schedule = reference(4, 40)
     assert want == expected_tokens(PROMPT, 40, PERIOD)
-    assert schedule[-1][0] > 5 and schedule[0][2] > 2  # the fake text both accepts and rejects drafts
+    assert schedule[-1][0] > 5 and schedule[0][3] > 2  # the fake text both accepts and rejects drafts
     # The last stage stops a verify batch at its first rejected draft: fewer rows than the windows before it.
     assert schedule[-1][1] < schedule[0][1]
     async with ring_of(speculate=4) as (ring, stages):
@@ -91,7 +98,10 @@ async def test_the_ring_runs_generates_speculative_schedule(autojump_clock: trio
         assert node is not None
         # Every entry streams every token in order, accepted drafts included (answer() checks the indices).
         assert await answer(node, 40) == want
-        assert [(s.verifies, s.verify_rows, s.truncations) for s in stages] == schedule
+        # The ring computes each verify row as a one-row forward as it arrives: the same calls and truncations.
+        assert [(s.forwards, s.truncations) for s in stages] == [(f, t) for _, _, f, t in schedule]
+        # One request alone, yet neighbouring windows computed at once: rows of a verify batch were pipelined.
+        assert all(overlapping(a.spans, b.spans) >= 5 for a, b in itertools.pairwise(stages))
         await wait_for(lambda: [x.status().requests.free_sequences for x in ring.live()] == [2] * 4, "all freed")
 
 
@@ -102,12 +112,14 @@ async def test_speculate_zero_and_a_per_request_k(autojump_clock: trio.testing.M
         node = ring.nodes[2]
         assert node is not None
         assert await answer(node, 30) == plain
-        assert all(s.verifies == 0 and s.truncations == 0 for s in stages)
+        assert all(s.truncations == 0 for s in stages)
+        assert not any(overlapping(a.spans, b.spans) for a, b in itertools.pairwise(stages))  # one request: no overlap
         want, schedule = reference(2, 30)
         assert want == plain
-        forwards = [s.verifies for s in stages]
+        forwards = [s.forwards for s in stages]
         assert await answer(node, 30, speculate=2) == want
-        assert [s.verifies - f for s, f in zip(stages, forwards, strict=True)] == [v for v, _, _ in schedule]
+        assert [s.forwards - f for s, f in zip(stages, forwards, strict=True)] == [f for _, _, f, _ in schedule]
+        assert [s.truncations for s in stages] == [t for *_, t in schedule]
 
 
 async def test_two_speculative_requests_at_once(autojump_clock: trio.testing.MockClock) -> None:

@@ -123,11 +123,12 @@ def boundaries(draw: st.DrawFn) -> Boundary:
     n_embd = draw(st.integers(1, 24))
     payload = draw(st.binary(min_size=n_tokens * n_embd * dtype.itemsize, max_size=n_tokens * n_embd * dtype.itemsize))
     chain = draw(st.binary(min_size=CHAIN_BYTES, max_size=CHAIN_BYTES)) if draw(st.booleans()) else b""
-    if n_tokens > 1 and draw(st.booleans()):  # a speculative verify batch: row 0's token, then the drafts
-        drafts = draw(st.lists(token_ids, min_size=n_tokens - 1, max_size=n_tokens - 1))
+    if n_tokens == 1 and draw(st.booleans()):  # a row of a speculative verify batch, which carries the drafts
+        drafts = draw(st.lists(token_ids, min_size=1, max_size=MAX_DRAFTS))
+        row = draw(st.integers(0, len(drafts)))
         return Boundary(
-            draw(request_ids), draw(st.integers(0, 2**31 - 1 - n_tokens)), n_tokens, n_embd, dtype, payload,
-            final=True, latest_token=draw(token_ids), drafts=tuple(drafts), chain=chain,
+            draw(request_ids), draw(st.integers(0, 2**31 - 2 - row)), n_tokens, n_embd, dtype, payload,
+            final=True, latest_token=draw(token_ids), drafts=tuple(drafts), chain=chain, row=row,
         )  # fmt: skip
     return Boundary(
         request_id=draw(request_ids),
@@ -224,9 +225,10 @@ def test_single_token_frames_keep_their_bytes() -> None:
     assert Token(5, 12, 777, drafts=(1, 2)).to_wire()[HEADER_SIZE:] == struct.pack("<Iiii", 12, 777, 1, 2)
     plain = Boundary(5, 3, 1, 1, BoundaryDType.F32, b"\0" * 4, final=True, latest_token=9).to_wire()
     assert plain[4:6] == struct.pack("<H", FLAG_FINAL)
-    verify = Boundary(5, 3, 3, 1, BoundaryDType.F32, b"\0" * 12, final=True, latest_token=9, drafts=(4, 6))
+    verify = Boundary(5, 3, 1, 1, BoundaryDType.F32, b"\0" * 4, final=True, latest_token=9, drafts=(4, 6), row=2)
     assert verify.to_wire()[4:6] == struct.pack("<H", FLAG_FINAL | FLAG_DRAFTS)
-    assert verify.to_wire().endswith(struct.pack("<ii", 4, 6))
+    assert verify.to_wire()[HEADER_SIZE + 16 :] == b"\0" * 4 + struct.pack("<Iii", 2, 4, 6)  # payload, row, drafts
+    assert verify.position == 5 and Boundary.from_wire(verify.to_wire()) == verify
     assert b"".join(Boundary.from_wire(f).to_wire()[4:6] for f in (plain, verify.to_wire())) == struct.pack(
         "<HH", FLAG_FINAL, FLAG_FINAL | FLAG_DRAFTS
     )  # no chain head: nothing after the payload and drafts
@@ -247,8 +249,8 @@ def test_a_chain_head_follows_the_payload_and_the_drafts() -> None:
     assert decode_header(wire).body_length == 16 + 8 + CHAIN_BYTES
     assert Boundary.from_wire(wire) == chained and Boundary.from_wire(wire).chain == head
     assert Boundary.from_wire(plain.to_wire()).chain == b""
-    verify = Boundary(5, 3, 3, 1, BoundaryDType.F32, b"\0" * 12, final=True, latest_token=9, drafts=(4, 6), chain=head)
-    assert verify.to_wire().endswith(struct.pack("<ii", 4, 6) + head)
+    verify = Boundary(5, 3, 1, 1, BoundaryDType.F32, b"\0" * 4, final=True, latest_token=9, drafts=(4, 6), chain=head)
+    assert verify.to_wire().endswith(struct.pack("<Iii", 0, 4, 6) + head)
     assert Boundary.from_wire(verify.to_wire()) == verify
 
 
@@ -396,6 +398,7 @@ def _rebody(frame: Frame, cut: int, *, flags: int | None = None) -> bytes:
 HELLO = Hello("node-a", "ab" * 32, 0, 2, 0, 9, 18, 640)
 START = StartRequest(7, (1, 2, 3), 16, 0, "node-a", SamplingParams(seed=3), ("</s>", "\n\n"))
 BOUNDARY = Boundary.from_array(7, 0, _hidden(2, 4), final=True)
+VERIFY_ROW = Boundary.from_array(7, 4, _hidden(1, 4), final=True, latest_token=3, drafts=(5, 6), row=1)
 H = HEADER_SIZE
 _SAMPLING_AT = H + 16  # START body: 16 fixed bytes, then the 48-byte sampling block
 
@@ -414,6 +417,18 @@ MALFORMED: dict[str, tuple[bytes, str]] = {
     "fixed body too long": (raw(FrameType.CANCEL, b"\0" * 5), "body length 5 invalid"),
     "token drafts ragged": (raw(FrameType.TOKEN, b"\0" * 9, latest_token=0), "not a whole number of token ids"),
     "token too many drafts": (raw(FrameType.TOKEN, b"\0" * (8 + 4 * 17), latest_token=0), "body length 76 invalid"),
+    "verify flag on two rows": (
+        patched(attrs.evolve(BOUNDARY, latest_token=3), 4, "<H", FLAG_FINAL | FLAG_DRAFTS),
+        "a verify row (drafts flag) carries one row, not 2",
+    ),
+    "verify row without drafts": (
+        _rebody(attrs.evolve(VERIFY_ROW, drafts=(5,), row=1), -4),
+        "4 bytes after the 16-byte payload are no row index and 1 to 16 drafts",
+    ),
+    "verify row past its batch": (
+        patched(VERIFY_ROW, H + 16 + 16, "<I", 3),
+        "row 3 of a verify batch of 3 rows",
+    ),
     "keepalive with body": (raw(FrameType.KEEPALIVE, b"\0", request_id=0), "expected exactly 0"),
     "request id zero": (raw(FrameType.CANCEL, b"\0" * 4, request_id=0), "request id 0 is reserved"),
     "hello with request id": (patched(HELLO, 8, "<Q", 5), "must carry request id 0"),
@@ -467,7 +482,7 @@ MALFORMED: dict[str, tuple[bytes, str]] = {
     "boundary reserved": (patched(BOUNDARY, H + 15, "<B", 7), "must be zero"),
     "chain flag without a head": (
         patched(BOUNDARY, 4, "<H", FLAG_FINAL | FLAG_CHAIN),
-        "payload is 0 bytes, expected 2x4x4 = 32 (then 32 bytes of drafts and chain head)",
+        "payload is 0 bytes, expected 2x4x4 = 32 (then 32 bytes of chain head)",
     ),
     "chain head cut short": (
         _rebody(attrs.evolve(BOUNDARY, chain=b"\7" * CHAIN_BYTES), -1),
@@ -563,8 +578,10 @@ def test_decoder_refuses_garbage_on_its_first_bytes() -> None:
         (lambda: Token(1, 0, -1), "token id -1"),
         (lambda: Token(1, 0, 1, drafts=(1,) * 17), "draft count 17"),
         (lambda: Token(1, 0, 1, drafts=(-2,)), "drafts\\[0\\]"),
-        (lambda: Boundary(1, 0, 2, 1, BoundaryDType.F32, b"\0" * 8, True, 3, (1, 2)), "need a final verify batch"),
-        (lambda: Boundary(1, 0, 2, 1, BoundaryDType.F32, b"\0" * 8, False, 3, (1,)), "need a final verify batch"),
+        (lambda: Boundary(1, 0, 2, 1, BoundaryDType.F32, b"\0" * 8, True, 3, (1, 2)), "a verify row .* is one"),
+        (lambda: Boundary(1, 0, 1, 1, BoundaryDType.F32, b"\0" * 4, False, 3, (1,)), "a verify row .* is one"),
+        (lambda: Boundary(1, 0, 1, 1, BoundaryDType.F32, b"\0" * 4, True, 3, (1,), row=2), "row 2 outside"),
+        (lambda: Boundary(1, 0, 1, 1, BoundaryDType.F32, b"\0" * 4, row=1), "row 1 outside"),
         (lambda: StartRequest(1, [1], 1, 0, "n", speculate=17), "speculate 17"),
         (lambda: End(1, EndReason.EOG, -1, 0, 0), "prompt tokens -1"),
         (lambda: End(1, 2, 0, 0, 0), "EndReason"),  # type: ignore[arg-type]

@@ -53,7 +53,7 @@ from kvasir.ring.requests import (
     uses_penalties,
 )
 from kvasir.ring.secure import Credentials, PeerPolicy
-from kvasir.ring.speculation import window_step
+from kvasir.ring.speculation import RowFate, VerifyBatch, row_fate, window_step
 from kvasir.ring.status import FailoverStatus, MarketWindow, NodeStatus, RankStatus, RequestCounters
 from kvasir.stage.vocab import TextStream
 from kvasir.wire import (
@@ -437,11 +437,19 @@ class Node:
         final: bool,
         latest_token: int = -1,
         drafts: tuple[int, ...] = (),
+        row: int = 0,
     ) -> Boundary:
         hello = self.links.successor_hello
         dtype = choose_dtype(self.config.boundary_dtype, hello) if hello else BoundaryDType.F32
         make = functools.partial(
-            Boundary.from_array, request_id, pos, hidden, final=final, latest_token=latest_token, drafts=drafts
+            Boundary.from_array,
+            request_id,
+            pos,
+            hidden,
+            final=final,
+            latest_token=latest_token,
+            drafts=drafts,
+            row=row,
         )
         try:
             return make(dtype=dtype)
@@ -561,27 +569,26 @@ class Node:
         finally:
             state.prefilled.set()
 
-    async def _compute(self, state: RequestState, pos: int, *, verify: bool = False, **inputs: Any) -> Any:
+    async def _compute(self, state: RequestState, pos: int, **inputs: Any) -> Any:
         """Run the stage on one chunk of a request; None if the request ended meanwhile."""
         async with state.lock:
             if state.done:
                 return None
-            return await self.stage.run(self._window, state, pos, verify, inputs)
+            return await self.stage.run(self._window, state, pos, inputs)
 
-    def _window(
-        self, state: RequestState, pos: int, verify: bool, inputs: dict[str, Any], rows: RowSampler | None = None
-    ) -> Any:
+    def _window(self, state: RequestState, pos: int, inputs: dict[str, Any]) -> Any:
         """Worker thread: one chunk of a request through this window (rolling back rejected drafts first)."""
-        return window_step(self.stage, state.seq, state.cache, state.start.speculate > 0, pos, verify, inputs, rows)
+        return window_step(self.stage, state.seq, state.cache, state.start.speculate > 0, pos, inputs)
 
     async def _on_boundary(self, frame: Boundary) -> None:
         self.requests.boundaries += 1
         state = self.requests.get(frame.request_id)
         if state is None or state.done:
             return  # finished or cancelled while this frame was in flight
-        if await self._seen_before(state, frame.first_position, _boundary_digest(frame)):
+        if await self._seen_before(state, (frame.first_position, frame.row), _boundary_digest(frame)):
             return
-        step = frame.first_position >= state.prompt_len and frame.latest_token >= 0
+        # A decode step passes (a verify batch's rows after row 0 show nothing new).
+        step = frame.first_position >= state.prompt_len and frame.latest_token >= 0 and frame.row == 0
         try:
             await self._boundary_step(state, frame)
         finally:
@@ -599,9 +606,7 @@ class Node:
             return
         try:
             if not self.last:
-                hidden = await self._compute(
-                    state, frame.first_position, verify=bool(frame.drafts), hidden=frame.to_array()
-                )
+                hidden = await self._compute(state, frame.position, hidden=frame.to_array())
                 if hidden is not None:
                     await self._send_data(
                         state,
@@ -612,19 +617,43 @@ class Node:
                             final=frame.final,
                             latest_token=frame.latest_token,
                             drafts=frame.drafts,
+                            row=frame.row,
                         ),
                     )
                 return
-            tokens = await self._compute_and_sample(state, frame)
+            batch = self._verify_batch(state, frame) if frame.drafts else None
+            if frame.drafts and batch is None:
+                return  # a stale row: behind a rejected draft, nothing to compute
+            tokens = await self._compute_and_sample(state, frame, batch)
+        except InvalidRequest as exc:
+            await self._originate_error(state, exc.code, str(exc))
+            return
         except KvasirError as exc:
             await self._originate_error(state, ErrorCode.STAGE_FAILED, str(exc))
             return
         if tokens is not None:
             await self._after_sample(state, tokens, len(frame.drafts), step=frame.first_position >= state.prompt_len)
 
-    async def _compute_and_sample(self, state: RequestState, frame: Boundary) -> list[int] | None:
-        """Last rank: run the window and, on a final boundary, sample (row by row through a verify batch's
-        drafts) — one worker-thread round trip for both."""
+    def _verify_batch(self, state: RequestState, frame: Boundary) -> VerifyBatch | None:
+        """Last rank, a verify row arriving: the batch it extends (a new one at row 0); None when the row is stale
+        (after a rejected draft: dropped uncomputed). InvalidRequest when it is out of order."""
+        fate = row_fate(state.verifying, frame.first_position, frame.row)
+        if fate is RowFate.START:
+            assert state.sampler is not None
+            sample = functools.partial(self.stage.sample, state.sampler)
+            state.verifying = VerifyBatch(frame.first_position, RowSampler(sample, frame.drafts))
+        elif fate is RowFate.UNEXPECTED:
+            raise InvalidRequest(
+                ErrorCode.BAD_REQUEST,
+                f"verify row {frame.row} at position {frame.first_position} is not the next row of a batch here",
+            )
+        return None if fate is RowFate.STALE else state.verifying
+
+    async def _compute_and_sample(
+        self, state: RequestState, frame: Boundary, batch: VerifyBatch | None
+    ) -> list[int] | None:
+        """Last rank: run the window and, on a final boundary, sample (a verify row: sample it, and the batch's tokens
+        once that row closes it) — one worker-thread round trip for both."""
         sampler = state.sampler
         assert sampler is not None
         inputs = {"hidden": frame.to_array()}
@@ -632,10 +661,13 @@ class Node:
         recorder = self.recorder if self.recorder is not None and self.recorder.records(frame.request_id) else None
 
         def forward_and_sample() -> list[int] | None:
-            sample = functools.partial(self.stage.sample, sampler)
-            rows = RowSampler(sample, frame.drafts) if frame.drafts and frame.final else None
-            self._window(state, frame.first_position, bool(frame.drafts), inputs, rows)
-            tokens = None if not frame.final else rows.tokens if rows is not None else [sample()]
+            self._window(state, frame.position, inputs)
+            if not frame.final:
+                tokens = None
+            elif batch is not None:
+                tokens = batch.sample(frame.row)
+            else:
+                tokens = [self.stage.sample(sampler)]
             if recorder is not None:  # hashes the logits row (1 MiB on a 262k vocabulary) here, off the event loop
                 logits = self.stage.logits().tobytes()
                 token = tokens[0] if tokens else None  # a recorded request is plain: one row, one token
@@ -695,18 +727,22 @@ class Node:
             return
         await state.prefilled.wait()  # a replay into a rebuilt rank 0 brings the tokens while it still prefills
         fed = (frame.token_id, *frame.drafts)
-        if await self._seen_before(state, frame.position, b"".join(t.to_bytes(4, "little") for t in fed)):
+        if await self._seen_before(state, (frame.position, 0), b"".join(t.to_bytes(4, "little") for t in fed)):
             return
         if self.recorder is not None:
             self.recorder.on_tokens(state.request_id, frame.position, list(fed))
         try:
             if await self._batched(state, frame):
                 return
-            hidden = await self._compute(state, frame.position, verify=bool(frame.drafts), tokens=list(fed))
-            if hidden is not None:
+            # A verify batch goes on row by row, each row as soon as it is computed: the next window starts on it
+            # while this one computes the next (docs/speculation.md).
+            for row, token in enumerate(fed):
+                hidden = await self._compute(state, frame.position + row, tokens=[token])
+                if hidden is None:
+                    return
                 boundary = self._boundary(
                     frame.request_id, frame.position, hidden, final=True, latest_token=frame.token_id,
-                    drafts=frame.drafts,
+                    drafts=frame.drafts, row=row,
                 )  # fmt: skip
                 await self._send_data(state, boundary)
         except KvasirError as exc:
@@ -757,12 +793,14 @@ class Node:
             except KvasirError as exc:
                 await self._originate_error(state, ErrorCode.STAGE_FAILED, str(exc))
 
-    async def _seen_before(self, state: RequestState, position: int, digest: bytes) -> bool:
-        """Whether a frame for ``position`` of ``state`` arrived before (a replay): then it must be identical (else the
-        request fails with REPLAY_MISMATCH: a replay never silently diverges) and is dropped."""
-        previous = state.received.get(position)
+    async def _seen_before(self, state: RequestState, key: tuple[int, int], digest: bytes) -> bool:
+        """Whether a frame for ``key`` (its position, and its row in a verify batch) of ``state`` arrived before (a
+        replay): then it must be identical (else the request fails with REPLAY_MISMATCH: a replay never silently
+        diverges) and is dropped."""
+        position = key[0] + key[1]
+        previous = state.received.get(key)
         if previous is None:
-            state.received[position] = digest
+            state.received[key] = digest
             return False
         if previous == digest:
             self.failover = attrs.evolve(self.failover, duplicates=self.failover.duplicates + 1)
@@ -949,7 +987,7 @@ def _boundary_digest(frame: Boundary) -> bytes:
     h = hashlib.blake2b(digest_size=16)
     h.update(f"{frame.dtype.value}:{frame.n_tokens}:{frame.final}:{frame.latest_token}:".encode())
     if frame.drafts:
-        h.update(f"{frame.drafts}:".encode())
+        h.update(f"{frame.drafts}:{frame.row}:".encode())
     h.update(frame.payload)
     return h.digest()
 

@@ -16,7 +16,7 @@ from kvasir.core.stops import find_stop
 from kvasir.errors import InputError, InvalidRequest, RequestRefused
 from kvasir.ring.compute import RingStage, TokenSampler
 from kvasir.ring.events import EventHub
-from kvasir.ring.speculation import CacheEnd, TokenTrail
+from kvasir.ring.speculation import CacheEnd, TokenTrail, VerifyBatch
 from kvasir.ring.status import RequestCounters
 from kvasir.wire import EndReason, ErrorCode, Frame, StartRequest
 
@@ -134,9 +134,10 @@ class RequestState:
     #: window comes back after a failure, these rebuild its state exactly. Freed when the request ends here.
     sent: list[Frame] = attrs.field(factory=list)
     sent_bytes: int = 0
-    #: What arrived from the predecessor, by position: a digest of each boundary (or, at rank 0, the token id). A
-    #: replayed frame for a position seen before must match it (then it is dropped); a difference is an error.
-    received: dict[int, bytes] = attrs.field(factory=dict)
+    #: What arrived from the predecessor, by (position, row of a verify batch): a digest of each boundary (or, at
+    #: rank 0, the token ids). A replayed frame for a key seen before must match it (then it is dropped); a difference
+    #: is an error.
+    received: dict[tuple[int, int], bytes] = attrs.field(factory=dict)
     #: Rank 0: set once its prompt is prefilled (a replay can bring the tokens before a rebuilt prefill is done).
     prefilled: trio.Event = attrs.field(factory=trio.Event)
     #: Speculative decoding (kvasir.ring.speculation): where this node's cache of the request ends, the latest
@@ -144,6 +145,8 @@ class RequestState:
     cache: CacheEnd = attrs.field(factory=CacheEnd)
     trail: TokenTrail = attrs.field(factory=TokenTrail)
     drafter: Drafter | None = None
+    #: Last rank: the verify batch whose rows are arriving (the last one begun).
+    verifying: VerifyBatch | None = None
 
     @property
     def request_id(self) -> int:

@@ -5,19 +5,23 @@ The schedule is ``kvasir generate --speculate K``'s (docs/speculation.md), split
 - the last rank knows the tokens: after each step it drafts (``kvasir.core.speculate.Drafter``, prompt lookup over
   prompt + output, the same object ``generate`` drafts with)
   and sends rank 0 a TOKEN carrying the sampled token and the drafts;
-- rank 0 embeds them as one verify batch; every window runs it one row at a time (``forward_verify``: each row is
-  the plain one-token step, so the answer is the plain ring's) and passes a BOUNDARY flagged with the drafts;
-- the last rank samples each row as it is computed and stops at the first rejected draft (:class:`RowSampler`);
+- rank 0 embeds them as one verify batch, one row at a time (each row is the plain one-token step, so the answer is
+  the plain ring's), and sends each row on as a BOUNDARY flagged with the drafts and its row index as soon as it is
+  computed; every window does the same, so the windows work on successive rows at once (a pipeline: while the last
+  rank samples row 0, the window before it computes row 1);
+- the last rank samples each row as it arrives and stops at the first rejected draft (:class:`VerifyBatch`): the
+  rows behind it are stale, dropped uncomputed;
 - the next step's position says how much was kept: every node forgets its cache from that position on
   (:class:`CacheEnd`: ``Stage.truncate``) before it computes the step, which is where ``generate`` truncates too.
 
-Every frame of a request starts at a higher position than the one before (the next step starts right after the
-accepted drafts), so replay deduplication by position still holds, and a replayed log rebuilds a replacement's
-cache with the same verify batches and the same truncations in the same order.
+Frames of a request arrive in (position, row) order: the next step starts right after the accepted drafts, past the
+batch's position, and a batch's rows come in row order. Replay deduplication keys on that pair, and a replayed log
+rebuilds a replacement's cache with the same rows and the same truncations in the same order.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,25 +46,52 @@ class CacheEnd:
 
 
 def window_step(
-    stage: RingStage,
-    seq: int,
-    cache: CacheEnd,
-    speculative: bool,
-    pos: int,
-    verify: bool,
-    inputs: dict[str, Any],
-    rows: RowSampler | None = None,
+    stage: RingStage, seq: int, cache: CacheEnd, speculative: bool, pos: int, inputs: dict[str, Any]
 ) -> Any:
-    """Worker thread: one chunk through a window (``forward``, or ``forward_verify`` for a verify batch, sampled by
-    ``rows`` on the last rank). A speculative step that starts before the cache's end follows rejected drafts:
-    forget them first, the same point of the sequence where ``generate`` truncates."""
+    """Worker thread: one chunk (or one verify row) through a window. A speculative step that starts before the
+    cache's end follows rejected drafts: forget them first, the same point of the sequence where ``generate``
+    truncates."""
     if speculative and cache.rollback(pos):
         stage.truncate(seq, pos)
-    out = stage.forward_verify(seq, pos, until=rows, **inputs) if verify else stage.forward(seq, pos, **inputs)
+    out = stage.forward(seq, pos, **inputs)
     tokens = inputs.get("tokens")
-    n = len(tokens) if tokens is not None else len(inputs["hidden"])
-    cache.computed(pos, len(rows.tokens) if verify and rows is not None else n)
+    cache.computed(pos, len(tokens) if tokens is not None else len(inputs["hidden"]))
     return out
+
+
+class RowFate(enum.Enum):
+    """What the last rank does with an arriving verify row (:func:`row_fate`)."""
+
+    START = "start"  #: row 0: a new batch
+    NEXT = "next"  #: the next row of the open batch: compute and sample it
+    STALE = "stale"  #: a row after the batch's rejected draft: drop it uncomputed
+    UNEXPECTED = "unexpected"  #: out of order, or of no batch this node has: a misbehaving predecessor
+
+
+@attrs.define
+class VerifyBatch:
+    """Last rank: the verify batch whose rows are arriving, sampled as they come (``rows``, in ``generate``'s order
+    of sampler calls); closed once a row's token differs from its draft, or after the row past the last draft."""
+
+    position: int
+    rows: RowSampler
+    closed: bool = False
+
+    def sample(self, row: int) -> list[int] | None:
+        """Worker thread, after row ``row`` was computed: sample it; the batch's tokens once that closes it."""
+        self.closed = self.rows(row)
+        return self.rows.tokens if self.closed else None
+
+
+def row_fate(batch: VerifyBatch | None, position: int, row: int) -> RowFate:
+    """Pure: the fate of verify row ``row`` of the batch at ``position``, given the last batch begun (or None)."""
+    if row == 0:
+        return RowFate.START
+    if batch is None or batch.position != position:
+        return RowFate.UNEXPECTED
+    if batch.closed:
+        return RowFate.STALE
+    return RowFate.NEXT if row == len(batch.rows.tokens) else RowFate.UNEXPECTED
 
 
 @attrs.define

@@ -161,6 +161,8 @@ class FakeStage:
         self.truncations = 0
         #: The size of each forward_batch call.
         self.batch_sizes: list[int] = []
+        #: (start, end) of each compute in :meth:`run`, on trio's clock: shows which windows computed at once.
+        self.spans: list[tuple[float, float]] = []
 
     def chat_template(self) -> str | None:
         return None
@@ -277,6 +279,7 @@ class FakeStage:
                 return fn(*args)
             finally:
                 self.busy_s += trio.current_time() - t0
+                self.spans.append((t0, trio.current_time()))
 
     def close(self) -> None:
         pass

@@ -49,11 +49,12 @@ NO_REQUEST = 0
 FLAG_FINAL = 0x0001
 #: START only: the prompt's token ids are withheld (the receiver and the rest of its way round need only the length).
 FLAG_WITHHELD = 0x0002
-#: BOUNDARY only: a speculative verify batch; the body ends with the token ids of rows 1…n-1 (the drafts; row 0's
-#: token is the header's latest token).
+#: BOUNDARY only: one row of a speculative verify batch (n_tokens 1), sent as soon as it is computed so the next
+#: window starts on it at once; the body ends with the row's index (u32) and the batch's drafts (the token ids of rows
+#: 1…k; row 0's token is the header's latest token). The row's position is first_position + row.
 FLAG_DRAFTS = 0x0004
-#: BOUNDARY only: the body ends (after the drafts, if any) with the sender's output hash-chain head after this frame,
-#: :data:`CHAIN_BYTES` bytes: set by a recording node, checked by a recording successor (docs/protocol.md).
+#: BOUNDARY only: the body ends (after the row and drafts, if any) with the sender's output hash-chain head after
+#: this frame, :data:`CHAIN_BYTES` bytes: set by a recording node, checked by a recording successor (docs/protocol.md).
 FLAG_CHAIN = 0x0008
 #: Size of the chain head a FLAG_CHAIN boundary carries (a sha256).
 CHAIN_BYTES = 32
@@ -151,6 +152,7 @@ _HELLO_FIXED = struct.Struct("<7IB3s")
 _START_FIXED = struct.Struct("<IIIBB2s")
 _SAMPLING = struct.Struct("<didddiIB3s")
 _BOUNDARY_FIXED = struct.Struct("<IIIB3s")
+_VERIFY_ROW = struct.Struct("<I")
 BOUNDARY_FIXED_SIZE = _BOUNDARY_FIXED.size  # 16: a boundary body is this plus the payload
 _TOKEN = struct.Struct("<Ii")
 _END = struct.Struct("<B3sIII")
@@ -461,11 +463,14 @@ class Boundary:
     payload: bytes = attrs.field(repr=_payload_repr)  # n_tokens * n_embd * dtype.itemsize little-endian bytes
     final: bool = False  # the last rank samples after this chunk (FLAG_FINAL)
     latest_token: int = NO_TOKEN
-    #: A speculative verify batch (FLAG_DRAFTS): the token ids of rows 1…n-1, row 0 being ``latest_token``.
+    #: A row of a speculative verify batch (FLAG_DRAFTS): the batch's drafts, the token ids of rows 1…k (row 0's is
+    #: ``latest_token``); ``first_position`` is the batch's (row 0's) position.
     drafts: tuple[int, ...] = attrs.field(default=(), converter=_drafts)
     #: FLAG_CHAIN: the sender's output hash-chain head after this frame (CHAIN_BYTES), or empty. Not content: a
     #: replay carries the same one, and a receiver that does not record ignores it.
     chain: bytes = attrs.field(default=b"", repr=lambda c: c.hex() if c else "-")
+    #: Which row of its verify batch this frame is (0…len(drafts)); 0 without drafts.
+    row: int = 0
 
     def __attrs_post_init__(self) -> None:
         k = "BOUNDARY"
@@ -473,14 +478,14 @@ class Boundary:
         if not isinstance(self.chain, bytes) or len(self.chain) not in (0, CHAIN_BYTES):
             raise ProtocolError(f"{k} frame: chain head must be empty or {CHAIN_BYTES} bytes")
         _check_drafts(k, self.drafts)
-        if self.drafts and (len(self.drafts) != self.n_tokens - 1 or not self.final or self.latest_token < 0):
+        if self.drafts and (self.n_tokens != 1 or not self.final or self.latest_token < 0):
             raise ProtocolError(
-                f"{k} frame: drafts ({len(self.drafts)}) need a final verify batch of n_tokens - 1 rows after its"
-                f" latest token (n_tokens {self.n_tokens})"
+                f"{k} frame: a verify row (drafts) is one final row after its latest token (n_tokens {self.n_tokens})"
             )
+        _check_int(k, "row", self.row, 0, len(self.drafts))
         _check_int(k, "n_tokens", self.n_tokens, 1, MAX_BOUNDARY_TOKENS)
         _check_int(k, "n_embd", self.n_embd, 1, MAX_EMBD)
-        _check_int(k, "first position", self.first_position, 0, MAX_POSITION - self.n_tokens)
+        _check_int(k, "first position", self.first_position, 0, MAX_POSITION - self.n_tokens - self.row)
         if not isinstance(self.dtype, BoundaryDType):
             raise ProtocolError(f"{k} frame: dtype must be a BoundaryDType, got {self.dtype!r}")
         if not isinstance(self.final, bool):
@@ -505,11 +510,17 @@ class Boundary:
         final: bool = False,
         latest_token: int = NO_TOKEN,
         drafts: tuple[int, ...] = (),
+        row: int = 0,
     ) -> Self:
         """Build from a float32 ``(n_tokens, n_embd)`` array; see :func:`encode_boundary` for its errors."""
         payload = encode_boundary(array, dtype)
         n_tokens, n_embd = array.shape
-        return cls(request_id, first_position, n_tokens, n_embd, dtype, payload, final, latest_token, drafts)
+        return cls(request_id, first_position, n_tokens, n_embd, dtype, payload, final, latest_token, drafts, row=row)
+
+    @property
+    def position(self) -> int:
+        """Where this frame's first row goes in the sequence (a verify row's: the batch's position + its row)."""
+        return self.first_position + self.row
 
     def to_array(self) -> F32Array:
         """The hidden states as float32 ``(n_tokens, n_embd)``; read-only for f32 payloads."""
@@ -517,7 +528,8 @@ class Boundary:
 
     def to_wire(self) -> bytes:
         fixed = _BOUNDARY_FIXED.pack(self.first_position, self.n_tokens, self.n_embd, self.dtype, b"")
-        tail = np.asarray(self.drafts, dtype="<i4").tobytes() + self.chain
+        verify = _VERIFY_ROW.pack(self.row) + np.asarray(self.drafts, dtype="<i4").tobytes() if self.drafts else b""
+        tail = verify + self.chain
         flags = (FLAG_FINAL if self.final else 0) | (FLAG_DRAFTS if self.drafts else 0)
         flags |= FLAG_CHAIN if self.chain else 0
         return _pack(
@@ -535,23 +547,33 @@ class Boundary:
         if not 1 <= n_embd <= MAX_EMBD:
             raise r.fail(f"n_embd {n_embd} outside [1, {MAX_EMBD}]")
         expected = n_tokens * n_embd * dtype.itemsize
-        n_drafts = n_tokens - 1 if header.flags & FLAG_DRAFTS else 0
-        if n_drafts > MAX_DRAFTS:
-            raise r.fail(f"a verify batch of {n_tokens} rows carries more than {MAX_DRAFTS} drafts")
-        tail = 4 * n_drafts + (CHAIN_BYTES if header.flags & FLAG_CHAIN else 0)
-        if r.remaining != expected + tail:
+        chain_bytes = CHAIN_BYTES if header.flags & FLAG_CHAIN else 0
+        verify = bool(header.flags & FLAG_DRAFTS)
+        if verify and n_tokens != 1:
+            raise r.fail(f"a verify row (drafts flag) carries one row, not {n_tokens}")
+        # A verify row's tail: its index and at least one draft; its length is what follows the payload.
+        extra = r.remaining - expected - chain_bytes
+        if verify and not (_VERIFY_ROW.size + 4 <= extra <= _VERIFY_ROW.size + 4 * MAX_DRAFTS and extra % 4 == 0):
             raise r.fail(
-                f"payload is {r.remaining - tail} bytes, expected {n_tokens}x{n_embd}x{dtype.itemsize} = {expected}"
-                + (f" (then {tail} bytes of drafts and chain head)" if tail else "")
+                f"{max(extra, 0)} bytes after the {expected}-byte payload are no row index and 1 to {MAX_DRAFTS} drafts"
+            )
+        if not verify and extra != 0:
+            raise r.fail(
+                f"payload is {r.remaining - chain_bytes} bytes, expected {n_tokens}x{n_embd}x{dtype.itemsize} ="
+                f" {expected}" + (f" (then {chain_bytes} bytes of chain head)" if chain_bytes else "")
             )
         payload = bytes(r.take(expected, "payload"))
-        drafts = _read_drafts(r, n_drafts)
-        if header.flags & FLAG_DRAFTS and not drafts:
-            raise r.fail("a verify batch (drafts flag) needs at least 2 rows")
-        chain = bytes(r.take(CHAIN_BYTES, "chain head")) if header.flags & FLAG_CHAIN else b""
+        row = 0
+        drafts: tuple[int, ...] = ()
+        if verify:
+            (row,) = r.unpack(_VERIFY_ROW, "row")
+            drafts = _read_drafts(r, (extra - _VERIFY_ROW.size) // 4)
+            if row > len(drafts):
+                raise r.fail(f"row {row} of a verify batch of {len(drafts) + 1} rows")
+        chain = bytes(r.take(CHAIN_BYTES, "chain head")) if chain_bytes else b""
         return cls(
             header.request_id, first, n_tokens, n_embd, dtype, payload,
-            bool(header.flags & FLAG_FINAL), header.latest_token, drafts, chain,
+            bool(header.flags & FLAG_FINAL), header.latest_token, drafts, chain, row,
         )  # fmt: skip
 
     @classmethod
