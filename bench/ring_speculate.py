@@ -1,5 +1,6 @@
 """Speculative decoding across the ring: decode tokens/s of a ring of node processes on loopback with and without
-``--speculate K``, in the same run.
+``--speculate K``, in the same run. The layers are split as ``ring up`` splits them (balanced by measured stage
+costs; ``--split even`` for equal layer counts).
 
 Per model (Gemma 3 270M, SmolLM2-135M-Instruct, and a tiny random 8-layer llama whose compute is small next to the
 ring's per-step costs), one
@@ -29,9 +30,9 @@ from rich.table import Table
 
 from kvasir.control.client import ControlClient
 from kvasir.demo import chat_model_path, demo_model_path
+from kvasir.local.balance import SPLIT_MODES, split_windows
 from kvasir.local.launcher import start_ring
-from kvasir.shard.cache import default_cache_dir, even_splits
-from kvasir.shard.gguf_file import describe
+from kvasir.shard.cache import default_cache_dir
 from kvasir.stage.engine import BatchItem, Stage, StageConfig
 from kvasir.testing.fleet import PROFILES, FleetNode, fleet, start_fleet_ring
 from kvasir.testing.tinymodels import tiny_model_cached
@@ -85,7 +86,9 @@ def spread(xs: list[float], fmt: str = "{:.1f}") -> str:
 
 
 def bench_ring(table: Table, name: str, model: Path, args: argparse.Namespace, cache: Path) -> None:
-    windows = even_splits(describe(model).n_layer, args.stages)
+    # ring up's split (balanced by measured stage costs unless --split even): the ring a user gets.
+    windows = split_windows(model, cache, args.stages, split=args.split, threads=args.threads)
+    table.caption = (table.caption or "") + f"{name}: layers {' '.join(f'{a}:{b}' for a, b in windows)}  "
     with contextlib.ExitStack() as stack:
         if args.fleet is None:
             ring = start_ring(model, windows, cache, threads=args.threads, ctx=1024)
@@ -164,6 +167,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="threads per node process")
+    ap.add_argument("--split", choices=SPLIT_MODES, default="balanced", help="how the layers are split (as ring up)")
     ap.add_argument(
         "--fleet",
         choices=sorted(PROFILES),

@@ -113,19 +113,6 @@ class RingStage(Protocol):
         """A copy of the last row's logits (last stage, after a forward): what a receipt hashes."""
         ...
 
-    def forward_verify(
-        self,
-        seq_id: int,
-        pos0: int,
-        *,
-        tokens: Sequence[int] | None = ...,
-        hidden: Any = ...,
-        until: Callable[[int], bool] | None = ...,
-    ) -> Any:
-        """A speculative verify batch, one :meth:`forward` row at a time (every row's boundary); on the last stage
-        ``until(i)`` after row ``i`` (its logits current), True ending the batch there."""
-        ...
-
     def forward_batch(self, items: Sequence[Any]) -> list[Any]:
         """Several sequences' chunks (``BatchItem``: ascending ids, equal token counts) in one decode: each item's
         boundary (Nones on the last stage, where item ``i``'s logits row is :meth:`batch_index`)."""
