@@ -8,8 +8,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from kvasir.core.speculate import SpeculationStats, adapt_k, draft_lookup, initial_k, resume_k, shadow_draft
+from kvasir.core.speculate import (
+    Drafter,
+    NgramIndex,
+    SpeculationStats,
+    adapt_k,
+    draft_lookup,
+    initial_k,
+    resume_k,
+)
 from kvasir.errors import InputError
 from kvasir.shard.cache import parse_splits, stage_files
 from kvasir.stage.engine import BatchItem, Stage, StageConfig
@@ -56,11 +66,32 @@ def test_adapt_k_grows_on_full_acceptance_and_shrinks_to_what_was_accepted() -> 
     assert adapt_k(4, 2, 2, 8) == 6  # fewer drafts than k (short match), all accepted: still grows
 
 
+@given(
+    st.lists(st.integers(0, 3), max_size=60),
+    st.integers(0, 8),
+    st.integers(1, 4),
+    st.integers(0, 3),
+)
+def test_the_ngram_index_answers_as_the_lookup_does(history: list[int], k: int, ngram_max: int, extra: int) -> None:
+    """Small alphabets, so n-grams repeat often: built from a prompt, then grown token by token, the index gives
+    draft_lookup's drafts after every token."""
+    ngram_min = max(1, ngram_max - extra)
+    split = len(history) // 2
+    index = NgramIndex(history[:split], ngram_max=ngram_max, ngram_min=ngram_min)
+    for i in range(split, len(history) + 1):
+        assert index.lookup(k) == draft_lookup(history[:i], k, ngram_max=ngram_max, ngram_min=ngram_min)
+        if i < len(history):
+            index.append(history[i])
+
+
 def test_drafting_resumes_when_its_shadow_guess_is_right() -> None:
-    history = [4, 1, 2, 5, 1, 2]
-    assert (
-        shadow_draft(history, 0, 6) == [5] and shadow_draft(history, 2, 6) == [] and shadow_draft(history, 0, 0) == []
-    )
+    def shadow(k: int, k_max: int) -> list[int]:
+        d = Drafter.for_prompt([4, 1, 2, 5, 1, 2], k_max)
+        d.k = k
+        d.drafts(may_emit=10)
+        return d.shadow
+
+    assert shadow(0, 6) == [5] and shadow(2, 6) == [] and shadow(0, 0) == []
     assert resume_k([5], 5, 6) == 1 and resume_k([5], 6, 6) == 0 and resume_k([], 5, 6) == 0
     assert initial_k(6) == 1 and initial_k(0) == 0
 
