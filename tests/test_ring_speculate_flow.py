@@ -48,11 +48,14 @@ def overlapping(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> i
 
 
 @asynccontextmanager
-async def ring_of(speculate: int = 0, **kw: Any) -> AsyncIterator[tuple[Ring, list[FakeStage]]]:
+async def ring_of(
+    speculate: int = 0, *, last_compute_s: float = 0.01, draft_policy: str = "auto", **kw: Any
+) -> AsyncIterator[tuple[Ring, list[FakeStage]]]:
     net = MemoryNetwork()
     manifest, stages = fake_ring(WINDOWS, net, compute_s=0.01, period=PERIOD, **kw)
+    stages[-1].compute_s = last_compute_s
     async with trio.open_nursery() as nursery:
-        ring = Ring(nursery, manifest, net, speculate=speculate)
+        ring = Ring(nursery, manifest, net, speculate=speculate, draft_policy=draft_policy)
         for rank, stage in enumerate(stages):
             await ring.start(rank, stage)
         await wait_for(lambda: all(n.ready for n in ring.live()), "the ring to link")
@@ -102,6 +105,9 @@ async def test_the_ring_runs_generates_speculative_schedule(autojump_clock: trio
         assert [(s.forwards, s.truncations) for s in stages] == [(f, t) for _, _, f, t in schedule]
         # One request alone, yet neighbouring windows computed at once: rows of a verify batch were pipelined.
         assert all(overlapping(a.spans, b.spans) >= 5 for a, b in itertools.pairwise(stages))
+        # Equal windows and no network latency: a compute-bound ring, so auto drafted adaptively, as generate does.
+        last = ring.nodes[3]
+        assert last is not None and last.status().requests.eager_steps == 0
         await wait_for(lambda: [x.status().requests.free_sequences for x in ring.live()] == [2] * 4, "all freed")
 
 
@@ -179,6 +185,25 @@ async def test_a_dead_node_replaced_mid_speculation_gives_the_same_answer(
         assert await answer(node, 40, at_token=12, fault=crash) == want
         predecessor = ring.nodes[(victim - 1) % len(WINDOWS)]
         assert predecessor is not None and predecessor.failover.replays >= 1
+
+
+@pytest.mark.parametrize("policy", ["auto", "adaptive", "eager"])
+async def test_a_latency_bound_ring_drafts_eagerly(autojump_clock: trio.testing.MockClock, policy: str) -> None:
+    """The last rank's window computes a row in 0.5 ms while a step takes 30 ms to come back round (the windows
+    before it: to the last rank, latency it cannot tell from a network's): auto drafts eagerly after its first
+    passes, as the eager policy does from the start; adaptive never does. The answer is the same either way."""
+    async with ring_of(speculate=4, last_compute_s=0.0005, draft_policy=policy) as (ring, _stages):
+        node, last = ring.nodes[1], ring.nodes[3]
+        assert node is not None and last is not None
+        assert await answer(node, 40) == expected_tokens(PROMPT, 40, PERIOD)
+        counters = last.status().requests
+    if policy == "adaptive":
+        assert counters.eager_steps == 0
+    else:
+        assert counters.eager_steps > 5
+        stages = [FakeStage(a, b, WINDOWS[-1][1], period=PERIOD) for a, b in WINDOWS]
+        adaptive = LocalPipeline(stages).generate(PROMPT, GREEDY, 40, speculate=4)  # type: ignore[arg-type]
+        assert adaptive.speculation is not None and counters.drafted > adaptive.speculation.drafted
 
 
 def test_row_sampler_accepts_while_equal_to_the_drafts() -> None:

@@ -17,10 +17,13 @@ from kvasir.core.speculate import (
     SpeculationStats,
     adapt_k,
     draft_lookup,
+    eager_k,
     initial_k,
+    latency_bound,
     resume_k,
 )
 from kvasir.errors import InputError
+from kvasir.ring.speculation import RingPace
 from kvasir.shard.cache import parse_splits, stage_files
 from kvasir.stage.engine import BatchItem, Stage, StageConfig
 from kvasir.stage.pipeline import LocalPipeline
@@ -94,6 +97,35 @@ def test_drafting_resumes_when_its_shadow_guess_is_right() -> None:
     assert shadow(0, 6) == [5] and shadow(2, 6) == [] and shadow(0, 0) == []
     assert resume_k([5], 5, 6) == 1 and resume_k([5], 6, 6) == 0 and resume_k([], 5, 6) == 0
     assert initial_k(6) == 1 and initial_k(0) == 0
+
+
+def test_eager_drafting_guesses_from_single_tokens_and_never_stops() -> None:
+    assert eager_k(4, 4, 6) == 6 and eager_k(0, 0, 6) == 6  # all accepted, or nothing drafted: back to the maximum
+    assert eager_k(6, 1, 6) == 3 and eager_k(6, 5, 6) == 6 and eager_k(3, 0, 6) == 2  # never off
+    d = Drafter.for_prompt([5, 1, 2, 6, 2], 6)
+    assert d.drafts(may_emit=10) == []  # adaptive: a single-token match is too weak
+    assert d.drafts(may_emit=10, eager=True) == [6] and d.eager  # a request starts at k = 1
+    d.verified(1, 0, 9)
+    assert d.k == 2 and d.stats.eager_steps == 1  # a lone draft rejected: still on, two more than accepted
+    assert d.drafts(may_emit=10, eager=True) == [6, 2]
+    d.k = 0
+    d.drafts(may_emit=10, eager=True)
+    assert d.k == 6  # drafting was off: a latency-bound ring turns it on at once
+
+
+def test_a_ring_is_latency_bound_when_a_pass_outweighs_wasted_rows() -> None:
+    assert latency_bound(0.050, 0.002, 6)  # a WAN ring of a small model: 50 ms round trip, 2 ms rows
+    assert not latency_bound(0.010, 0.010, 6)  # loopback, rows cost as much as the pass
+    assert not latency_bound(0.020, 0.002, 6)  # 24 ms of rejected rows outweigh a 20 ms pass
+    pace = RingPace()
+    assert not pace.eager("auto", 6) and pace.eager("eager", 6) and not pace.eager("adaptive", 6)
+    pace.rows.extend([0.002] * 5)
+    pace.waits.extend([0.060, 0.200, 0.055])
+    assert not pace.eager("auto", 6)  # too few passes seen to judge
+    pace.waits.append(0.070)
+    assert pace.eager("auto", 6)
+    pace.waits.append(0.010)  # the least wait stands for the latency: one fast pass shows the ring is not bound
+    assert not pace.eager("auto", 6)
 
 
 def test_speculation_stats_count_batches_and_plain_steps() -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from kvasir.core.sampling import SamplingError, SamplingParams
-from kvasir.core.speculate import K_LIMIT
+from kvasir.core.speculate import DRAFT_POLICIES, K_LIMIT
 from kvasir.demo import default_model_path
 from kvasir.errors import InputError
 from kvasir.shard.cache import default_cache_dir, parse_splits
@@ -61,6 +61,14 @@ def add_speculate_arg(p: argparse.ArgumentParser, what: str) -> None:
         default=0,
         help=f"{what}: draft up to K tokens per step by prompt lookup, verified in one ring pass through every window "
         f"(0..{K_LIMIT}; default 0, plain steps; the answer is the same either way; docs/speculation.md)",
+    )
+    p.add_argument(
+        "--draft-policy",
+        choices=DRAFT_POLICIES,
+        default="auto",
+        help="how the last rank drafts for speculative requests: eagerly (guesses from single-token matches, K kept "
+        "high) when the ring's round trip outweighs the rows a wrong guess wastes, else adaptively (auto, the "
+        "default), or always one way; the answer is the same either way",
     )
 
 

@@ -251,6 +251,7 @@ async def serve_node(manifest: Manifest, rank: int, config: StageConfig, args: a
             link_wait=max(30.0, args.failover_wait + 5.0),
             standby=args.standby is not None,
             speculate=args.speculate,
+            draft_policy=args.draft_policy,
             batch=args.batch,
         )
         recorder = None
@@ -335,6 +336,7 @@ def enroll_config(args: argparse.Namespace) -> Any:
         node_options={
             "prefill_chunk": args.prefill_chunk,
             "speculate": args.speculate,
+            "draft_policy": args.draft_policy,
             "batch": args.batch,
             "boundary_dtype": BoundaryDType[args.boundary_dtype.upper()],
             "failover_wait": args.failover_wait,

@@ -137,6 +137,7 @@ def run_up(args: argparse.Namespace) -> int:
                 *(("--gpu-layers", str(args.gpu_layers)) if args.gpu_layers else ()),
                 *(("--record", str(args.record.resolve())) if args.record is not None else ()),
                 *(("--speculate", str(args.speculate)) if args.speculate else ()),
+                *(("--draft-policy", args.draft_policy) if args.draft_policy != "auto" else ()),
                 *(("--batch", str(args.batch)) if args.batch > 1 else ()),
             ),
         )

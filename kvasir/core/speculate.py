@@ -8,7 +8,7 @@ See docs/speculation.md.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 import numpy as np
@@ -23,6 +23,15 @@ K_LIMIT = 16
 #: Drafts in a request's first verify batch. A verify batch of n rows can cost nearly n one-token steps (small models
 #: on a CPU: docs/benchmarks.md), so a wrong first guess must be cheap; full acceptance grows K quickly.
 K_START = 1
+#: Eager drafting (a latency-bound ring: ``latency_bound``): n-grams down to a single token, and K back to its maximum
+#: after every fully accepted batch or plain step, never off. A wrong guess then costs a row of compute, where a ring
+#: pass costs many.
+EAGER_NGRAM_MIN = 1
+#: A ring is latency-bound when the least wait for a ring pass exceeds this many full verify batches of rows.
+EAGER_FACTOR = 2.0
+#: ``--draft-policy``: auto (eager when the ring is latency-bound, else adaptive), or either one always.
+DraftPolicy = Literal["auto", "adaptive", "eager"]
+DRAFT_POLICIES: tuple[DraftPolicy, ...] = ("auto", "adaptive", "eager")
 
 
 def draft_lookup(
@@ -66,12 +75,13 @@ class NgramIndex:
         for n in range(self.ngram_min, min(self.ngram_max, end) + 1):
             self._follows[tuple(self.history[end - n : end])] = end
 
-    def lookup(self, k: int) -> list[int]:
-        """:func:`draft_lookup` (history, k) with this index's n-gram bounds."""
+    def lookup(self, k: int, ngram_min: int | None = None) -> list[int]:
+        """:func:`draft_lookup` (history, k) with this index's n-gram bounds (``ngram_min`` may narrow them)."""
         h = self.history
         if k <= 0 or len(h) < 2:
             return []
-        for n in range(min(self.ngram_max, len(h) - 1), self.ngram_min - 1, -1):
+        n_min = self.ngram_min if ngram_min is None else max(self.ngram_min, ngram_min)
+        for n in range(min(self.ngram_max, len(h) - 1), n_min - 1, -1):
             start = self._follows.get(tuple(h[len(h) - n :]))
             if start is not None:
                 return h[start : start + k]
@@ -96,6 +106,20 @@ def adapt_k(k: int, drafted: int, accepted: int, k_max: int) -> int:
     return max(1, min(k - 1, accepted + 1))
 
 
+def eager_k(drafted: int, accepted: int, k_max: int) -> int:
+    """The next draft budget when drafting eagerly: the maximum after a fully accepted batch or a step without drafts,
+    else two more than were accepted (a partial match often goes on after a correction)."""
+    return k_max if drafted == 0 or accepted >= drafted else min(k_max, accepted + 2)
+
+
+def latency_bound(wait_s: float, row_s: float, k_max: int) -> bool:
+    """Whether a ring should draft eagerly: the least time a step took to come back round (``wait_s``: from sending
+    it to its first row arriving at the last rank) exceeds ``EAGER_FACTOR`` verify batches of ``k_max`` rejected rows
+    at ``row_s`` each (the last rank's compute per row, standing for a window's). There a ring pass saved by a right
+    guess outweighs the rows a wrong one wastes; on a compute-bound ring (loopback, one machine) it does not."""
+    return wait_s > EAGER_FACTOR * k_max * row_s
+
+
 def resume_k(shadow: Sequence[int], sampled: int, k_max: int) -> int:
     """While drafting is off (k = 0): the draft a step would have made (``shadow``, one token, looked up as usual
     but not verified) and the token the step sampled. A right guess turns drafting back on at 1, so text where drafts
@@ -111,19 +135,23 @@ class SpeculationStats:
     drafted: int = 0
     accepted: int = 0
     plain_steps: int = 0
+    #: Steps drafted eagerly (``latency_bound``).
+    eager_steps: int = 0
 
     @property
     def acceptance(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
 
-    def after(self, drafted: int, accepted: int) -> SpeculationStats:
+    def after(self, drafted: int, accepted: int, *, eager: bool = False) -> SpeculationStats:
+        eager_steps = self.eager_steps + eager
         if drafted == 0:
-            return attrs.evolve(self, plain_steps=self.plain_steps + 1)
+            return attrs.evolve(self, plain_steps=self.plain_steps + 1, eager_steps=eager_steps)
         return attrs.evolve(
             self,
             verify_batches=self.verify_batches + 1,
             drafted=self.drafted + drafted,
             accepted=self.accepted + accepted,
+            eager_steps=eager_steps,
         )
 
     def to_json(self) -> dict[str, int | float]:
@@ -183,24 +211,33 @@ class Drafter:
     stats: SpeculationStats = attrs.field(factory=SpeculationStats)
     #: While drafting is off: the guess the step in flight would have drafted (``resume_k``).
     shadow: list[int] = attrs.field(factory=list)
+    #: Whether the step in flight was drafted eagerly (``drafts(eager=True)``).
+    eager: bool = False
 
     @classmethod
     def for_prompt(cls, prompt: Sequence[int], k_max: int) -> Drafter:
-        return cls(k_max=k_max, k=initial_k(k_max), index=NgramIndex(list(prompt)))
+        index = NgramIndex(list(prompt), ngram_min=min(EAGER_NGRAM_MIN, NGRAM_MIN))
+        return cls(k_max=k_max, k=initial_k(k_max), index=index)
 
     def emitted(self, token: int) -> None:
         self.index.append(token)
 
     def verified(self, drafted: int, accepted: int, sampled: int) -> None:
         """A step with ``drafted`` drafts kept ``accepted`` of them and sampled ``sampled`` first: count it, adapt K."""
-        self.stats = self.stats.after(drafted, accepted)
-        if self.k == 0:
+        self.stats = self.stats.after(drafted, accepted, eager=self.eager)
+        if self.eager:
+            self.k = eager_k(drafted, accepted, self.k_max)
+        elif self.k == 0:
             self.k = resume_k(self.shadow, sampled, self.k_max)
         else:
             self.k = adapt_k(self.k, drafted, accepted, self.k_max)
 
-    def drafts(self, may_emit: int) -> list[int]:
-        """Drafts for the next step when at most ``may_emit`` more tokens may be emitted (drafts + one sample)."""
+    def drafts(self, may_emit: int, *, eager: bool = False) -> list[int]:
+        """Drafts for the next step when at most ``may_emit`` more tokens may be emitted (drafts + one sample);
+        ``eager``: the ring is latency-bound (``latency_bound``), draft as much as can be guessed."""
+        self.eager = eager and self.k_max > 0
+        if self.eager and self.k == 0:
+            self.k = self.k_max  # drafting was off: a latency-bound ring turns it back on at once
         # The shadow: only while drafting is off (k = 0), the one-token guess resume_k checks after the step.
-        self.shadow = self.index.lookup(1) if self.k == 0 and self.k_max > 0 else []
-        return self.index.lookup(min(self.k, may_emit - 1))
+        self.shadow = self.index.lookup(1, NGRAM_MIN) if self.k == 0 and self.k_max > 0 else []
+        return self.index.lookup(min(self.k, may_emit - 1), EAGER_NGRAM_MIN if self.eager else NGRAM_MIN)

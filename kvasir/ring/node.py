@@ -32,7 +32,7 @@ import trio
 from kvasir.core.identity import Identity
 from kvasir.core.sampling import MAX_SEED
 from kvasir.core.schedule import PREFILL_CHUNK
-from kvasir.core.speculate import Drafter, RowSampler
+from kvasir.core.speculate import Drafter, DraftPolicy, RowSampler
 from kvasir.core.stops import find_stop
 from kvasir.errors import InputError, InvalidRequest, KvasirError, ProtocolError, RequestRefused, RingError
 from kvasir.ring.batching import DecodeBatcher, DecodeStep, batchable, compute_batch
@@ -53,7 +53,7 @@ from kvasir.ring.requests import (
     uses_penalties,
 )
 from kvasir.ring.secure import Credentials, PeerPolicy
-from kvasir.ring.speculation import RowFate, VerifyBatch, row_fate, window_step
+from kvasir.ring.speculation import RingPace, RowFate, VerifyBatch, row_fate, window_step
 from kvasir.ring.status import FailoverStatus, MarketWindow, NodeStatus, RankStatus, RequestCounters
 from kvasir.stage.vocab import TextStream
 from kvasir.wire import (
@@ -124,6 +124,8 @@ class NodeConfig:
     #: Speculative decoding for requests entering here that do not say: up to K prompt-lookup drafts per step
     #: (0: plain one-token steps). The request's START carries its K; the last rank drafts (docs/speculation.md).
     speculate: int = 0
+    #: How the last rank drafts: eagerly on a latency-bound ring ("auto"), or always one way (docs/speculation.md).
+    draft_policy: DraftPolicy = "auto"
     #: Batched decode (kvasir.ring.batching): up to this many requests' decode steps in one llama_decode. 1 (the
     #: default) keeps one sequence per decode, bit-exact against ``generate``; more trades exactness for throughput.
     batch: int = 1
@@ -219,6 +221,7 @@ class Node:
         self.failover = FailoverStatus()
         self.batcher = DecodeBatcher(config.batch, self._decode_batch) if config.batch > 1 else None
         self._terminal: deque[tuple[float, Frame]] = deque(maxlen=TERMINAL_MEMORY)
+        self._pace = RingPace()  # last rank: the ring's pace, for the drafting policy
         #: Link generations: a failover timer acts only if no newer link came (and went) since it started.
         self._pred_gen = self._succ_gen = 0
         self._succ_lost_at: float | None = None
@@ -589,6 +592,9 @@ class Node:
             return
         # A decode step passes (a verify batch's rows after row 0 show nothing new).
         step = frame.first_position >= state.prompt_len and frame.latest_token >= 0 and frame.row == 0
+        if step and state.step_sent_at is not None:  # last rank: the step it sent is back round
+            self._pace.waits.append(trio.current_time() - state.step_sent_at)
+            state.step_sent_at = None
         try:
             await self._boundary_step(state, frame)
         finally:
@@ -677,7 +683,11 @@ class Node:
         async with state.lock:
             if state.done:
                 return None
-            return await self.stage.run(forward_and_sample)
+            t0 = trio.current_time()
+            tokens = await self.stage.run(forward_and_sample)
+            if state.drafter is not None and frame.first_position >= state.prompt_len:
+                self._pace.rows.append(trio.current_time() - t0)
+            return tokens
 
     async def _after_sample(self, state: RequestState, tokens: Sequence[int], drafted: int, *, step: bool) -> None:
         """Last rank: emit a step's sampled tokens (one, or a verify batch's accepted drafts and one more) in
@@ -688,7 +698,9 @@ class Node:
         assert state.text_stream is not None
         if state.drafter is not None and step:  # a decode step (the prefill's sample is no step: as in generate)
             state.drafter.verified(drafted, len(tokens) - 1, tokens[0])
-            self.requests.speculation = self.requests.speculation.after(drafted, len(tokens) - 1)
+            self.requests.speculation = self.requests.speculation.after(
+                drafted, len(tokens) - 1, eager=state.drafter.eager
+            )
         first = state.generated
 
         def see() -> None:  # streamed and published once the step is on its way (as in _on_boundary)
@@ -714,10 +726,13 @@ class Node:
                 return
         drafts: list[int] = []
         if state.drafter is not None:
-            drafts = state.drafter.drafts(start.max_tokens - state.generated)
+            eager = self._pace.eager(self.config.draft_policy, state.drafter.k_max)
+            drafts = state.drafter.drafts(start.max_tokens - state.generated, eager=eager)
         position = state.prompt_len + state.generated - 1
         try:
             await self._send_data(state, Token(start.request_id, position, tokens[-1], tuple(drafts)))
+            if state.drafter is not None:
+                state.step_sent_at = trio.current_time()
         finally:
             see()
 

@@ -145,8 +145,10 @@ class RequestState:
     cache: CacheEnd = attrs.field(factory=CacheEnd)
     trail: TokenTrail = attrs.field(factory=TokenTrail)
     drafter: Drafter | None = None
-    #: Last rank: the verify batch whose rows are arriving (the last one begun).
+    #: Last rank: the verify batch whose rows are arriving (the last one begun), and when the step now going round
+    #: was sent (trio's clock; for the drafting policy's RingPace).
     verifying: VerifyBatch | None = None
+    step_sent_at: float | None = None
 
     @property
     def request_id(self) -> int:
@@ -244,7 +246,7 @@ class RequestTable:
         s = self.speculation
         return RequestCounters(
             len(self._states), self._seqs.free, self.requests, self.tokens, self.boundaries, self.errors,
-            s.verify_batches, s.drafted, s.accepted,
+            s.verify_batches, s.drafted, s.accepted, eager_steps=s.eager_steps,
         )  # fmt: skip
 
     def register(

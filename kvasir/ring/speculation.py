@@ -22,12 +22,14 @@ rebuilds a replacement's cache with the same rows and the same truncations in th
 from __future__ import annotations
 
 import enum
+import statistics
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
 import attrs
 
-from kvasir.core.speculate import RowSampler
+from kvasir.core.speculate import DraftPolicy, RowSampler, latency_bound
 from kvasir.ring.compute import RingStage
 
 
@@ -92,6 +94,28 @@ def row_fate(batch: VerifyBatch | None, position: int, row: int) -> RowFate:
     if batch.closed:
         return RowFate.STALE
     return RowFate.NEXT if row == len(batch.rows.tokens) else RowFate.UNEXPECTED
+
+
+#: Ring passes and rows the last rank remembers for its drafting policy, and the passes it needs before it judges.
+PACE_SAMPLES = 32
+PACE_MIN_PASSES = 4
+
+
+@attrs.define
+class RingPace:
+    """Last rank: how long its steps take to come back round (from sending a TOKEN to the step's first row arriving)
+    and what a decode row costs here: what ``--draft-policy auto`` decides by (:func:`latency_bound`). The least wait
+    stands for the ring's latency: rows a wrong guess wasted only ever add to a wait."""
+
+    waits: deque[float] = attrs.field(factory=lambda: deque(maxlen=PACE_SAMPLES))
+    rows: deque[float] = attrs.field(factory=lambda: deque(maxlen=PACE_SAMPLES))
+
+    def eager(self, policy: DraftPolicy, k_max: int) -> bool:
+        if policy != "auto":
+            return policy == "eager"
+        if len(self.waits) < PACE_MIN_PASSES or not self.rows:
+            return False
+        return latency_bound(min(self.waits), statistics.median(self.rows), k_max)
 
 
 @attrs.define

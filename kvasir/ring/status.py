@@ -134,6 +134,8 @@ class RequestCounters:
     #: Batched decode (``--batch N``): batches of decode steps run, and the steps in them.
     decode_batches: int = 0
     batched_steps: int = 0
+    #: Speculative steps the last rank drafted eagerly (``--draft-policy``, docs/speculation.md).
+    eager_steps: int = 0
 
     def to_wire(self) -> Json:
         return attrs.asdict(self)
