@@ -3,12 +3,12 @@
 costs; ``--split even`` for equal layer counts).
 
 Per model (Gemma 3 270M, SmolLM2-135M-Instruct, and a tiny random 8-layer llama whose compute is small next to the
-ring's per-step costs), one
-ring; each request asks its K through the control socket (0 = the plain ring), plain and speculative requests
-interleaved, ``--repeats`` of each. Text kinds: self-repeating (greedy; drafts mostly accepted) and "drafts fail"
-(sampled at T=1 with a fixed seed: drafts proposed from repeated n-grams and mostly rejected). Per kind: median
-tokens/s with min–max, the per-repeat ratio's median and min–max, acceptance (the last rank's counters) and whether
-every speculative answer equals the plain one. Then what a verify batch costs the whole model in one process
+ring's per-step costs), one ring; each request asks its K through the control socket (0 = the plain ring), plain and
+speculative requests interleaved, ``--repeats`` of each; the nodes draft by ``--draft-policy`` (auto: eagerly on a
+latency-bound ring). Text kinds: self-repeating (greedy; drafts mostly accepted) and "drafts fail" (sampled at T=1
+with a fixed seed: drafts proposed from repeated n-grams and mostly rejected). Per kind: median tokens/s with
+min–max, the per-repeat ratio's median and min–max, acceptance and eager steps (the last rank's counters) and
+whether every speculative answer equals the plain one. Then what a verify batch costs the whole model in one process
 (1 row; n rows one at a time, as a verify batch runs them; n rows in one llama_decode).
 
     python3 bench/ring_speculate.py [--models gemma,smol,tiny] [--stages 3] [--k 6] [--tokens 96] [--repeats 5]
@@ -29,6 +29,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvasir.control.client import ControlClient
+from kvasir.core.speculate import DRAFT_POLICIES
 from kvasir.demo import chat_model_path, demo_model_path
 from kvasir.local.balance import SPLIT_MODES, split_windows
 from kvasir.local.launcher import start_ring
@@ -89,14 +90,17 @@ def bench_ring(table: Table, name: str, model: Path, args: argparse.Namespace, c
     # ring up's split (balanced by measured stage costs unless --split even): the ring a user gets.
     windows = split_windows(model, cache, args.stages, split=args.split, threads=args.threads)
     table.caption = (table.caption or "") + f"{name}: layers {' '.join(f'{a}:{b}' for a, b in windows)}  "
+    policy = ("--draft-policy", args.draft_policy)
     with contextlib.ExitStack() as stack:
         if args.fleet is None:
-            ring = start_ring(model, windows, cache, threads=args.threads, ctx=1024)
+            ring = start_ring(model, windows, cache, threads=args.threads, ctx=1024, extra_args=policy)
         else:  # each node in its own network namespace behind an emulated access link (kvasir/testing/fleet.py)
             run_dir = Path(tempfile.mkdtemp(prefix="kvasir-spec-fleet-"))
             nodes = [FleetNode(f"n{k}", "cpu", PROFILES[args.fleet]) for k in range(len(windows))]
             f = stack.enter_context(fleet(nodes, run_dir))
-            ring = start_fleet_ring(f, model, windows, cache, run_dir, threads=args.threads, ctx=1024)
+            ring = start_fleet_ring(
+                f, model, windows, cache, run_dir, threads=args.threads, ctx=1024, extra_args=policy
+            )
         stack.callback(ring.stop)
         ring.wait_ready(timeout=300)
         first, last = ring.sockets[0], ring.sockets[-1]
@@ -117,6 +121,7 @@ def bench_ring(table: Table, name: str, model: Path, args: argparse.Namespace, c
             drafted = after["drafted"] - before["drafted"]
             accepted = after["accepted"] - before["accepted"]
             batches = after["verify_batches"] - before["verify_batches"]
+            eager = after["eager_steps"] - before["eager_steps"]
             ratios = [s / p for s, p in zip(spec, plain, strict=True) if p > 0]
             table.add_row(
                 name,
@@ -126,6 +131,7 @@ def bench_ring(table: Table, name: str, model: Path, args: argparse.Namespace, c
                 spread(ratios, "{:.2f}x") if ratios else "-",
                 f"{accepted}/{drafted} ({accepted / drafted:.0%})" if drafted else "no drafts",
                 str(batches),
+                str(eager),
                 "yes" if same else "NO",
             )
 
@@ -167,6 +173,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="threads per node process")
+    ap.add_argument("--draft-policy", choices=DRAFT_POLICIES, default="auto", help="the nodes' drafting policy")
     ap.add_argument("--split", choices=SPLIT_MODES, default="balanced", help="how the layers are split (as ring up)")
     ap.add_argument(
         "--fleet",
@@ -185,7 +192,8 @@ def main() -> None:
         f"({args.threads} thread(s) each), {args.tokens} tokens, "
         f"--speculate {args.k} vs 0, {args.repeats} interleaved repeats: median (min–max)"
     )
-    cols = ("model", "text", "plain tok/s", f"K={args.k} tok/s", "ratio", "acceptance", "verify batches", "same")
+    cols = ("model", "text", "plain tok/s", f"K={args.k} tok/s", "ratio", "acceptance", "verify batches")
+    cols += ("eager steps", "same")
     for col in cols:
         table.add_column(col, justify="right")
     cost = Table(title=f"one step of the whole model in one process, {args.threads} thread(s): ms, median (min–max)")

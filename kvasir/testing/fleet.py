@@ -340,9 +340,11 @@ def start_fleet_ring(
     threads: int = 1,
     ctx: int = 512,
     seqs: int = 1,
+    extra_args: Sequence[str] = (),
 ) -> LocalRing:
     """One ``kvasir node`` per window, rank k on fleet node k, as :func:`kvasir.local.launcher.start_ring` does on
-    loopback (same manifest, same command line), each node listening on its own namespace's address."""
+    loopback (same manifest, same command line, ``extra_args`` appended), each node listening on its own namespace's
+    address."""
     if len(windows) != len(f.nodes):
         raise FleetError(f"{len(windows)} windows for {len(f.nodes)} fleet nodes")
     paths = stage_files(model, windows, cache_dir)
@@ -362,7 +364,7 @@ def start_fleet_ring(
         sock = run_dir / f"rank{k}.sock"
         cmd = [
             sys.executable, "-m", "kvasir", "node", "--manifest", str(manifest_path), "--rank", str(k),
-            "--control", str(sock), "--ctx", str(ctx), "--seqs", str(seqs), "--threads", str(threads),
+            "--control", str(sock), "--ctx", str(ctx), "--seqs", str(seqs), "--threads", str(threads), *extra_args,
         ]  # fmt: skip
         procs.append(f.spawn(k, cmd, run_dir / f"rank{k}.log", env))
         socks.append(sock)
