@@ -192,7 +192,15 @@ def main() -> None:
         f"({args.threads} thread(s) each), {args.tokens} tokens, "
         f"--speculate {args.k} vs 0, {args.repeats} interleaved repeats: median (min–max)"
     )
-    cols = ("model", "text", "plain tok/s", f"K={args.k} tok/s", "ratio", "acceptance", "verify batches")
+    cols: tuple[str, ...] = (
+        "model",
+        "text",
+        "plain tok/s",
+        f"K={args.k} tok/s",
+        "ratio",
+        "acceptance",
+        "verify batches",
+    )
     cols += ("eager steps", "same")
     for col in cols:
         table.add_column(col, justify="right")

@@ -20,6 +20,11 @@ from tests.test_speculate import REPEATING, STORY
 SEEDED = {"temperature": 0.8, "seed": 11}
 
 
+#: The schedule generate drafts by: a ring on loopback drafts so by itself (auto), but a loaded machine could make a
+#: ring look latency-bound, and these tests compare verify batches too.
+ADAPTIVE = ("--draft-policy", "adaptive")
+
+
 def test_gemma_ring_equals_generate_speculate(gemma_path: Path, cache_dir: Path) -> None:
     with Stage.load(StageConfig(gemma_path, n_ctx=512, n_seq_max=1, n_threads=2)) as stage:
         pipe = LocalPipeline([stage])
@@ -34,7 +39,9 @@ def test_gemma_ring_equals_generate_speculate(gemma_path: Path, cache_dir: Path)
     assert want.speculation is not None and want.speculation.accepted >= 20  # the drafts really are verified
     # Verify rows are computed as plain steps: speculation changes no answer, greedy or sampled.
     assert want.tokens == plain.tokens and want_seeded.tokens == plain_seeded.tokens
-    with running_ring(gemma_path, [(0, 6), (6, 12), (12, 18)], cache_dir, extra_args=("--speculate", "4")) as ring:
+    with running_ring(
+        gemma_path, [(0, 6), (6, 12), (12, 18)], cache_dir, extra_args=("--speculate", "4", *ADAPTIVE)
+    ) as ring:
         last = ring.sockets[-1]
         for entry in (0, 1, 2):
             with ControlClient(last) as c:
@@ -68,7 +75,11 @@ def test_ring_up_speculate_matches_generate(tiny_model: Callable[..., Path], cac
     want = run_cli("generate", str(model), *common, "--speculate", "3")
     assert want.returncode == 0, want.stderr
     assert json.loads(want.stdout)["speculation"]["verify_batches"] > 0  # this prompt's drafts are verified
-    got = run_cli("ring", "up", str(model), "--splits", "0,3,6", *common, "--speculate", "3", timeout=300)
+    # Drafting eagerly (generate drafts adaptively): another schedule, the same answer.
+    spec = ("--speculate", "3", "--draft-policy", "eager")
+    got = run_cli("ring", "up", str(model), "--splits", "0,3,6", *common, *spec, timeout=300)
     assert got.returncode == 0, got.stderr
     assert json.loads(got.stdout)["tokens"] == json.loads(want.stdout)["tokens"]
     assert run_cli("ring", "up", "--speculate", "99", str(model), "--prompt", "x").returncode != 0
+    bad = run_cli("ring", "up", "--draft-policy", "sometimes", str(model), "--prompt", "x")
+    assert bad.returncode != 0 and "invalid choice: 'sometimes'" in bad.stderr

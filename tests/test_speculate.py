@@ -83,6 +83,9 @@ def test_the_ngram_index_answers_as_the_lookup_does(history: list[int], k: int, 
     index = NgramIndex(history[:split], ngram_max=ngram_max, ngram_min=ngram_min)
     for i in range(split, len(history) + 1):
         assert index.lookup(k) == draft_lookup(history[:i], k, ngram_max=ngram_max, ngram_min=ngram_min)
+        # A lookup may narrow the bounds (the drafter indexes single tokens and looks up pairs when not eager).
+        narrow = ngram_min + 1
+        assert index.lookup(k, narrow) == draft_lookup(history[:i], k, ngram_max=ngram_max, ngram_min=narrow)
         if i < len(history):
             index.append(history[i])
 
