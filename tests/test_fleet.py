@@ -115,3 +115,35 @@ def test_shaped_link_delays_every_hop_and_keeps_tokens(
     assert plain_ms < delay, f"the unshaped fleet already takes {plain_ms:.1f} ms/token"
     assert len(ids) == 16
     assert (ids, text) == (plain_ids, plain_text)
+
+
+def _generate(sock: Path, prompt: str, tokens: int, speculate: int) -> list[int]:
+    with ControlClient(sock, timeout=120) as c:
+        msgs = c.generate(prompt=prompt, max_tokens=tokens, temperature=0.0, speculate=speculate)
+        return [m["token"] for m in msgs if m["type"] == "token" and m["token"] >= 0]
+
+
+@pytest.mark.slow
+def test_a_speculative_ring_over_a_slow_link_drafts_eagerly(
+    tiny_model: Callable[..., Path], cache_dir: Path, tmp_path: Path
+) -> None:
+    """Real nodes, a real 10 ms access link: a step takes over 20 ms to come back round the ring, a tiny model's
+    row well under a millisecond, so the last rank's auto policy (the default) drafts eagerly, by its own timing.
+    The answer is the plain ring's."""
+    why = unavailable()
+    if why:
+        pytest.skip(f"fleet emulation unavailable: {why}")
+    model = tiny_model("llama", n_layer=4)
+    prompt = "one two three four one two three four one two three four one two three"
+    nodes = [FleetNode("a", "cpu", PROFILES["none"]), FleetNode("b", "cpu", LinkProfile("test", 10.0))]
+    with fleet(nodes, tmp_path) as f:
+        ring = start_fleet_ring(f, model, [(0, 2), (2, 4)], cache_dir, tmp_path)
+        ring.wait_ready(timeout=120)
+        plain = _generate(ring.sockets[0], prompt, 24, 0)
+        spec = _generate(ring.sockets[0], prompt, 24, 4)
+        with ControlClient(ring.sockets[1], timeout=30) as c:
+            counters = c.status()["requests"]
+        tag = f.tag
+    assert leftovers(tag) == []
+    assert len(plain) == 24 and spec == plain
+    assert counters["eager_steps"] > 0, counters
