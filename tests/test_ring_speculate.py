@@ -63,7 +63,14 @@ def test_gemma_ring_equals_generate_speculate(gemma_path: Path, cache_dir: Path)
             before = c.status()["requests"]
         assert ring_generate(ring.sockets[2], REPEATING, 40, speculate=0)["tokens"] == plain.tokens
         with ControlClient(last) as c:
-            assert c.status()["requests"]["verify_batches"] == before["verify_batches"]
+            counters = c.status()["requests"]
+            assert counters["verify_batches"] == before["verify_batches"]
+        # `kvasir status` at the last rank says what speculation did; adaptive drafting: no eager step.
+        shown = run_cli("status", "--socket", str(last))
+        assert shown.returncode == 0, shown.stderr
+        accepted, drafted = counters["accepted"], counters["drafted"]
+        assert f"speculation: {counters['verify_batches']} verify batches · {accepted}/{drafted}" in shown.stdout
+        assert "· 0 steps drafted eagerly" in shown.stdout
 
 
 def test_ring_up_speculate_matches_generate(tiny_model: Callable[..., Path], cache_dir: Path) -> None:

@@ -94,6 +94,10 @@ def test_node_panel_shows_where_the_time_went() -> None:
     busy = {**_status(2.0, 5), "busy_s": 12.34, "handoff_s": 0.56, "send_s": 0.25}
     model.apply({"type": "status", "status": busy})
     assert "compute 12.3 s · worker hand-off 0.6 s · link sends 0.2 s" in str(render_node(model))
+    assert "speculation" not in str(render_node(model))  # no verify batch yet: no row
+    spec = {**busy, "requests": {"verify_batches": 7, "drafted": 20, "accepted": 15, "eager_steps": 3}}
+    model.apply({"type": "status", "status": spec})
+    assert "7 verify batches · 15/20 drafts accepted (75%) · 3 steps drafted eagerly" in str(render_node(model))
 
 
 def test_token_events_and_sanitize() -> None:

@@ -11,6 +11,7 @@ from textual.containers import Horizontal
 from textual.widget import Widget
 from textual.widgets import Label, Sparkline, Static
 
+from kvasir.ring.status import speculation_line
 from kvasir.tui.model import LinkView, NodeModel, RequestView, Segment, human_bytes, sanitize
 
 #: Holder colours, in order of first appearance on the map (uncovered layers are drawn apart, in red hatching).
@@ -263,6 +264,8 @@ def render_node(model: NodeModel) -> Text:
                 f" · link sends {st.get('send_s', 0.0):.1f} s",
             )
         )
+    if req.get("verify_batches") or req.get("eager_steps"):  # the last rank of a ring that speculates
+        rows.append(("speculation", speculation_line(req)))
     fo = st.get("failover") or {}
     if fo.get("replays"):  # shown once this node has replayed requests into a successor that came back
         window = fo.get("last_window") or ("?", "?")

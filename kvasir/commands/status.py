@@ -13,6 +13,7 @@ from rich.table import Table
 from kvasir.commands.common import print_json
 from kvasir.control.client import ControlClient
 from kvasir.control.paths import find_socket
+from kvasir.ring.status import speculation_line
 
 
 def add_parser(sub: Any) -> None:
@@ -56,6 +57,9 @@ def run(args: argparse.Namespace) -> int:
         soft_wrap=True,
     )
     c.print(time_line(st), markup=False, soft_wrap=True)
+    req = st.get("requests") or {}
+    if req.get("verify_batches") or req.get("eager_steps"):
+        c.print(f"speculation: {speculation_line(req)}", markup=False, soft_wrap=True)
     c.print(failover_line(st.get("failover") or {}), markup=False, soft_wrap=True)
     return 0
 

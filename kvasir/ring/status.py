@@ -311,3 +311,13 @@ class NodeStatus:
             market=None if market is None else tuple(MarketWindow.from_wire(w) for w in market),
             failover=FailoverStatus.from_wire(obj.get("failover") or {}),
         )
+
+
+def speculation_line(req: Mapping[str, Any]) -> str:
+    """The last rank's speculation counters (docs/speculation.md): verify batches, drafts accepted, eager steps."""
+    drafted, accepted = int(req.get("drafted") or 0), int(req.get("accepted") or 0)
+    share = f" ({accepted / drafted:.0%})" if drafted else ""
+    return (
+        f"{req.get('verify_batches', 0)} verify batches · {accepted}/{drafted} drafts accepted{share}"
+        f" · {req.get('eager_steps', 0)} steps drafted eagerly"
+    )
