@@ -21,7 +21,7 @@ import trio.testing
 from kvasir.core.speculate import Drafter, RowSampler
 from kvasir.ring.node import Node
 from kvasir.ring.requests import EndEvent, TokenEvent
-from kvasir.ring.speculation import CacheEnd, TokenTrail
+from kvasir.ring.speculation import CacheEnd, RowFate, TokenTrail, VerifyBatch, row_fate
 from kvasir.stage.pipeline import LocalPipeline
 from kvasir.testing.fakestage import FakeStage, MemoryNetwork, expected_tokens, fake_ring
 from kvasir.wire import SamplingParams
@@ -204,6 +204,21 @@ async def test_a_latency_bound_ring_drafts_eagerly(autojump_clock: trio.testing.
         stages = [FakeStage(a, b, WINDOWS[-1][1], period=PERIOD) for a, b in WINDOWS]
         adaptive = LocalPipeline(stages).generate(PROMPT, GREEDY, 40, speculate=4)  # type: ignore[arg-type]
         assert adaptive.speculation is not None and counters.drafted > adaptive.speculation.drafted
+
+
+def test_the_fate_of_a_verify_row_at_the_last_rank() -> None:
+    """Row 0 opens a batch; the next row in order is computed; rows behind a rejected draft are stale; a gap, or a
+    row of a batch this node never opened, is a misbehaving predecessor."""
+    samples = iter([7, 5])
+    batch = VerifyBatch(10, RowSampler(lambda: next(samples), [7, 8, 9]))
+    assert row_fate(None, 10, 0) is RowFate.START and row_fate(None, 10, 1) is RowFate.UNEXPECTED
+    assert row_fate(batch, 10, 1) is RowFate.UNEXPECTED  # row 0 not sampled yet: row 1 is a gap
+    assert batch.sample(0) is None  # 7 == the first draft: the batch goes on
+    assert row_fate(batch, 10, 1) is RowFate.NEXT and row_fate(batch, 10, 2) is RowFate.UNEXPECTED
+    assert row_fate(batch, 11, 1) is RowFate.UNEXPECTED  # another batch's row
+    assert batch.sample(1) == [7, 5]  # 5 != 8: rejected, the batch closes with its tokens
+    assert row_fate(batch, 10, 2) is RowFate.STALE and row_fate(batch, 10, 3) is RowFate.STALE
+    assert row_fate(batch, 12, 0) is RowFate.START
 
 
 def test_row_sampler_accepts_while_equal_to_the_drafts() -> None:
