@@ -22,7 +22,7 @@ from kvasir.ring.node import Node, NodeConfig, open_node
 from kvasir.ring.requests import EndEvent
 from kvasir.shard.cache import model_sha256, stage_files
 from kvasir.stage.engine import Stage, StageConfig
-from kvasir.wire import Boundary, Error, ErrorCode, Hello, SamplingParams, Side, StartRequest
+from kvasir.wire import Boundary, Error, ErrorCode, Hello, SamplingParams, Side, StartRequest, Token
 
 WINDOWS = [(0, 3), (3, 6)]
 GREEDY = SamplingParams(temperature=0.0)
@@ -213,6 +213,34 @@ async def test_a_token_outside_the_vocabulary_fails_the_request_not_the_node(
             assert frame.request_id == rid and frame.code == ErrorCode.BAD_REQUEST
             assert node.status().requests.in_flight == 0
             assert node.status().requests.free_sequences == 2
+
+
+async def test_a_verify_row_out_of_order_fails_the_request_not_the_node(
+    tiny_model: Callable[..., Path], cache_dir: Path
+) -> None:
+    """A faulty predecessor sends the last rank row 2 of a verify batch it never began: that request fails with
+    BAD_REQUEST on its way round, its sequence is freed, and the node goes on serving the next request."""
+    with trio.fail_after(60):
+        async with node_between_fakes(tiny_model("llama", "f32"), cache_dir, link_wait=5.0) as (node, up, down):
+
+            async def sampled(rid: int) -> Token:
+                await up.send(StartRequest(rid, (1, 2, 3), 8, 0, "peer", GREEDY, speculate=2))
+                await up.send(Boundary.from_array(rid, 0, np.zeros((3, 64), np.float32), final=True))
+                while not isinstance(frame := await down.receive(), Token):
+                    pass
+                return frame
+
+            first = await sampled(0x51)
+            row = Boundary.from_array(
+                0x51, first.position, np.zeros((1, 64), np.float32), final=True, latest_token=5, drafts=(6, 7), row=2
+            )
+            await up.send(row)
+            while not isinstance(frame := await down.receive(), Error):
+                pass
+            assert frame.request_id == 0x51 and frame.code == ErrorCode.BAD_REQUEST
+            assert "verify row 2" in frame.message
+            assert node.status().requests.in_flight == 0 and node.status().requests.free_sequences == 2
+            assert (await sampled(0x52)).request_id == 0x52  # the next request is served
 
 
 @pytest.mark.parametrize(
