@@ -6,18 +6,27 @@ entry node; ``--speculate 0`` and a request asking K=0 are the plain ring. Fast 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 
+import attrs
+
 from kvasir.control.client import ControlClient
+from kvasir.core.identity import Identity
+from kvasir.shard.cache import stage_files
 from kvasir.stage.engine import Stage, StageConfig
 from kvasir.stage.pipeline import LocalPipeline
+from kvasir.verify.audit import WindowLog, audit_window, read_json
+from kvasir.verify.commit import NO_TOKEN, chain_head, skip_hash
+from kvasir.verify.select import key_commitment, reveal
 from kvasir.wire import SamplingParams
 from tests.conftest import run_cli
 from tests.ringutil import ring_generate, running_ring
 from tests.test_speculate import REPEATING, STORY
 
 SEEDED = {"temperature": 0.8, "seed": 11}
+KEY = bytes(range(32))  # the auditor's key: with a fraction of 1.0 it selects every log
 
 
 #: The schedule generate drafts by: a ring on loopback drafts so by itself (auto), but a loaded machine could make a
@@ -90,3 +99,63 @@ def test_ring_up_speculate_matches_generate(tiny_model: Callable[..., Path], cac
     assert run_cli("ring", "up", "--speculate", "99", str(model), "--prompt", "x").returncode != 0
     bad = run_cli("ring", "up", "--draft-policy", "sometimes", str(model), "--prompt", "x")
     assert bad.returncode != 0 and "invalid choice: 'sometimes'" in bad.stderr
+
+
+def test_a_recording_speculative_ring_audits_and_a_false_skip_is_caught(
+    gemma_path: Path, cache_dir: Path, tmp_path: Path
+) -> None:
+    """Real Gemma windows in node processes with ``--speculate 4 --record DIR``: answers stay generate's; every
+    window's receipt of every request links to its predecessor's and re-executes to the same bytes (verify rows,
+    rollbacks and the last rank's skipped stale rows included); a receipt that claims a skip where the next step does
+    not roll it back fails its audit at that step."""
+    windows = [(0, 6), (6, 12), (12, 18)]
+    requests = [(0, REPEATING, 40, {}), (1, REPEATING, 32, SEEDED), (2, STORY, 24, {})]
+    with Stage.load(StageConfig(gemma_path, n_ctx=512, n_seq_max=1, n_threads=2)) as stage:
+        pipe = LocalPipeline([stage])
+        want = [
+            pipe.generate(stage.vocab.tokenize(text), SamplingParams.GREEDY.with_fields(params), n).tokens
+            for _, text, n, params in requests
+        ]
+    record = tmp_path / "record"
+    extra = ("--speculate", "4", *ADAPTIVE, "--record", str(record))
+    with running_ring(gemma_path, windows, cache_dir, extra_args=extra) as ring:
+        got = [ring_generate(ring.sockets[e], text, n, **params)["tokens"] for e, text, n, params in requests]
+        deadline = time.monotonic() + 30
+        while len(list((record / "receipts").glob("*.json"))) < 9 and time.monotonic() < deadline:
+            time.sleep(0.1)
+    assert got == want  # recording a speculative request changes no answer
+    done = reveal(record, KEY, 1.0, commitment=key_commitment(KEY))
+    assert len(done.selected) == 9 and done.linked == 6 and not done.broken_links
+    logs = [WindowLog.from_wire(read_json(p)) for p in done.selected]
+    lasts = [log for log in logs if log.receipt.last]
+    skips = sum(
+        h == skip_hash(p, n)
+        for log in lasts
+        for h, (p, n) in zip(log.receipt.output_hashes, log.receipt.schedule, strict=True)
+    )
+    assert skips > 0  # stale rows were skipped (and are audited as such below)
+    paths = stage_files(gemma_path, windows, cache_dir)
+    for k, path in enumerate(paths):
+        with Stage.load(StageConfig(path, n_ctx=512, n_seq_max=1, n_threads=2)) as window:
+            for log in (log for log in logs if log.receipt.start == windows[k][0]):
+                result = audit_window(window, log.inputs, log.receipt)
+                assert result.ok and result.token_step is None, (k, result)
+            if k == len(windows) - 1:
+                # A last rank that skips a row the next step builds on (not a stale one): caught at that step.
+                log = max(lasts, key=lambda log: len(log.receipt.schedule))
+                r = log.receipt
+                i = next(
+                    i for i in range(len(r.schedule) - 1)
+                    if r.schedule[i + 1][0] > r.schedule[i][0] >= r.schedule[0][1] and r.tokens[i] != NO_TOKEN
+                )  # fmt: skip
+                hashes = list(r.output_hashes)
+                hashes[i] = skip_hash(*r.schedule[i])
+                tokens = list(r.tokens)
+                tokens[i] = NO_TOKEN
+                forger = Identity.generate()
+                forged = attrs.evolve(
+                    r, output_hashes=tuple(hashes), output_head=chain_head(r.request, "out", hashes),
+                    tokens=tuple(tokens), node_key=forger.public.to_text(), signature="",
+                ).signed(forger)  # fmt: skip
+                result = audit_window(window, log.inputs, forged)
+                assert not result.ok and result.step == i

@@ -31,6 +31,7 @@ from kvasir.verify.audit import (
     WindowLog,
     audit_window,
     check_tokens,
+    legitimate_skips,
     make_proof,
     verify_proof,
     write_json,
@@ -158,6 +159,21 @@ def test_first_mismatch() -> None:
     assert first_mismatch(["a", "b"], ["a", "c"]) == 1
     assert first_mismatch(["a", "b"], ["a"]) == 1
     assert first_mismatch([], ["x"]) == 0
+
+
+def test_legitimate_skips() -> None:
+    """A skipped step (a last rank's stale verify row) stands when the next computed step rolls it back, or when
+    nothing is computed after it; a skip the next step builds on does not."""
+    # Prompt chunk, a batch at 8 with rows 8..11: row 0 rejected its draft, rows 1-3 skipped, the next step at 9.
+    schedule = [(0, 8), (8, 1), (9, 1), (10, 1), (11, 1), (9, 1), (10, 1)]
+    skipped = [False, False, True, True, True, False, False]
+    assert legitimate_skips(schedule, skipped) == skipped
+    # Skipped rows at the end of a request (it ended before the next step).
+    assert legitimate_skips(schedule[:5], skipped[:5]) == skipped[:5]
+    # A skip followed by a step past it: the cache would have a hole there.
+    assert legitimate_skips([(0, 8), (8, 1), (9, 1)], [False, True, False]) == [False, False, False]
+    # A plain request skips nothing.
+    assert legitimate_skips([(0, 8), (8, 1), (9, 1)], [False] * 3) == [False] * 3
 
 
 # ---------------------------------------------------------------------------------------------- honest nodes

@@ -23,8 +23,8 @@ from kvasir.ring.node import Node, NodeConfig, open_node
 from kvasir.ring.record import NodeRecorder
 from kvasir.shard.cache import stage_files
 from kvasir.testing.fakestage import FakeStage, MemoryNetwork, expected_tokens, fake_ring
-from kvasir.verify.audit import WindowLog, audit_window, read_json
-from kvasir.verify.commit import VerificationError, WindowReceipt, first_mismatch
+from kvasir.verify.audit import WindowLog, audit_window, legitimate_skips, read_json
+from kvasir.verify.commit import NO_TOKEN, VerificationError, WindowReceipt, first_mismatch, skip_hash
 from kvasir.verify.select import key_commitment, new_key, reveal, selected, selection_value
 from kvasir.wire import CHAIN_BYTES, FLAG_CHAIN, Boundary, Frame
 from tests.conftest import run_cli
@@ -132,27 +132,50 @@ async def test_a_replay_after_a_broken_link_is_recorded_once(
         assert node.recorder.checked == len(by_start[FOUR[rank][0]].input_hashes)
 
 
-async def test_a_recording_ring_skips_speculative_requests_and_keeps_their_answers(
-    autojump_clock: trio.testing.MockClock, tmp_path: Path
+async def test_a_recording_ring_records_speculative_requests_row_by_row(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Recording nodes and a speculative request (verify batches and rollbacks, which an audit does not replay): the
-    answer is generate --speculate's, no receipt is written for it; a plain request after it is recorded."""
+    """Recording nodes and a speculative request (verify batches and rollbacks): the answer is generate
+    --speculate's; every verify row is a step of its own in every receipt (rank 0: one token each), stamped with its
+    sender's chain head and checked by its successor; the receipts link window to window; the last rank's rows behind
+    a rejected draft are skipped steps, each rolled back by the next step (what an audit accepts without computing)."""
     from tests.test_ring_speculate_flow import PERIOD, WINDOWS, answer, reference
 
     want, schedule = reference(4, 30)
     stages: list[FakeStage] = []
+    sent: list[list[Boundary]] = [[], [], []]
     async with trio.open_nursery() as nursery:
         nodes = await _recording_ring(nursery, tmp_path, [True] * 4, WINDOWS, stages, period=PERIOD)
+        for rank in range(3):
+            await _sent_boundaries(nodes[rank], sent[rank], monkeypatch)
         assert await answer(nodes[0], 30, speculate=4) == want
         # It did speculate: the reference's rows and truncations (the reference made verify batches).
         assert [(s.forwards, s.truncations) for s in stages] == [(f, t) for _, _, f, t in schedule]
         assert schedule[-1][0] > 0 and schedule[0][3] > 0
-        await wait_for(lambda: all(len(n.requests) == 0 for n in nodes), "every node to end the request")
-        await trio.sleep(1)
-        assert not list((tmp_path / "receipts").glob("*.json"))
-        assert await answer(nodes[0], 10) == want[:10]
-        await wait_for(lambda: len(list((tmp_path / "receipts").glob("*.json"))) == 4, "the plain request's receipts")
+        await wait_for(lambda: len(list((tmp_path / "receipts").glob("*.json"))) == 4, "the request's receipts")
         nursery.cancel_scope.cancel()
+    receipts = {r.start: r for r in map(WindowReceipt.from_wire, map(read_json, (tmp_path / "receipts").glob("*")))}
+    chain = [receipts[a] for a, _ in WINDOWS]
+    for r in chain:
+        r.verify()
+    for pred, succ in itertools.pairwise(chain):
+        assert first_mismatch(pred.output_hashes, succ.input_hashes) is None
+    # One step per row: the frames each window sent (every row computed there), each with its chain head.
+    for rank in range(3):
+        assert len(chain[rank].schedule) == len(sent[rank]) == stages[rank].forwards
+        assert all(n == 1 for _, n in chain[rank].schedule[1:])  # after the prompt: one row a step
+        assert all(len(b.chain) == CHAIN_BYTES for b in sent[rank])
+        assert [b.position for b in sent[rank]] == [p for p, _ in chain[rank].schedule]
+    assert any(b.drafts and b.row > 0 for b in sent[0])  # verify rows past row 0 were recorded
+    last = chain[-1]
+    skipped = [h == skip_hash(p, n) for h, (p, n) in zip(last.output_hashes, last.schedule, strict=True)]
+    # The last rank computed all but its skipped rows, and skipped some: they are the stale rows it dropped.
+    assert sum(skipped) > 0 and len(skipped) - sum(skipped) == stages[-1].forwards
+    assert legitimate_skips(last.schedule, skipped) == skipped
+    assert [t for t, s in zip(last.tokens, skipped, strict=True) if s] == [NO_TOKEN] * sum(skipped)
+    recorders = [n.recorder for n in nodes]
+    assert all(r is not None and r.mismatches == 0 for r in recorders)
+    assert [r.checked for r in recorders if r is not None] == [0, *(len(c.schedule) for c in chain[1:])]
 
 
 async def _recording_ring(

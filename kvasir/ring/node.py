@@ -542,8 +542,7 @@ class Node:
                 raise InvalidRequest(ErrorCode.BAD_REQUEST, "the last rank got a speculative START without its prompt")
             sampler = functools.partial(self.stage.new_sampler, start.sampling)
         state = self.requests.register(start, entry, check_vocab=self.first or self.last, sampler=sampler)
-        if self.recorder is not None and not start.speculate:
-            # Speculative requests are not recorded: an audit replays plain steps, not verify batches and rollbacks.
+        if self.recorder is not None:
             self.recorder.begin(start.request_id, last=self.last, sampling=start.sampling, history=start.prompt)
         if self.last:
             state.text_stream = TextStream(self.stage.vocab)
@@ -628,8 +627,10 @@ class Node:
                     )
                 return
             batch = self._verify_batch(state, frame) if frame.drafts else None
-            if frame.drafts and batch is None:
-                return  # a stale row: behind a rejected draft, nothing to compute
+            if frame.drafts and batch is None:  # a stale row: behind a rejected draft, nothing to compute
+                if self.recorder is not None:
+                    self.recorder.on_skip(frame.request_id, frame.position, frame.n_tokens)
+                return
             tokens = await self._compute_and_sample(state, frame, batch)
         except InvalidRequest as exc:
             await self._originate_error(state, exc.code, str(exc))
@@ -676,8 +677,11 @@ class Node:
                 tokens = [self.stage.sample(sampler)]
             if recorder is not None:  # hashes the logits row (1 MiB on a 262k vocabulary) here, off the event loop
                 logits = self.stage.logits().tobytes()
-                token = tokens[0] if tokens else None  # a recorded request is plain: one row, one token
-                recorder.on_sample(frame.request_id, frame.first_position, frame.n_tokens, logits, token)
+                if batch is not None:  # a verify row: its own token (the batch's tokens come once it closes)
+                    token: int | None = batch.rows.tokens[frame.row]
+                else:
+                    token = tokens[0] if tokens else None
+                recorder.on_sample(frame.request_id, frame.position, frame.n_tokens, logits, token)
             return tokens
 
         async with state.lock:
@@ -745,7 +749,8 @@ class Node:
         if await self._seen_before(state, (frame.position, 0), b"".join(t.to_bytes(4, "little") for t in fed)):
             return
         if self.recorder is not None:
-            self.recorder.on_tokens(state.request_id, frame.position, list(fed))
+            for row, token in enumerate(fed):  # each row of a verify batch is a step of its own
+                self.recorder.on_tokens(state.request_id, frame.position + row, [token])
         try:
             if await self._batched(state, frame):
                 return

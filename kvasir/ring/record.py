@@ -4,7 +4,9 @@ as frames pass, signed with its key when the request ends (docs/verification.md 
 The node calls :meth:`NodeRecorder.take` for each input boundary it takes (rank 0: :meth:`on_tokens` for the
 prompt's chunks and the tokens coming back, as ``TOKENS``), :meth:`seal` for each boundary it sends (before the
 replay log and the link, so the bytes are the frame's) or, on the last rank, :meth:`on_sample` with the last row's
-logits and the token (NO_TOKEN on a prefill chunk that does not sample), and :meth:`end` when the request ends here.
+logits and the token (NO_TOKEN on a prefill chunk that does not sample) or :meth:`on_skip` for a verify row it drops
+uncomputed, and :meth:`end` when the request ends here. A speculative verify row is a step of its own, at its own
+position (rank 0: one token each).
 Replayed frames are not recorded again (the node drops them before these calls), and recording never touches what
 is computed: it reads the bytes.
 
@@ -34,8 +36,8 @@ import attrs
 from kvasir.core.identity import Identity
 from kvasir.core.sampling import SamplingParams
 from kvasir.errors import KvasirError
-from kvasir.verify.audit import NO_TOKEN, Boundary, WindowLog, write_json
-from kvasir.verify.commit import TOKENS, Chain, Recorder, tokens_payload
+from kvasir.verify.audit import Boundary, WindowLog, write_json
+from kvasir.verify.commit import NO_TOKEN, TOKENS, Chain, Recorder, tokens_payload
 from kvasir.verify.select import PENDING, RECEIPTS, log_name
 from kvasir.wire import frames
 
@@ -124,8 +126,9 @@ class NodeRecorder:
         o = self._open.get(frame.request_id)
         if o is None:
             return None
-        o.recorder.on_input(frame.first_position, frame.n_tokens, frame.payload, frame.dtype.value)
-        o.inputs.append(Boundary(frame.first_position, frame.n_tokens, frame.dtype.value, frame.payload))
+        pos = frame.position  # a verify row's own position (its batch's, plus its row)
+        o.recorder.on_input(pos, frame.n_tokens, frame.payload, frame.dtype.value)
+        o.inputs.append(Boundary(pos, frame.n_tokens, frame.dtype.value, frame.payload))
         head = o.received.add(o.recorder.inputs.steps[-1])
         if not frame.chain:
             return None
@@ -134,7 +137,7 @@ class NodeRecorder:
             return None
         self.mismatches += 1
         return (
-            f"the boundary at position {frame.first_position} carries chain head {frame.chain.hex()[:16]}…, but the"
+            f"the boundary at position {pos} carries chain head {frame.chain.hex()[:16]}…, but the"
             f" chain of the boundaries received is at {head[:16]}… (step {len(o.received.steps) - 1})"
         )
 
@@ -144,7 +147,7 @@ class NodeRecorder:
         o = self._open.get(frame.request_id)
         if o is None:
             return frame
-        head = o.recorder.on_output(frame.first_position, frame.n_tokens, frame.payload, frame.dtype.value)
+        head = o.recorder.on_output(frame.position, frame.n_tokens, frame.payload, frame.dtype.value)
         return attrs.evolve(frame, chain=bytes.fromhex(head))
 
     def on_tokens(self, request: int, pos: int, tokens: Sequence[int]) -> None:
@@ -160,6 +163,12 @@ class NodeRecorder:
         o = self._open.get(request)
         if o is not None:
             o.recorder.on_sample(pos, n_tokens, logits, NO_TOKEN if token is None else token)
+
+    def on_skip(self, request: int, pos: int, n_tokens: int) -> None:
+        """Last rank: a verify row taken (:meth:`take`) and dropped uncomputed, behind a rejected draft."""
+        o = self._open.get(request)
+        if o is not None:
+            o.recorder.on_skip(pos, n_tokens)
 
     def end(self, request: int) -> OpenRecord | None:
         """The request ended here: its record (None if it completed no step here), for :meth:`write`."""

@@ -16,8 +16,8 @@ from kvasir.core.identity import Identity
 from kvasir.core.sampling import SamplingParams
 from kvasir.core.schedule import PREFILL_CHUNK
 from kvasir.stage.engine import Stage
-from kvasir.verify.audit import NO_TOKEN, Boundary, StepOutput, WindowLog, WindowRunner
-from kvasir.verify.commit import Recorder
+from kvasir.verify.audit import Boundary, StepOutput, WindowLog, WindowRunner
+from kvasir.verify.commit import NO_TOKEN, Recorder
 from kvasir.verify.kernel import stage_kernel_class
 
 #: (rank, step index, what the window computed) -> (what the rank sends on, what it signs).

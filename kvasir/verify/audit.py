@@ -25,20 +25,21 @@ from kvasir.stage.engine import Stage, StageConfig
 from kvasir.util.files import atomic_output
 from kvasir.verify.commit import (
     LOGITS_TOKEN,
+    NO_TOKEN,
+    SKIPPED,
     TOKENS,
     VerificationError,
     WindowReceipt,
     b64,
     first_mismatch,
     sample_payload,
+    skip_hash,
     step_hash,
     unb64,
 )
 from kvasir.verify.kernel import stage_kernel_class
 from kvasir.wire.boundary import BoundaryDType, decode_boundary, encode_boundary
 
-#: Token id a last-rank step records when it does not sample (a prefill chunk before the prompt's last).
-NO_TOKEN = -1
 PROOF_DOMAIN = "kvasir-fraud-proof/v1"
 
 
@@ -111,6 +112,10 @@ class WindowRunner:
 
     On the last rank a step samples when asked, with a sampler built from ``sampling`` that first accepts
     ``history``; its output is the last row's logits and the token (NO_TOKEN when it does not sample).
+
+    A step at a position before the end of what the window computed follows rejected speculative drafts: the cache
+    forgets from there first, as the ring node does (``kvasir.ring.speculation.window_step``). A plain request's
+    steps never go back, so this never happens for them.
     """
 
     def __init__(
@@ -123,6 +128,7 @@ class WindowRunner:
         seq_id: int = 0,
     ) -> None:
         self.stage, self.out_dtype, self.seq_id = stage, out_dtype, seq_id
+        self._end = 0  # where the sequence's cache ends
         stage.free_sequence(seq_id)
         self._sampler = stage.new_sampler(sampling or SamplingParams.GREEDY) if stage.info.last else None
         if self._sampler is not None:
@@ -131,6 +137,9 @@ class WindowRunner:
 
     def step(self, b: Boundary, *, sample: bool = True) -> StepOutput:
         stage, info = self.stage, self.stage.info
+        if b.pos < self._end:
+            stage.truncate(self.seq_id, b.pos)
+        self._end = b.pos + b.n_tokens
         if b.dtype == TOKENS:
             result = stage.forward(self.seq_id, b.pos, tokens=b.tokens())
         else:
@@ -150,6 +159,10 @@ class WindowRunner:
             payload = encode_boundary(result, dtype)
         h = step_hash(b.pos, b.n_tokens, int(dtype), payload)
         return StepOutput(b.pos, b.n_tokens, int(dtype), payload, None, h)
+
+    def skip(self, b: Boundary) -> StepOutput:
+        """A step the last rank took but did not compute (a stale verify row): no compute, no sample."""
+        return StepOutput(b.pos, b.n_tokens, SKIPPED, b"", NO_TOKEN, skip_hash(b.pos, b.n_tokens))
 
     def close(self) -> None:
         if self._sampler is not None:
@@ -172,11 +185,37 @@ def execute(
     sampling: SamplingParams | None = None,
     history: Sequence[int] = (),
     samples: Sequence[bool] | None = None,
+    skips: Sequence[bool] | None = None,
 ) -> list[StepOutput]:
     """Run ``inputs`` through the window in order, one llama.cpp call per step (the schedule); on the last rank
-    step ``i`` samples when ``samples[i]`` (default: every step)."""
+    step ``i`` samples when ``samples[i]`` (default: every step), and is skipped (not computed) when ``skips[i]``."""
     with WindowRunner(stage, out_dtype=out_dtype, sampling=sampling, history=history) as runner:
-        return [runner.step(b, sample=samples is None or samples[i]) for i, b in enumerate(inputs)]
+        return [
+            runner.skip(b) if skips is not None and skips[i] else runner.step(b, sample=samples is None or samples[i])
+            for i, b in enumerate(inputs)
+        ]
+
+
+def legitimate_skips(schedule: Sequence[tuple[int, int]], skipped: Sequence[bool]) -> list[bool]:
+    """Pure: which of a last rank's skipped steps an honest node skips: a verify row behind a rejected draft, which
+    the next computed step rolls back (it starts at or before the row), or one after which nothing was computed (the
+    request ended). Any other skip left a hole in the cache the following steps read: an audit computes it, and the
+    skip's empty output then differs from what the window computes."""
+    legit = [False] * len(schedule)
+    next_pos: int | None = None  # the position of the next computed step (scanning back from the end)
+    for i in range(len(schedule) - 1, -1, -1):
+        pos = schedule[i][0]
+        if skipped[i]:
+            legit[i] = next_pos is None or next_pos <= pos
+        else:
+            next_pos = pos
+    return legit
+
+
+def receipt_skips(receipt: WindowReceipt) -> list[bool]:
+    """Which steps of a receipt are skips an audit takes as they are (:func:`legitimate_skips`)."""
+    skipped = [h == skip_hash(p, n) for h, (p, n) in zip(receipt.output_hashes, receipt.schedule, strict=True)]
+    return legitimate_skips(receipt.schedule, skipped)
 
 
 @attrs.frozen
@@ -248,6 +287,7 @@ def audit_window(stage: Stage | Path, inputs: Sequence[Boundary], receipt: Windo
         sampling=receipt.sampling,
         history=receipt.history,
         samples=[t != NO_TOKEN for t in receipt.tokens[:n]] if receipt.last else None,
+        skips=receipt_skips(receipt)[:n],
     )
     seconds = time.perf_counter() - t0
     got = [o.hash for o in outputs]

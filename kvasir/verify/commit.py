@@ -32,6 +32,11 @@ from kvasir.errors import InputError, KvasirError
 TOKENS = 100
 #: dtype code of a last-rank output: the last row's logits (f32) followed by the sampled token (int32).
 LOGITS_TOKEN = 101
+#: Token id a last-rank step records when it does not sample (a prefill chunk before the prompt's last, a skipped row).
+NO_TOKEN = -1
+#: dtype code of a last-rank step it took but did not compute: a speculative verify row behind a rejected draft, which
+#: the next step rolls back (its output hash is :func:`skip_hash`: no bytes).
+SKIPPED = 102
 STEP_DOMAIN = b"kvasir-step/v1\n"
 CHAIN_DOMAIN = b"kvasir-chain/v1\n"
 RECEIPT_DOMAIN = b"kvasir-window-receipt/v1\n"
@@ -50,6 +55,11 @@ def step_hash(pos: int, n_tokens: int, dtype: int, payload: bytes) -> str:
     h.update(struct.pack("<QII", pos, n_tokens, dtype))
     h.update(payload)
     return h.hexdigest()
+
+
+def skip_hash(pos: int, n_tokens: int) -> str:
+    """The output commitment of a skipped step (see SKIPPED)."""
+    return step_hash(pos, n_tokens, SKIPPED, b"")
 
 
 def tokens_payload(tokens: Sequence[int]) -> bytes:
@@ -185,7 +195,8 @@ class Recorder:
     """What a ring node keeps for one request on its window; it hashes frames as they pass and signs at the end.
 
     ``on_input`` for each input boundary (rank 0: ``tokens_payload`` with dtype TOKENS), ``on_output`` for each
-    output boundary, ``on_sample`` on the last rank instead; ``receipt`` signs the account.
+    output boundary, ``on_sample`` on the last rank instead (``on_skip`` for a verify row it drops uncomputed);
+    ``receipt`` signs the account.
     """
 
     def __init__(
@@ -217,6 +228,11 @@ class Recorder:
     def on_sample(self, pos: int, n_tokens: int, logits: bytes, token: int) -> str:
         self.tokens.append(token)
         return self.on_output(pos, n_tokens, sample_payload(logits, token), LOGITS_TOKEN)
+
+    def on_skip(self, pos: int, n_tokens: int) -> str:
+        """Last rank: a step taken but not computed (SKIPPED); it samples nothing."""
+        self.tokens.append(NO_TOKEN)
+        return self.outputs.add(skip_hash(pos, n_tokens))
 
     def receipt(self, identity: Identity) -> WindowReceipt:
         return WindowReceipt(
