@@ -40,6 +40,7 @@ from kvasir.verify.commit import (
     LOGITS_TOKEN,
     VerificationError,
     WindowReceipt,
+    chain_head,
     first_mismatch,
     sample_payload,
     step_hash,
@@ -261,6 +262,24 @@ def test_last_rank_lying_about_its_token_is_caught(fx: Fixture) -> None:
     assert check_tokens(fx.auditors[2], log.inputs, log.receipt) == 3
     _, result = _audit(fx, served, 2)
     assert not result.ok and result.step == 3  # type: ignore[attr-defined]
+
+
+def test_a_schedule_with_a_hole_fails_its_audit_at_the_hole(fx: Fixture) -> None:
+    """A receipt whose steps skip a position (no window computes that: its cache holds no such prefix) is a mismatch
+    at that step, not an error the auditor cannot judge by."""
+    log = _serve(fx, 410, 30, 5).logs[1]
+    r, cut = log.receipt, 3  # drop step 3: step 4 then starts one position past the end of the cache
+    keep = [i for i in range(len(r.schedule)) if i != cut]
+    forger = Identity.generate()
+    ins, outs = [r.input_hashes[i] for i in keep], [r.output_hashes[i] for i in keep]
+    forged = attrs.evolve(
+        r, schedule=tuple(r.schedule[i] for i in keep), input_hashes=tuple(ins), output_hashes=tuple(outs),
+        input_head=chain_head(r.request, "in", ins), output_head=chain_head(r.request, "out", outs),
+        node_key=forger.public.to_text(), signature="",
+    ).signed(forger)  # fmt: skip
+    result = audit_window(fx.auditors[1], [log.inputs[i] for i in keep], forged)
+    assert not result.ok and result.step == cut and result.recomputed_hash is not None
+    assert "hole" in result.recomputed_hash
 
 
 # ---------------------------------------------------------------------------------------------- fraud proofs

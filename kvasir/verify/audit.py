@@ -115,7 +115,8 @@ class WindowRunner:
 
     A step at a position before the end of what the window computed follows rejected speculative drafts: the cache
     forgets from there first, as the ring node does (``kvasir.ring.speculation.window_step``). A plain request's
-    steps never go back, so this never happens for them.
+    steps never go back, so this never happens for them. A step past the end (a hole) cannot be computed: its output
+    is no hash, so it differs from whatever was signed for it.
     """
 
     def __init__(
@@ -137,6 +138,9 @@ class WindowRunner:
 
     def step(self, b: Boundary, *, sample: bool = True) -> StepOutput:
         stage, info = self.stage, self.stage.info
+        if b.pos > self._end:  # no window computes past the positions its cache holds: nothing matches this step
+            missing = f"nothing: position {b.pos} leaves a hole after the {self._end} positions computed before it"
+            return StepOutput(b.pos, b.n_tokens, SKIPPED, b"", None, missing)
         if b.pos < self._end:
             stage.truncate(self.seq_id, b.pos)
         self._end = b.pos + b.n_tokens
