@@ -47,7 +47,7 @@ def main() -> None:
     calib = profile_from_gguf(models[calib_name])
 
     def device(bandwidth: float, k: int = 0) -> Device:
-        return Device(f"cpu{k}", "cpu", 20.0, bandwidth, 1e-9, 1e9)
+        return Device(f"cpu{k}", "cpu", 20.0, bandwidth, 1e-9, 1e9, hop_overhead_ms=0.0)  # stages in one process
 
     unit = estimate(calib, [(device(1.0), 0, calib.n_layers)]).ms_per_token  # ms per token at 1 GB/s
     bandwidth = unit / measured[calib_name, 1]

@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import attrs
 import numpy as np
 import pytest
 from hypothesis import event, given, settings
@@ -195,6 +196,29 @@ def test_slow_link_device_is_left_out_with_a_reason() -> None:
     assert unused.device.name == "phone" and "not needed" in unused.reason
     # Equally fast memory is not called slower (the link is what keeps it out).
     assert "memory no faster (100 GB/s) than box (100 GB/s" in unused.reason
+
+
+def test_each_hop_pays_the_receiving_nodes_overhead() -> None:
+    """A hop costs the links and what the node it reaches adds to each frame (waking, hand-off, sending on): a ring
+    of N devices pays it N times, a ring of one never; enough of it keeps a device that would save compute out."""
+    profile = make_profile([1_000_000_000] * 4)
+    a, b = dev("a", 10.0, bw=100, lat=0.5), dev("b", 10.0, bw=100, lat=0.5)
+    quiet_b = attrs.evolve(b, hop_overhead_ms=0.0)
+    two = estimate(profile, [(a, 0, 2), (b, 2, 4)])
+    assert [w.hop_ms for w in two.windows] == pytest.approx(
+        [0.5 + 0.5 + two.windows[0].transfer_ms + 1.0, 1.0 + 1.0 + two.windows[1].transfer_ms]
+    )
+    assert estimate(profile, [(a, 0, 2), (quiet_b, 2, 4)]).link_ms == pytest.approx(two.link_ms - 1.0)
+    assert estimate(profile, [(a, 0, 4)]).link_ms == 0.0  # a ring of one
+    # Memory forces no split here: a second device only adds hops, and each hop its node's overhead.
+    assert len(plan(profile, [a, b]).windows) == 1
+    # A split that saves compute is worth it while two hops cost less than the compute it saves.
+    fast = dev("fast", 2.5, bw=1000, lat=0.0)  # room for two layers
+    slow = dev("slow", 10.0, bw=10, lat=0.0)
+    cheap = plan(profile, [attrs.evolve(fast, hop_overhead_ms=0.1), attrs.evolve(slow, hop_overhead_ms=0.1)])
+    assert len(cheap.windows) == 2
+    costly = plan(profile, [attrs.evolve(fast, hop_overhead_ms=500.0), attrs.evolve(slow, hop_overhead_ms=500.0)])
+    assert [w.device.name for w in costly.windows] == ["slow"]
 
 
 def test_tiny_device_is_reported_as_too_small() -> None:
@@ -447,6 +471,7 @@ def device_toml(**fields: str | None) -> str:
         (device_toml(kind='"toaster"'), "kind"),
         (device_toml(memory_gb="-8"), "memory_gb"),
         (device_toml(memory_gb='"lots"'), "memory_gb"),
+        (device_toml(hop_overhead_ms="-1"), "hop_overhead_ms"),
         (device_toml(colour='"red"'), "colour"),
         (device_toml() + device_toml(), "twice"),
         ("[[device]\n", "TOML"),

@@ -104,7 +104,7 @@ def _print_table(manifest: RankManifest) -> None:
     console.print(
         f"est. decode: [bold]{manifest.est_tokens_per_s:.1f} tokens/s[/bold] "
         f"({manifest.ms_per_token:.2f} ms/token = {manifest.compute_ms:.2f} ms compute "
-        f"+ {manifest.link_ms:.2f} ms links); under load ≤ {manifest.est_loaded_tokens_per_s:.1f} tokens/s "
+        f"+ {manifest.link_ms:.2f} ms hops); under load ≤ {manifest.est_loaded_tokens_per_s:.1f} tokens/s "
         f"(busiest rank or link {manifest.bottleneck_ms:.2f} ms/token)"
     )
     if manifest.unused:

@@ -20,12 +20,22 @@ DEVICE_KINDS: tuple[DeviceKind, ...] = ("gpu", "cpu", "npu", "phone")
 # Units: memory in GB (1e9 bytes), memory bandwidth in GB/s, link latency in ms (one way, device to network),
 # link bandwidth in Mbit/s (1e6 bits/s).
 
+#: What a node adds to each frame it receives, ms: waking to it, handing it to the stage's worker thread and back,
+#: encoding and sending the result on. Measured 0.9-1.4 ms per hop on the 2-vCPU test VM (docs/benchmarks.md, § The
+#: ring on loopback); a faster CPU pays less, and ``hop_overhead_ms`` in devices.toml says so per device.
+DEFAULT_HOP_OVERHEAD_MS = 1.0
+
 
 def _positive(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
     # link_latency_ms may be 0 (same host); everything else must be strictly positive.
     low_ok = attribute.name == "link_latency_ms" and value == 0
     if not (math.isfinite(value) and (value > 0 or low_ok)):
         raise FieldError(attribute.name, f"must be a positive number, not {value!r}")
+
+
+def _non_negative(_: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if not (math.isfinite(value) and value >= 0):
+        raise FieldError(attribute.name, f"must be a number >= 0, not {value!r}")
 
 
 def _name(_: object, __: attrs.Attribute[str], value: str) -> None:
@@ -59,6 +69,8 @@ class Device:
     link_bandwidth_mbps: float = attrs.field(validator=_positive)
     #: The device's node key (`kvasir id`), copied into the manifest's rank; None leaves the slot to fill.
     key: str | None = attrs.field(default=None, validator=_key)
+    #: What this device's node adds to each frame it receives (DEFAULT_HOP_OVERHEAD_MS).
+    hop_overhead_ms: float = attrs.field(default=DEFAULT_HOP_OVERHEAD_MS, validator=_non_negative)
 
     @property
     def memory_bytes(self) -> int:

@@ -1,8 +1,8 @@
 """The cost model: what a window needs in memory, what a token costs, and the rank manifest that reports it.
 
 Decode is memory-bandwidth bound, so a rank's time per token is the bytes its token reads divided by the
-device's memory bandwidth; a hop costs both ends' link latencies plus the payload over the slower link. See
-docs/planner.md.
+device's memory bandwidth; a hop costs both ends' link latencies plus the payload over the slower link, plus what
+the receiving node's software adds to each frame. See docs/planner.md.
 """
 
 from __future__ import annotations
@@ -71,10 +71,11 @@ def compute_ms(device: Device, active_bytes: int) -> float:
 
 
 def hop_ms(src: Device, dst: Device, payload_bytes: int) -> float:
-    """One message from ``src`` to ``dst``: it crosses both devices' links, at the slower one's bandwidth."""
+    """One message from ``src`` to ``dst``: it crosses both devices' links, at the slower one's bandwidth, and the
+    node on ``dst`` wakes to it and hands it to its stage (``hop_overhead_ms``)."""
     if src.name == dst.name:
         return 0.0  # a ring of one: the token never leaves the process
-    return src.link_latency_ms + dst.link_latency_ms + transfer_ms(src, dst, payload_bytes)
+    return src.link_latency_ms + dst.link_latency_ms + transfer_ms(src, dst, payload_bytes) + dst.hop_overhead_ms
 
 
 def transfer_ms(src: Device, dst: Device, payload_bytes: int) -> float:

@@ -282,7 +282,7 @@ def _unused_reason(
         old = hop_ms(prev, nxt, TOKEN_FRAME_BYTES if closing else boundary)
         new = hop_ms(prev, device, boundary) + hop_ms(device, nxt, TOKEN_FRAME_BYTES if closing else boundary)
         added = min(added, new - old)
-    link = f"joining adds ≥ {added:.2f} ms of links per token"
+    link = f"joining adds ≥ {added:.2f} ms of hops per token"
     # A used device at least as fast with room for another layer would take any layer this one could.
     min_layer = min(layer.bytes for layer in profile.layers)
     roomy = [
