@@ -178,6 +178,44 @@ async def test_a_recording_ring_records_speculative_requests_row_by_row(
     assert [r.checked for r in recorders if r is not None] == [0, *(len(c.schedule) for c in chain[1:])]
 
 
+async def test_a_speculative_request_replayed_after_a_broken_link_is_recorded_once(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    """As above with verify rows: the link 1 -> 2 breaks mid-answer of a speculative request and rank 1 replays
+    its rows into rank 2, which drops those it had. The answer is generate --speculate's; each rank's receipt lists
+    one step per row it computed (the last rank: per row it took, skipped ones included), and the hashes chain."""
+    from tests.test_ring_speculate_flow import PERIOD, WINDOWS, answer, reference
+
+    want, _ = reference(4, 30)
+    stages: list[FakeStage] = []
+    async with trio.open_nursery() as nursery:
+        nodes = await _recording_ring(nursery, tmp_path, [True] * 4, WINDOWS, stages, period=PERIOD)
+
+        async def cut() -> None:
+            link = nodes[1].links.successor
+            assert link is not None
+            await link.aclose()
+
+        assert await answer(nodes[0], 30, at_token=8, fault=cut, speculate=4) == want
+        assert nodes[1].failover.replays == 1 and nodes[2].failover.duplicates >= 1
+        await wait_for(lambda: len(list((tmp_path / "receipts").glob("*.json"))) == 4, "the request's receipts")
+        nursery.cancel_scope.cancel()
+    chain = sorted(
+        map(WindowReceipt.from_wire, map(read_json, (tmp_path / "receipts").glob("*"))), key=lambda r: r.start
+    )
+    for r in chain:
+        r.verify()
+    for pred, succ in itertools.pairwise(chain):
+        assert first_mismatch(pred.output_hashes, succ.input_hashes) is None
+    for rank in range(3):  # nothing twice: one step per forward (a replayed row is dropped before it is taken)
+        assert len(chain[rank].schedule) == stages[rank].forwards
+    last = chain[-1]
+    skipped = [h == skip_hash(p, n) for h, (p, n) in zip(last.output_hashes, last.schedule, strict=True)]
+    assert len(skipped) - sum(skipped) == stages[-1].forwards
+    assert legitimate_skips(last.schedule, skipped) == skipped
+    assert all(n.recorder is not None and n.recorder.mismatches == 0 for n in nodes)
+
+
 async def _recording_ring(
     nursery: trio.Nursery,
     tmp_path: Path,
