@@ -3,11 +3,11 @@ loopback TCP, by how the receiver waits for it and handles it, after an idle gap
 
 A ring node spends most of a token waiting for the ring to come round, so each frame it receives wakes an idle
 process. This bench separates the layers of that wake-up, each in a receiver process of its own: a blocking
-``recv``; ``epoll`` then ``recv``; a trio socket; and kvasir's ``StreamLink`` (trio stream, frame reader, decoded
-BOUNDARY, as a node receives it, without TLS). The sender (another process) stamps each frame with
-``time.perf_counter()`` (CLOCK_MONOTONIC: one clock for every process), waits for the receiver's one-byte
-acknowledgement, then sleeps ``gap`` before the next frame. Printed: median and p90 of the one-way latency per
-receiver and gap, and each against the blocking ``recv`` at the same gap.
+``recv``; ``epoll`` then ``recv``; a trio socket; kvasir's ``StreamLink`` (trio stream, frame reader, decoded
+BOUNDARY, as a node receives it) without TLS, and over the v2 link's TLS 1.3 (as ring nodes link by default). The
+sender (another process) stamps each frame with ``time.perf_counter()`` (CLOCK_MONOTONIC: one clock for every
+process), waits for the receiver's one-byte acknowledgement, then sleeps ``gap`` before the next frame. Printed:
+median and p90 of the one-way latency per receiver and gap, and each against the blocking ``recv`` at the same gap.
 
     python3 bench/hop_wake.py [--frames 400] [--gaps 0,0.005] [--n-embd 640]
 """
@@ -28,11 +28,14 @@ import trio
 from rich.console import Console
 from rich.table import Table
 
+from kvasir.core.identity import Identity
 from kvasir.ring.links import StreamLink
+from kvasir.ring.secure import Credentials, KeyPolicy, accept_secure, dial_secure
 from kvasir.wire import Boundary
 
 STAMP = struct.Struct("<d")
-RECEIVERS = ("blocking recv", "epoll + recv", "trio socket", "kvasir StreamLink")
+RECEIVERS = ("blocking recv", "epoll + recv", "trio socket", "kvasir StreamLink", "kvasir StreamLink, TLS 1.3")
+TLS = RECEIVERS[-1]
 
 
 def _tcp_pair() -> tuple[socket.socket, socket.socket]:
@@ -86,11 +89,16 @@ def _trio_socket_receiver(sock: socket.socket, frames: int, size: int) -> list[f
     return out
 
 
-def _link_receiver(sock: socket.socket, frames: int, size: int) -> list[float]:
+def _link_receiver(
+    sock: socket.socket, frames: int, size: int, keys: tuple[Credentials, Credentials] | None
+) -> list[float]:
     out: list[float] = []
 
     async def main() -> None:
-        stream = trio.SocketStream(trio.socket.from_stdlib_socket(sock))
+        stream: trio.abc.Stream = trio.SocketStream(trio.socket.from_stdlib_socket(sock))
+        if keys is not None:
+            sender, me = keys
+            stream, _, _ = await accept_secure(stream, me, KeyPolicy(frozenset({sender.identity.public})))
         link = StreamLink(stream, "sender")
         for _ in range(frames):
             frame = await link.receive()
@@ -103,9 +111,34 @@ def _link_receiver(sock: socket.socket, frames: int, size: int) -> list[float]:
     return out
 
 
+def _tls_sender(
+    sock: socket.socket, keys: tuple[Credentials, Credentials], frames: int, gap: float, base: np.ndarray
+) -> None:
+    async def main() -> None:
+        me, receiver = keys
+        stream = await dial_secure(
+            trio.SocketStream(trio.socket.from_stdlib_socket(sock)), me, receiver.identity.public
+        )
+        link = StreamLink(stream, "receiver")
+        for i in range(frames):
+            await trio.sleep(gap)
+            await link.send(Boundary.from_array(1, 100 + i, _stamped(base), final=True, latest_token=5))
+            await stream.receive_some(1)
+        await link.aclose()
+
+    trio.run(main)
+
+
+def _stamped(base: np.ndarray) -> np.ndarray:
+    hidden = base.copy()
+    hidden.view(np.uint8)[0, : STAMP.size] = np.frombuffer(STAMP.pack(time.perf_counter()), np.uint8)
+    return hidden
+
+
 def measure(kind: str, frames: int, gap: float, n_embd: int) -> list[float]:
     """One receiver process of ``kind``; returns its one-way latencies in µs."""
     a, b = _tcp_pair()
+    keys = (Credentials.of(Identity.generate()), Credentials.of(Identity.generate())) if kind == TLS else None
     r, w = os.pipe()
     base = np.random.default_rng(0).standard_normal((1, n_embd), dtype=np.float32)
     size = n_embd * 4
@@ -117,17 +150,19 @@ def measure(kind: str, frames: int, gap: float, n_embd: int) -> list[float]:
             "blocking recv": lambda: _raw_receiver(b, frames, size, False),
             "epoll + recv": lambda: _raw_receiver(b, frames, size, True),
             "trio socket": lambda: _trio_socket_receiver(b, frames, size),
-            "kvasir StreamLink": lambda: _link_receiver(b, frames, size),
+            "kvasir StreamLink": lambda: _link_receiver(b, frames, size, None),
+            TLS: lambda: _link_receiver(b, frames, size, keys),
         }
         lat = receivers[kind]()
         os.write(w, np.asarray(lat, np.float64).tobytes())
         os._exit(0)
     b.close()
     os.close(w)
-    for i in range(frames):
+    if keys is not None:
+        _tls_sender(a, (keys[0], keys[1]), frames, gap, base)
+    for i in range(frames if keys is None else 0):
         time.sleep(gap)
-        hidden = base.copy()
-        hidden.view(np.uint8)[0, : STAMP.size] = np.frombuffer(STAMP.pack(time.perf_counter()), np.uint8)
+        hidden = _stamped(base)
         if kind == "kvasir StreamLink":
             data = Boundary.from_array(1, 100 + i, hidden, final=True, latest_token=5).to_wire()
         else:
