@@ -3,9 +3,11 @@
 Prints (1) decode ms/token for the whole model and for rings of 2/3/4 processes on this machine, with the ratio;
 (2) per-hop latency p50/p99 of a 4096-wide f32 boundary frame over a loopback TCP link, and bytes per token per hop;
 (3) tokens/s with 1, 4 and 8 concurrent requests through a 4-process ring; (4) where a decode token's time goes in
-the 4-process ring (each node's compute, worker-thread hand-off and link-send counters from its status).
+the 4-process ring (each node's compute, worker-thread hand-off and link-send counters from its status); (5) the
+4-process ring with its processes left to the scheduler against all pinned to one CPU (one request: each hop then
+wakes a process on a CPU that is already running, not an idle one), in alternating rounds with the whole model.
 
-    python3 bench/ring_loopback.py [--model PATH] [--tokens 32] [--repeats 3] [--threads N]
+    python3 bench/ring_loopback.py [--model PATH] [--tokens 32] [--repeats 3] [--threads N] [--placement-rounds 3]
 """
 
 from __future__ import annotations
@@ -150,6 +152,33 @@ def concurrent_tps(sock: Path, n: int, tokens: int) -> float:
     return sum(done) / (time.perf_counter() - t0)
 
 
+def pin(pids: list[int], cpus: set[int]) -> None:
+    """Every thread of every process in ``pids`` onto ``cpus``."""
+    for pid in pids:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            os.sched_setaffinity(int(tid), cpus)
+
+
+def placement(model: Path, n_layer: int, cache: Path, tokens: int, rounds: int) -> dict[str, list[float]]:
+    """ms/token of the whole model and of a 4-process ring (1 thread each) unpinned and pinned to one CPU, one
+    request at a time, in ``rounds`` alternating rounds."""
+    out: dict[str, list[float]] = {"whole model, 1 process": [], "ring of 4, any CPU": [], "ring of 4, one CPU": []}
+    every = set(range(os.cpu_count() or 1))
+    ring = start_ring(model, even_splits(n_layer, 4), cache, threads=1, ctx=1024)
+    try:
+        ring.wait_ready()
+        pids = [p.pid for p in ring.processes]
+        for _ in range(rounds):
+            out["whole model, 1 process"].append(statistics.median(whole_decode(model, tokens, 2, 1)))
+            pin(pids, every)
+            out["ring of 4, any CPU"].append(statistics.median(ring_decode(ring.sockets[0], tokens, 2)))
+            pin(pids, {min(every)})
+            out["ring of 4, one CPU"].append(statistics.median(ring_decode(ring.sockets[0], tokens, 2)))
+    finally:
+        ring.stop()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=None)
@@ -163,6 +192,7 @@ def main() -> None:
         help="threads per process for the concurrency table (1: N co-located processes share the cores "
         "without oversubscription, so pipelining shows)",
     )
+    ap.add_argument("--placement-rounds", type=int, default=3, help="rounds of the placement table (0: skip it)")
     args = ap.parse_args()
     cache = default_cache_dir()
     model = args.model or demo_model_path(cache)
@@ -229,6 +259,20 @@ def main() -> None:
     for k, v in rings[4].items():
         c.add_row(str(k), f"{v:.1f}", f"{v / rings[4][1]:.2f}x")
     console.print(c)
+
+    if args.placement_rounds > 0:
+        placed = placement(model, info.n_layer, cache, args.tokens, args.placement_rounds)
+        whole = placed["whole model, 1 process"]
+        pt = Table(
+            title=f"placement: one request, 1 thread per process, {args.placement_rounds} alternating rounds (median, "
+            "min–max; ratio: median of each round's ratio to that round's whole model)"
+        )
+        for col in ("config", "decode ms/token", "spread", "ratio"):
+            pt.add_column(col, justify="right")
+        for name, vals in placed.items():
+            ratio = statistics.median(v / w for v, w in zip(vals, whole, strict=True))
+            pt.add_row(name, f"{statistics.median(vals):.2f}", f"{min(vals):.2f}–{max(vals):.2f}", f"{ratio:.3f}x")
+        console.print(pt)
 
 
 if __name__ == "__main__":
