@@ -5,7 +5,8 @@ costs; ``--split even`` for equal layer counts).
 Per model (Gemma 3 270M, SmolLM2-135M-Instruct, and a tiny random 8-layer llama whose compute is small next to the
 ring's per-step costs), one ring; each request asks its K through the control socket (0 = the plain ring), plain and
 speculative requests interleaved, ``--repeats`` of each; the nodes draft by ``--draft-policy`` (auto: eagerly on a
-latency-bound ring). Text kinds: self-repeating (greedy; drafts mostly accepted) and "drafts fail" (sampled at T=1
+latency-bound ring). Text kinds (``--kinds``): self-repeating (asked to copy code; greedy; drafts mostly accepted),
+verbatim (a paragraph given twice, then begun a third time; greedy) and "drafts fail" (sampled at T=1
 with a fixed seed: drafts proposed from repeated n-grams and mostly rejected). Per kind: median tokens/s with
 min–max, the per-repeat ratio's median and min–max, acceptance and eager steps (the last rank's counters) and
 whether every speculative answer equals the plain one. Then what a verify batch costs the whole model in one process
@@ -42,10 +43,16 @@ REPEATING = (
     "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n    return a * b\n\n"
     "Copy the three functions above exactly:\n\ndef add(a, b):\n"
 )
+PARAGRAPH = (
+    "The keeper climbed the spiral stairs at dusk, lit the great lamp, and wrote the weather in the log: wind from "
+    "the west, a long swell, three fishing boats home before dark and one still out beyond the point."
+)
+VERBATIM = f"{PARAGRAPH}\n\nThe same paragraph, repeated word for word:\n\n{PARAGRAPH}\n\nAnd once more:\n\nThe keeper"
 STORY = "Write a short story about a lighthouse keeper who finds a strange map washed up on the shore."
 #: (prompt, sampling) per text kind.
 KINDS: dict[str, tuple[str, dict[str, Any]]] = {
     "self-repeating": (REPEATING, {"temperature": 0.0}),
+    "verbatim": (VERBATIM, {"temperature": 0.0}),
     "drafts fail": (STORY, {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": 7}),
 }
 
@@ -104,7 +111,8 @@ def bench_ring(table: Table, name: str, model: Path, args: argparse.Namespace, c
         stack.callback(ring.stop)
         ring.wait_ready(timeout=300)
         first, last = ring.sockets[0], ring.sockets[-1]
-        for kind, (prompt, base) in KINDS.items():
+        for kind in args.kinds.split(","):
+            prompt, base = KINDS[kind]
             sampling = {**base, "chat": name == "smol"}  # an instruct model: through its chat template
             run_once(first, prompt, 8, 0, sampling)  # warm-up: pages in, caches filled
             plain: list[float] = []
@@ -168,6 +176,7 @@ def verify_cost(table: Table, name: str, model: Path, threads: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="gemma,smol,tiny", help="gemma, smol, tiny or GGUF paths, comma-separated")
+    ap.add_argument("--kinds", default=",".join(KINDS), help=f"text kinds, comma-separated: {', '.join(KINDS)}")
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--k", type=int, default=6)
     ap.add_argument("--tokens", type=int, default=96)
@@ -183,6 +192,8 @@ def main() -> None:
     )
     ap.add_argument("--no-cost", dest="cost", action="store_false", help="skip the verify-batch cost table")
     args = ap.parse_args()
+    if unknown := set(args.kinds.split(",")) - set(KINDS):
+        ap.error(f"unknown text kind(s): {', '.join(sorted(unknown))}")
     cache = default_cache_dir()
     models = {name: model_path(name, cache) for name in args.models.split(",")}
     console = Console(width=170)
