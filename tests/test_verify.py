@@ -44,6 +44,7 @@ from kvasir.verify.commit import (
     first_mismatch,
     sample_payload,
     step_hash,
+    successor_mismatch,
 )
 from kvasir.verify.kernel import stage_kernel_class
 from kvasir.verify.probe import AdmissionRefused, check_probe, probe_hash
@@ -160,6 +161,10 @@ def test_first_mismatch() -> None:
     assert first_mismatch(["a", "b"], ["a", "c"]) == 1
     assert first_mismatch(["a", "b"], ["a"]) == 1
     assert first_mismatch([], ["x"]) == 0
+    # The successor check: the successor's inputs are the start of the predecessor's outputs, never more.
+    assert successor_mismatch(["a", "b", "c"], ["a", "b"]) is None
+    assert successor_mismatch(["a", "b"], ["a", "c"]) == 1
+    assert successor_mismatch(["a"], ["a", "b"]) == 1
 
 
 def test_legitimate_skips() -> None:

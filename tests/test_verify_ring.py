@@ -24,7 +24,14 @@ from kvasir.ring.record import NodeRecorder
 from kvasir.shard.cache import stage_files
 from kvasir.testing.fakestage import FakeStage, MemoryNetwork, expected_tokens, fake_ring
 from kvasir.verify.audit import WindowLog, audit_window, legitimate_skips, read_json
-from kvasir.verify.commit import NO_TOKEN, VerificationError, WindowReceipt, first_mismatch, skip_hash
+from kvasir.verify.commit import (
+    NO_TOKEN,
+    VerificationError,
+    WindowReceipt,
+    first_mismatch,
+    skip_hash,
+    successor_mismatch,
+)
 from kvasir.verify.select import key_commitment, new_key, reveal, selected, selection_value
 from kvasir.wire import CHAIN_BYTES, FLAG_CHAIN, Boundary, Frame
 from tests.conftest import run_cli
@@ -214,6 +221,35 @@ async def test_a_speculative_request_replayed_after_a_broken_link_is_recorded_on
     assert len(skipped) - sum(skipped) == stages[-1].forwards
     assert legitimate_skips(last.schedule, skipped) == skipped
     assert all(n.recorder is not None and n.recorder.mismatches == 0 for n in nodes)
+
+
+async def test_rows_in_flight_when_a_speculative_request_ends_break_no_link(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    """EOG sampled inside a verify batch: the last rank ends the request there and drops the rows still on their way,
+    which its predecessor sent and signed. Those outputs nobody took are not a broken link: the successor check
+    holds the successor's inputs against the start of the predecessor's outputs, and every window audits as usual."""
+    from tests.test_ring_speculate_flow import PERIOD, WINDOWS, reference
+    from tests.test_ring_speculate_flow import answer as spec_answer
+
+    want, _ = reference(6, 60, eog_at=47)
+    async with trio.open_nursery() as nursery:
+        nodes = await _recording_ring(nursery, tmp_path, [True] * 4, WINDOWS, period=PERIOD, eog_at=47)
+        assert await spec_answer(nodes[0], 60, speculate=6, reason="eog") == want
+        await wait_for(lambda: len(list((tmp_path / "receipts").glob("*.json"))) == 4, "the request's receipts")
+        nursery.cancel_scope.cancel()
+    chain = sorted(
+        map(WindowReceipt.from_wire, map(read_json, (tmp_path / "receipts").glob("*"))), key=lambda r: r.start
+    )
+    # The case at hand: the last window took fewer rows than its predecessor sent.
+    assert len(chain[-2].output_hashes) > len(chain[-1].input_hashes)
+    inputs = chain[-1].input_hashes
+    assert successor_mismatch(chain[-2].output_hashes, inputs) is None
+    # Never fewer: an input the predecessor did not sign is a mismatch at that step.
+    assert successor_mismatch(chain[-2].output_hashes[: len(inputs)], (*inputs, "0" * 64)) == len(inputs)
+    key = new_key()
+    done = reveal(tmp_path, key, 1.0, commitment=key_commitment(key))
+    assert len(done.selected) == 4 and done.linked == 3 and not done.broken_links
 
 
 async def _recording_ring(

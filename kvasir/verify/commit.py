@@ -255,6 +255,13 @@ class Recorder:
         ).signed(identity)
 
 
+def successor_mismatch(predecessor_outputs: Sequence[str], inputs: Sequence[str]) -> int | None:
+    """The successor check on two receipts: the first step whose input is not the predecessor's output, or None.
+    A successor's inputs must be the start of its predecessor's outputs; the predecessor may list more (frames still
+    on their way when the request ended at the successor, such as a verify batch's rows after an EOG), never fewer."""
+    return first_mismatch(predecessor_outputs[: len(inputs)], inputs)
+
+
 def first_mismatch(predecessor_outputs: Sequence[str], inputs: Sequence[str]) -> int | None:
     """The first step whose input hash is not the predecessor's output hash (a length difference counts at the end
     of the shorter list); None when they agree."""

@@ -24,7 +24,7 @@ import attrs
 
 from kvasir.errors import InputError
 from kvasir.verify.audit import WindowLog, read_json, write_json
-from kvasir.verify.commit import VerificationError, WindowReceipt, first_mismatch
+from kvasir.verify.commit import VerificationError, WindowReceipt, successor_mismatch
 
 SELECT_DOMAIN = b"kvasir-audit-select/v1\n"
 COMMIT_DOMAIN = b"kvasir-audit-key/v1\n"
@@ -109,7 +109,7 @@ def reveal(directory: Path, key: bytes, fraction: float, *, commitment: str | No
         pred = log.predecessor or _predecessor(directory, r)
         if pred is not None:
             linked += 1
-            bad = first_mismatch(pred.output_hashes, r.input_hashes)
+            bad = successor_mismatch(pred.output_hashes, r.input_hashes)
             if bad is not None:
                 broken.append((out / path.name, bad))
             log = attrs.evolve(log, predecessor=pred)
