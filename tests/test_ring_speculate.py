@@ -128,18 +128,16 @@ def test_a_recording_speculative_ring_audits_and_a_false_skip_is_caught(
     assert len(done.selected) == 9 and done.linked == 6 and not done.broken_links
     logs = [WindowLog.from_wire(read_json(p)) for p in done.selected]
     lasts = [log for log in logs if log.receipt.last]
-    skips = sum(
-        h == skip_hash(p, n)
-        for log in lasts
-        for h, (p, n) in zip(log.receipt.output_hashes, log.receipt.schedule, strict=True)
-    )
+    skips = sum(map(_skips_of, lasts))
     assert skips > 0  # stale rows were skipped (and are audited as such below)
     paths = stage_files(gemma_path, windows, cache_dir)
+    audited_skips = 0
     for k, path in enumerate(paths):
         with Stage.load(StageConfig(path, n_ctx=512, n_seq_max=1, n_threads=2)) as window:
             for log in (log for log in logs if log.receipt.start == windows[k][0]):
                 result = audit_window(window, log.inputs, log.receipt)
                 assert result.ok and result.token_step is None, (k, result)
+                audited_skips += result.skipped
             if k == len(windows) - 1:
                 # A last rank that skips a row the next step builds on (not a stale one): caught at that step.
                 log = max(lasts, key=lambda log: len(log.receipt.schedule))
@@ -159,3 +157,16 @@ def test_a_recording_speculative_ring_audits_and_a_false_skip_is_caught(
                 ).signed(forger)  # fmt: skip
                 result = audit_window(window, log.inputs, forged)
                 assert not result.ok and result.step == i
+    assert audited_skips == skips  # every skip the last rank signed was taken as one, none computed
+    # The command line says so too, on the last rank's log with the most skips.
+    last_logs = [(p, log) for p, log in zip(done.selected, logs, strict=True) if log.receipt.last]
+    path, log = max(last_logs, key=lambda pl: _skips_of(pl[1]))
+    shown = run_cli("audit", "run", str(path), "--stage", str(paths[-1]))
+    assert shown.returncode == 0, shown.stderr
+    assert f"{len(log.receipt.schedule)} steps equal ({_skips_of(log)} of them verify rows" in shown.stdout
+
+
+def _skips_of(log: WindowLog) -> int:
+    """How many steps of a last rank's log are skipped verify rows."""
+    r = log.receipt
+    return sum(h == skip_hash(p, n) for h, (p, n) in zip(r.output_hashes, r.schedule, strict=True))

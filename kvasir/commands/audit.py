@@ -70,8 +70,12 @@ def run_audit(args: argparse.Namespace) -> int:
     if args.json:
         print_json({**attrs.asdict(result), "node": r.key.fingerprint, "request": r.request})
     elif result.ok:
+        skipped = (
+            f" ({result.skipped} of them verify rows the next step rolled back, not computed)" if result.skipped else ""
+        )
         print(
             f"ok: node {r.key.fingerprint}, layers {r.start}:{r.end}, request {r.request}: {result.steps} steps equal"
+            f"{skipped}"
         )
     else:
         where = f" (proof: {args.proof_out})" if args.proof_out is not None else ""

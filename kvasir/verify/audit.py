@@ -235,6 +235,8 @@ class AuditResult:
     recomputed_hash: str | None = None
     #: Last rank: the first step whose signed token is not the re-sampled one (None when they agree).
     token_step: int | None = None
+    #: Steps taken as skips, not computed: speculative verify rows that the next step rolled back.
+    skipped: int = 0
 
 
 def load_stage(path: Path, inputs: Sequence[Boundary]) -> Stage:
@@ -284,6 +286,7 @@ def audit_window(stage: Stage | Path, inputs: Sequence[Boundary], receipt: Windo
     _check_stage(stage, receipt)
     t0 = time.perf_counter()
     n = len(inputs)
+    skips = receipt_skips(receipt)[:n]
     outputs = execute(
         stage,
         inputs,
@@ -291,7 +294,7 @@ def audit_window(stage: Stage | Path, inputs: Sequence[Boundary], receipt: Windo
         sampling=receipt.sampling,
         history=receipt.history,
         samples=[t != NO_TOKEN for t in receipt.tokens[:n]] if receipt.last else None,
-        skips=receipt_skips(receipt)[:n],
+        skips=skips,
     )
     seconds = time.perf_counter() - t0
     got = [o.hash for o in outputs]
@@ -307,6 +310,7 @@ def audit_window(stage: Stage | Path, inputs: Sequence[Boundary], receipt: Windo
         signed_hash=receipt.output_hashes[step] if step is not None else None,
         recomputed_hash=got[step] if step is not None else None,
         token_step=token_step,
+        skipped=sum(skips),
     )
 
 
