@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import select
 import socket
 import statistics
 import struct
@@ -58,8 +59,6 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 
 
 def _raw_receiver(sock: socket.socket, frames: int, size: int, use_epoll: bool) -> list[float]:
-    import select
-
     ep = select.epoll() if use_epoll else None
     if ep is not None:
         ep.register(sock.fileno(), select.EPOLLIN)
@@ -129,6 +128,20 @@ def _tls_sender(
     trio.run(main)
 
 
+def _plain_sender(sock: socket.socket, framed: bool, frames: int, gap: float, base: np.ndarray) -> None:
+    """Blocking sends: a BOUNDARY frame's bytes when ``framed``, else the bare stamped row."""
+    for i in range(frames):
+        time.sleep(gap)
+        hidden = _stamped(base)
+        data = (
+            Boundary.from_array(1, 100 + i, hidden, final=True, latest_token=5).to_wire()
+            if framed
+            else hidden.tobytes()
+        )
+        sock.sendall(data)
+        _recv_exact(sock, 1)
+
+
 def _stamped(base: np.ndarray) -> np.ndarray:
     hidden = base.copy()
     hidden.view(np.uint8)[0, : STAMP.size] = np.frombuffer(STAMP.pack(time.perf_counter()), np.uint8)
@@ -159,16 +172,9 @@ def measure(kind: str, frames: int, gap: float, n_embd: int) -> list[float]:
     b.close()
     os.close(w)
     if keys is not None:
-        _tls_sender(a, (keys[0], keys[1]), frames, gap, base)
-    for i in range(frames if keys is None else 0):
-        time.sleep(gap)
-        hidden = _stamped(base)
-        if kind == "kvasir StreamLink":
-            data = Boundary.from_array(1, 100 + i, hidden, final=True, latest_token=5).to_wire()
-        else:
-            data = hidden.tobytes()
-        a.sendall(data)
-        _recv_exact(a, 1)
+        _tls_sender(a, keys, frames, gap, base)
+    else:
+        _plain_sender(a, kind == "kvasir StreamLink", frames, gap, base)
     raw = b""
     while chunk := os.read(r, 1 << 20):
         raw += chunk

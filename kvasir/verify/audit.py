@@ -216,10 +216,14 @@ def legitimate_skips(schedule: Sequence[tuple[int, int]], skipped: Sequence[bool
     return legit
 
 
+def skipped_steps(receipt: WindowReceipt) -> list[bool]:
+    """Which steps of a receipt its signer says it skipped (output hash :func:`~kvasir.verify.commit.skip_hash`)."""
+    return [h == skip_hash(p, n) for h, (p, n) in zip(receipt.output_hashes, receipt.schedule, strict=True)]
+
+
 def receipt_skips(receipt: WindowReceipt) -> list[bool]:
     """Which steps of a receipt are skips an audit takes as they are (:func:`legitimate_skips`)."""
-    skipped = [h == skip_hash(p, n) for h, (p, n) in zip(receipt.output_hashes, receipt.schedule, strict=True)]
-    return legitimate_skips(receipt.schedule, skipped)
+    return legitimate_skips(receipt.schedule, skipped_steps(receipt))
 
 
 @attrs.frozen
