@@ -14,6 +14,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from kvasir import __version__
 from kvasir.util.cli import run_main
 
 # Modules that define subcommands; imported lazily so `kvasir --help` does not load llama.cpp.
@@ -41,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run one large language model across a ring of ordinary devices, with no central master.",
         epilog="Start with `kvasir ring up --prompt TEXT`; see README.md and docs/.",
     )
+    parser.add_argument("--version", action="version", version=f"kvasir {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in _COMMAND_MODULES:
         importlib.import_module(name).add_parser(sub)

@@ -160,8 +160,11 @@ def test_local_ring_nodes_ignore_the_users_config(conf: Path, monkeypatch: pytes
 def test_kvasir_id_shows_the_configured_key(conf: Path, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     # `kvasir id` prints the key a node would use: the configured one, not the default.
     conf.write_text('identity = "keys/node.pem"\n')
-    code, out, _ = cli(capsys, "id", "--json")
+    # A configured key file is a named one: made only when asked (a typo in the file must not mint a new key).
+    code, _, err = cli(capsys, "id", "--json")
+    assert code == 2 and "keys/node.pem does not exist" in err
+    code, out, _ = cli(capsys, "id", "--json", "--create-identity")
     assert code == 0 and json.loads(out)["file"] == str(conf.parent / "keys" / "node.pem")
     assert (conf.parent / "keys" / "node.pem").exists()
-    code, out, _ = cli(capsys, "id", "--json", "--identity", str(tmp_path / "flag.pem"))
+    code, out, _ = cli(capsys, "id", "--json", "--identity", str(tmp_path / "flag.pem"), "--create-identity")
     assert code == 0 and json.loads(out)["file"] == str(tmp_path / "flag.pem")

@@ -22,7 +22,19 @@ REPO = Path(__file__).resolve().parent.parent
 #: planned moves) are harmless.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # kvasir.core.codes (the wire's error codes, no imports) is its own unit: the error tree carries its codes.
-    ("foundation", ("kvasir", "kvasir.errors", "kvasir.core.codes", "kvasir.core.*", "kvasir.util.*")),
+    # examples/ is data (installed as kvasir.examples): it imports nothing of Kvasir's.
+    (
+        "foundation",
+        (
+            "kvasir",
+            "kvasir.errors",
+            "kvasir.core.codes",
+            "kvasir.core.*",
+            "kvasir.util.*",
+            "kvasir.examples",
+            "examples",
+        ),
+    ),
     ("shard", ("kvasir.shard.*",)),
     # The planner and the shipped profiles read GGUF metadata only.
     ("stage", ("kvasir.stage.*", "kvasir.planner.*", "kvasir.profiles.*")),

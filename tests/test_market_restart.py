@@ -38,7 +38,7 @@ def _free_port() -> int:
 
 def _market(tmp: Path, port: int) -> tuple[Proc, str]:
     p = Proc("market", "--listen", f"127.0.0.1:{port}", "--db", str(tmp / "m.sqlite"), "--identity",
-             str(tmp / "market.pem"))  # fmt: skip
+             str(tmp / "market.pem"), "--create-identity")  # fmt: skip
     return p, p.wait_line(r"listening on (http://\S+)").group(1)
 
 

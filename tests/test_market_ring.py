@@ -89,7 +89,7 @@ def test_empty_nodes_enroll_serve_earn_and_heal(tiny_model: Callable[..., Path],
     want = whole_model_tokens(model, PROMPT, 12)
     gg = read_gguf(model)
     with procs() as ps:
-        operator = ("--identity", str(tmp_path / "operator.pem"))
+        operator = ("--identity", str(tmp_path / "operator.pem"), "--create-identity")
         market = Proc("market", "--listen", "127.0.0.1:0", "--db", str(tmp_path / "market.sqlite"), *operator)
         ps.append(market)
         url = market.wait_line(r"listening on (http://\S+)").group(1)
@@ -229,7 +229,7 @@ def test_a_killed_holder_is_replaced_by_a_waiting_claimant_and_answers_go_on(
     that was waiting for work claims the window when the dead lease ends, fetches and loads it, its predecessor
     replays the request into it, and the client's answer is exactly the fault-free one."""
     with procs() as ps:
-        operator = ("--identity", str(tmp_path / "operator.pem"))
+        operator = ("--identity", str(tmp_path / "operator.pem"), "--create-identity")
         market = Proc("market", "--listen", "127.0.0.1:0", "--db", str(tmp_path / "market.sqlite"), *operator)
         ps.append(market)
         url = market.wait_line(r"listening on (http://\S+)").group(1)

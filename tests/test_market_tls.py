@@ -98,7 +98,7 @@ def test_node_enrolls_over_https_and_a_wrong_ca_is_refused_in_one_line(
     model = tiny_model("llama", "q8_0")
     tls = ("--tls-cert", str(cert), "--tls-key", str(key))
     with procs() as ps:
-        operator = ("--identity", str(tmp_path / "operator.pem"))
+        operator = ("--identity", str(tmp_path / "operator.pem"), "--create-identity")
         market = Proc("market", "--listen", "127.0.0.1:0", "--db", str(tmp_path / "m.sqlite"), *operator, *tls)
         seeder = Proc("serve-model", str(model), "--listen", "127.0.0.1:0", *tls)
         ps += [market, seeder]

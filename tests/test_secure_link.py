@@ -161,7 +161,12 @@ def test_kvasir_id_creates_once_and_prints_the_same_key(tmp_path: Path, capsys: 
     from kvasir.cli import main
 
     path = tmp_path / "id.pem"
-    assert main(["id", "--identity", str(path), "--json"]) == 0
+    # A named file that does not exist is a typo until the user says otherwise: no key is made behind their back.
+    assert main(["id", "--identity", str(path), "--json"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"identity {path} does not exist" in err and "--create-identity" in err
+    assert not path.exists() and not path.parent.joinpath(".id.pem").exists()
+    assert main(["id", "--identity", str(path), "--create-identity", "--json"]) == 0
     first = json.loads(capsys.readouterr().out)
     assert main(["id", "--identity", str(path), "--json"]) == 0
     second = json.loads(capsys.readouterr().out)

@@ -26,7 +26,7 @@ def test_a_window_that_does_not_reproduce_its_probe_is_refused(tiny_model: Calla
     with procs() as ps:
         operator_path = tmp_path / "operator.pem"
         market = Proc("market", "--listen", "127.0.0.1:0", "--db", str(tmp_path / "m.sqlite"),
-                      "--identity", str(operator_path))  # fmt: skip
+                      "--identity", str(operator_path), "--create-identity")  # fmt: skip
         ps.append(market)
         url = market.wait_line(r"listening on (http://\S+)").group(1)
         key = market.wait_line(r"operator (ed25519:\S+)").group(1)

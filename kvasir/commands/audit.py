@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kvasir.commands.common import print_json
-from kvasir.commands.id import add_identity_argument, default_identity_path
+from kvasir.commands.id import add_identity_argument, identity_from_args
 
 
 def add_parser(sub: Any) -> None:
@@ -150,13 +150,12 @@ def run_submit(args: argparse.Namespace) -> int:
     """Sign and POST the proof; the market checks it (and may re-execute it) before it withdraws anything."""
     import trio
 
-    from kvasir.core.identity import load_or_create_identity
     from kvasir.market.agent.client import MarketClient
     from kvasir.util.tls import client_context
     from kvasir.verify.audit import FraudProof, read_json
 
     proof = FraudProof.from_wire(read_json(args.proof), str(args.proof))  # a malformed file fails here, not there
-    identity = load_or_create_identity(args.identity or default_identity_path())
+    identity = identity_from_args(args)
 
     async def submit() -> dict[str, Any]:
         async with MarketClient(args.market, identity=identity, tls=client_context(args.market_ca)) as market:

@@ -24,7 +24,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvasir.commands.common import print_json
-from kvasir.commands.id import add_identity_argument, default_identity_path
+from kvasir.commands.id import add_identity_argument, identity_from_args
 from kvasir.util import addr
 
 DEFAULT_LISTEN = "127.0.0.1:8480"
@@ -108,13 +108,13 @@ def add_ca_argument(p: argparse.ArgumentParser) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from kvasir.core.identity import PublicKey, load_or_create_identity
+    from kvasir.core.identity import PublicKey
     from kvasir.market.server.service import serve_market
 
     host, port = parse_hostport(args.listen, "--listen")
     tls = server_tls(args)
     scheme = "https" if tls is not None else "http"
-    identity = load_or_create_identity(args.identity or default_identity_path())
+    identity = identity_from_args(args)
     operator = PublicKey.from_text(args.operator_key) if args.operator_key else identity.public
 
     class Announce:
@@ -155,11 +155,10 @@ def run_publish(args: argparse.Namespace) -> int:
         windows, origin = planner_windows(args.model, args.devices), "planner"
     else:
         windows, origin = parse_windows(args.windows, args.weights), "explicit"
-    from kvasir.core.identity import load_or_create_identity
     from kvasir.market.agent.publish import publish_signed
     from kvasir.util.tls import client_context
 
-    identity = load_or_create_identity(args.identity or default_identity_path())
+    identity = identity_from_args(args)
     record = model_record(args.model, windows, args.source, default_cache_dir(), args.name, probes=args.probes)
     record = record.signed(identity)
 

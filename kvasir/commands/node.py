@@ -21,7 +21,7 @@ import trio
 from kvasir.api.server import ApiAccess
 from kvasir.commands.common import add_batch_arg, add_speculate_arg
 from kvasir.commands.config import fill_from_config
-from kvasir.commands.id import add_identity_argument, default_identity_path
+from kvasir.commands.id import add_identity_argument, default_identity_path, identity_from_args
 from kvasir.control.paths import node_socket_path
 from kvasir.control.server import serve_control
 from kvasir.core.identity import Identity, load_or_create_identity
@@ -233,11 +233,7 @@ async def serve_node(manifest: Manifest, rank: int, config: StageConfig, args: a
     try:
         await trio.to_thread.run_sync(lambda: stage.vocab)  # load the tokenizer before serving
         # A keyed ring needs the node's identity; a keyless one uses it only if one was named.
-        identity = (
-            load_or_create_identity(args.identity or default_identity_path())
-            if manifest.secured or args.identity is not None
-            else None
-        )
+        identity = identity_from_args(args) if manifest.secured or args.identity is not None else None
         node_config = NodeConfig(
             manifest,
             rank,
@@ -347,11 +343,11 @@ def enroll_config(args: argparse.Namespace) -> Any:
 
 def enroll_keys(args: argparse.Namespace) -> dict[str, Any]:
     """The pinned operator key, and this node's identity when one is named (default: a fresh key per run)."""
-    from kvasir.core.identity import PublicKey, load_or_create_identity
+    from kvasir.core.identity import PublicKey
 
     keys: dict[str, Any] = {"market_key": PublicKey.from_text(args.market_key) if args.market_key else None}
     if getattr(args, "identity", None) is not None:
-        keys["identity"] = load_or_create_identity(args.identity)
+        keys["identity"] = identity_from_args(args)
     return keys
 
 

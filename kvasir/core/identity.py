@@ -140,3 +140,16 @@ def create_identity(path: Path) -> Identity:
 def load_or_create_identity(path: Path) -> Identity:
     """The identity at ``path``, created on first use."""
     return load_identity(path) if path.exists() else create_identity(path)
+
+
+def named_identity(path: Path | None, default: Path, *, create: bool = False) -> Identity:
+    """The key a command runs as: ``default`` is created on first use; a named ``path`` only with ``create``.
+
+    A mistyped ``--identity`` must not quietly become a fresh key (the ring then refuses it as a key mismatch, far
+    from the typo), so a named file that does not exist is an error unless the user asked for a new key.
+    """
+    if path is None:
+        return load_or_create_identity(default)
+    if create or path.exists():
+        return load_or_create_identity(path)
+    raise InputError(f"identity {path} does not exist (add --create-identity to make a new key there)")
