@@ -1,12 +1,16 @@
-"""The wheel is whole: built from a copy of the tree, installed into a fresh venv, it runs a split generation.
+"""The wheel is whole: built from a copy of the tree, installed with its dependencies into a fresh venv, it runs.
 
-The venv uses ``--system-site-packages`` so llama-cpp-python and the other dependencies come from this machine, and
-the wheel goes in with ``--no-deps``. Everything runs outside the repository, without ``PYTHONPATH``, so the checkout
-cannot be imported by accident (checked: ``kvasir.__file__`` must lie in the venv).
+The venv has no system site packages: every dependency comes from the wheel's own metadata (PyPI), except the pinned
+llama-cpp-python, which comes from the wheel scripts/install.sh built and cached (`pip --find-links`), as a user's
+install gets it. So an import the metadata does not declare fails here, as it would for a user. Everything runs
+outside the repository, without ``PYTHONPATH``, so the checkout cannot be imported by accident (checked:
+``kvasir.__file__`` must lie in the venv). The same venv then runs as Termux's Python does (``sys.platform ==
+"android"``, the patched loader).
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import importlib.util
 import json
@@ -22,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from kvasir.stage import capture
+from tests.test_termux import ANDROID_MAIN, android_copy, patcher
 
 REPO = Path(__file__).resolve().parent.parent
 COPY_IGNORE = shutil.ignore_patterns(
@@ -52,6 +57,11 @@ def build_wheel(out: Path) -> Path:
     return wheel
 
 
+def venv_site_packages(venv: Path) -> Path:
+    (site,) = venv.glob("lib/python3*/site-packages")
+    return site
+
+
 def clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
     env.update(extra)
@@ -76,31 +86,52 @@ def test_native_library_without_compiler_falls_back(tmp_path: Path, monkeypatch:
     assert not list((tmp_path / "cache2").glob("native/*.so"))
 
 
+def cached_llama_wheel() -> Path | None:
+    """The llama-cpp-python wheel scripts/install.sh built for this machine's flags (its cache key), if any."""
+    r = subprocess.run(
+        ["bash", str(REPO / "scripts" / "install.sh"), "--print-cmake-args"], capture_output=True, text=True, check=True
+    )
+    key = hashlib.sha256(r.stdout.removesuffix("\n").encode()).hexdigest()[:12]
+    root = Path(os.environ.get("KVASIR_WHEEL_DIR") or Path.home() / ".cache" / "kvasir" / "wheels")
+    return next(iter(sorted((root / key).glob("llama_cpp_python-0.3.36-*.whl"))), None)
+
+
 @pytest.mark.slow
-def test_wheel_installs_and_runs_a_split_generation(tmp_path: Path, tiny_model: Callable[..., Path]) -> None:
+def test_wheel_installs_with_its_dependencies_and_runs(tmp_path: Path, tiny_model: Callable[..., Path]) -> None:
     pytest.importorskip("llama_cpp")
+    llama_wheel = cached_llama_wheel()
+    if llama_wheel is None:
+        pytest.skip("no cached llama-cpp-python wheel (scripts/install.sh builds one)")
     wheel = build_wheel(tmp_path / "dist")
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
     assert "kvasir/stage/native/capture.c" in names
     assert any(n.startswith("kvasir/profiles/") and n.endswith(".toml") for n in names)
     assert not any(n.startswith("tests/") for n in names)
+    assert "kvasir/examples/devices-mixed.toml" in names
+    assert any(n.endswith(".dist-info/licenses/LICENSE") or n.endswith(".dist-info/LICENSE") for n in names)
 
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=120)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     py = venv / "bin" / "python"
     work = tmp_path / "elsewhere"
     work.mkdir()
     env = clean_env(KVASIR_CACHE=str(tmp_path / "cache"))
     r = subprocess.run(
-        [str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
+        [str(py), "-m", "pip", "install", "-q", "--find-links", str(llama_wheel.parent), str(wheel)],
         cwd=work,
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
     )
     assert r.returncode == 0, r.stderr
+    version = subprocess.run(
+        [str(venv / "bin" / "kvasir"), "--version"], cwd=work, env=env, capture_output=True, text=True
+    )
+    assert version.returncode == 0 and version.stdout.strip() == f"kvasir {importlib.metadata.version('kvasir')}", (
+        version.stdout + version.stderr
+    )
     where = subprocess.run(
         [str(py), "-c", "import kvasir; print(kvasir.__file__)"], cwd=work, env=env, capture_output=True, text=True
     )
@@ -108,9 +139,10 @@ def test_wheel_installs_and_runs_a_split_generation(tmp_path: Path, tiny_model: 
 
     model = tiny_model("llama", "q8_0")
 
-    def generate(*args: str) -> dict[str, object]:
+    def kvasir(*args: str, android: Path | None = None) -> dict[str, object]:
+        cmd = [str(venv / "bin" / "kvasir")] if android is None else [str(py), "-c", ANDROID_MAIN, str(android)]
         r = subprocess.run(
-            [str(venv / "bin" / "kvasir"), "generate", str(model), "--prompt=Hello world", "--json", *args],
+            [*cmd, *args, "--json"],
             cwd=work,
             env=env,
             capture_output=True,
@@ -121,8 +153,23 @@ def test_wheel_installs_and_runs_a_split_generation(tmp_path: Path, tiny_model: 
         out: dict[str, object] = json.loads(r.stdout)
         return out
 
-    split = generate("--splits=0,2,4,6", "--threads=1", "--max-tokens=8")
-    assert split["tokens"] == generate("--threads=1", "--max-tokens=8")["tokens"]
+    def generate(*args: str, android: Path | None = None) -> dict[str, object]:
+        return kvasir("generate", str(model), "--prompt=Hello world", "--threads=1", "--max-tokens=8", *args,
+                      android=android)  # fmt: skip
+
+    whole = generate()["tokens"]
+    assert generate("--splits=0,2,4,6")["tokens"] == whole
+    ring = kvasir("ring", "up", str(model), "--stages=2", "--threads=1", "--prompt=Hello world", "--max-tokens=8")
+    assert ring["tokens"] == whole
+
+    # As on Termux: sys.platform == "android", the venv's llama_cpp with scripts/install.sh's loader patch.
+    site = venv_site_packages(venv)
+    android = android_copy(site / "llama_cpp", tmp_path / "android")
+    patcher.patch(android)
+    assert generate("--splits=0,3,6", android=android)["tokens"] == whole
+    ring = kvasir("ring", "up", str(model), "--stages=2", "--threads=1", "--prompt=Hello world", "--max-tokens=8",
+                  android=android)  # fmt: skip
+    assert ring["tokens"] == whole
     # The non-last stages used the C callback compiled from the wheel's capture.c (when this machine has a compiler).
     if shutil.which(os.environ.get("CC", "cc")):
         assert list((tmp_path / "cache").glob("native/capture-*.so"))
