@@ -75,22 +75,22 @@
               fileset = lib.fileset.unions [
                 ./pyproject.toml
                 ./README.md
+                ./LICENSE
                 ./kvasir
                 ./relay
                 ./tui
+                ./examples
               ];
             };
             build-system = [ python.pkgs.setuptools ];
             dependencies = map (spec: python.pkgs.${depName spec}) deps;
             # trio>=0.33 is for Android (Termux); the trio of the pinned nixpkgs serves Linux and macOS.
             pythonRelaxDeps = [ "trio" ];
-            # The boundary capture callback is compiled on first use (kvasir/stage/capture.py): give it a compiler.
-            makeWrapperArgs = [
-              "--prefix"
-              "PATH"
-              ":"
-              (lib.makeBinPath [ pkgs.stdenv.cc ])
-            ];
+            # The boundary capture callback, compiled here (kvasir/stage/capture.py loads native/capture.so when it
+            # is there), so the runtime closure needs no C compiler.
+            preBuild = ''
+              $CC -O2 -shared -fPIC -o kvasir/stage/native/capture.so kvasir/stage/native/capture.c
+            '';
             pythonImportsCheck = [
               "kvasir.cli"
               "kvasir.stage.engine"

@@ -19,6 +19,8 @@
   cmakeFlags,
   cudaSupport ? false,
   cudaPackages ? { },
+  # Points the CUDA libraries at the host's driver (/run/opengl-driver/lib); without it libcuda.so is not found.
+  autoAddDriverRunpath ? null,
 }:
 let
   # sha256 of the PyPI sdist, one entry per version the pin in pyproject.toml may name.
@@ -51,7 +53,8 @@ buildPythonPackage {
   nativeBuildInputs = [
     cmake
     ninja
-  ];
+  ]
+  ++ lib.optionals cudaSupport [ autoAddDriverRunpath ];
   build-system = [
     scikit-build-core
     pathspec

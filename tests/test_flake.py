@@ -142,4 +142,10 @@ def test_flake_outputs_against_a_stub_nixpkgs() -> None:
     assert got["llamaArgs"]["aarch64-linux"] == got["llamaArgs"]["aarch64-darwin"] == "-DGGML_NATIVE=OFF"
     assert got["cudaArgs"].startswith(got["llamaArgs"]["x86_64-linux"] + ";-DGGML_CUDA=ON;")
     assert got["ggufWithoutPyside"] is True
-    assert "PATH" in got["kvasir"]["makeWrapperArgs"]  # a C compiler for the capture callback
+    # The capture callback is compiled at build time, so no compiler is put on the runtime PATH (or in the closure).
+    assert "kvasir/stage/native/capture.so kvasir/stage/native/capture.c" in got["kvasir"]["preBuild"]
+    assert "PATH" not in got["kvasir"]["makeWrapperArgs"]
+    # Everything pyproject's package-dir and license name is in the build's source.
+    assert {f.rsplit("/", 1)[-1] for f in got["kvasir"]["files"]} >= {"examples", "LICENSE", "relay", "tui", "kvasir"}
+    # CUDA libraries find the host's driver (libcuda.so) at run time; the CPU build needs no such hook.
+    assert "autoAddDriverRunpath" in got["cudaNativeInputs"] and "autoAddDriverRunpath" not in got["cpuNativeInputs"]

@@ -96,6 +96,19 @@ def cached_llama_wheel() -> Path | None:
     return next(iter(sorted((root / key).glob("llama_cpp_python-0.3.36-*.whl"))), None)
 
 
+def test_a_library_built_with_the_package_needs_no_compiler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """flake.nix compiles native/capture.so beside the source at build time; run time then never calls a compiler."""
+    source = tmp_path / "capture.c"
+    source.write_bytes(capture._SOURCE.read_bytes() + b"\n/* prebuilt by this test */\n")
+    r = subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", str(tmp_path / "capture.so"), str(source)])
+    if r.returncode != 0:
+        pytest.skip("no C compiler here to stand in for the package build")
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    lib = capture._native_library(tmp_path / "cache", source)
+    assert lib is not None and hasattr(lib, "kvasir_capture_eval")
+    assert not (tmp_path / "cache").exists()  # nothing compiled or cached at run time
+
+
 @pytest.mark.slow
 def test_wheel_installs_with_its_dependencies_and_runs(tmp_path: Path, tiny_model: Callable[..., Path]) -> None:
     pytest.importorskip("llama_cpp")

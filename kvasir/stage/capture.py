@@ -3,7 +3,9 @@
 ggml's scheduler calls the callback for every node of the graph: "do you want this one?" and, for a yes, again once
 it is computed. Hundreds of nodes per decode make a Python callback cost ~1 ms a token, so the callback is a few
 lines of C (``native/capture.c``) compiled once with the system's C compiler — one exists wherever
-llama-cpp-python was built from source. Without a compiler the same logic runs in Python.
+llama-cpp-python was built from source. A package build may compile it ahead of time (``native/capture.so``
+beside the source; flake.nix does, so no compiler sits in the runtime closure). Without a compiler the same logic runs
+in Python.
 """
 
 from __future__ import annotations
@@ -129,19 +131,28 @@ def _native_library(cache_dir: Path, source_path: Path = _SOURCE) -> ctypes.CDLL
     except OSError as exc:
         log.warning("no C boundary capture source (%s); using the slower Python callback", exc)
         return None
+    prebuilt = source_path.with_suffix(".so")  # compiled at package build time (flake.nix): no compiler at run time
+    if prebuilt.exists():
+        return _load(prebuilt)
     key = hashlib.sha256(source + platform.platform().encode()).hexdigest()[:16]
     target = cache_dir / "native" / f"capture-{key}.so"
-    if target in _loaded:
-        return _loaded[target]
-    lib = None
-    try:
-        if not target.exists():
+    if target not in _loaded and not target.exists():
+        try:
             _compile(target, source_path)
-        lib = ctypes.CDLL(str(target))
-    except (OSError, subprocess.SubprocessError) as exc:
-        log.warning("no C boundary capture (%s); using the slower Python callback", exc)
-    _loaded[target] = lib
-    return lib
+        except (OSError, subprocess.SubprocessError) as exc:
+            log.warning("no C boundary capture (%s); using the slower Python callback", exc)
+            _loaded[target] = None
+    return _load(target)
+
+
+def _load(library: Path) -> ctypes.CDLL | None:
+    if library not in _loaded:
+        try:
+            _loaded[library] = ctypes.CDLL(str(library))
+        except OSError as exc:
+            log.warning("no C boundary capture (%s); using the slower Python callback", exc)
+            _loaded[library] = None
+    return _loaded[library]
 
 
 def _compile(target: Path, source_path: Path) -> None:

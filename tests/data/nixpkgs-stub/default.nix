@@ -13,7 +13,7 @@ let
       };
       pythonPackageNames = [
         "llama-cpp-python" "gguf" "numpy" "trio" "trio-websocket" "httpx" "attrs" "rich" "textual" "h11" "cattrs"
-        "tomli-w" "platformdirs" "setuptools" "pytest" "pytest-trio" "hypothesis" "mypy" "scikit-build-core"
+        "tomli-w" "platformdirs" "cryptography" "certifi" "setuptools" "pytest" "pytest-trio" "hypothesis" "mypy" "scikit-build-core"
         "pathspec" "pyproject-metadata" "typing-extensions" "diskcache" "jinja2"
       ];
       basePython = builtins.listToAttrs (map (n: { name = n; value = pkg n; }) pythonPackageNames);
@@ -27,6 +27,7 @@ let
           cc = pkg "cc";
         };
         cudaPackages = { cuda_nvcc = pkg "nvcc"; cuda_cudart = pkg "cudart"; cuda_cccl = pkg "cccl"; libcublas = pkg "cublas"; };
+        autoAddDriverRunpath = pkg "autoAddDriverRunpath";
         cmake = pkg "cmake";
         ninja = pkg "ninja";
         ruff = pkg "ruff";

@@ -16,11 +16,15 @@ in
   checks = builtins.mapAttrs (_: builtins.attrNames) out.checks;
   devShells = builtins.mapAttrs (_: shells: map (p: p.pname or "python") shells.default.packages) out.devShells;
   kvasir = {
-    inherit (out.packages.x86_64-linux.default) version pythonRelaxDeps makeWrapperArgs pythonImportsCheck;
+    inherit (out.packages.x86_64-linux.default) version pythonRelaxDeps pythonImportsCheck preBuild;
+    makeWrapperArgs = out.packages.x86_64-linux.default.makeWrapperArgs or [ ];
+    files = map toString out.packages.x86_64-linux.default.src.fileset or [ ];
     dependencies = map (d: d.pname) out.packages.x86_64-linux.default.dependencies;
   };
   llamaArgs = builtins.mapAttrs (system: _: (dep system "llama-cpp-python").env.SKBUILD_CMAKE_ARGS) out.packages;
   llamaVersion = (dep "x86_64-linux" "llama-cpp-python").version;
   cudaArgs = cudaLlama.env.SKBUILD_CMAKE_ARGS;
+  cudaNativeInputs = map (p: p.pname) cudaLlama.nativeBuildInputs;
+  cpuNativeInputs = map (p: p.pname) (dep "x86_64-linux" "llama-cpp-python").nativeBuildInputs;
   ggufWithoutPyside = (dep "x86_64-linux" "gguf").overridden or false;
 }
