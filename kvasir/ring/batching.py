@@ -25,7 +25,6 @@ from typing import Any
 
 import attrs
 import trio
-import trio.testing
 
 from kvasir.ring.compute import RingStage
 from kvasir.ring.requests import RequestState
@@ -34,6 +33,8 @@ from kvasir.wire import Boundary, Token
 
 #: The longest a batch waits for frames that have already arrived to be read (normally microseconds).
 GATHER_LIMIT_S = 0.002
+#: Scheduler passes without a new step after which the batch is taken (see ``DecodeBatcher._gather``).
+QUIET_ROUNDS = 8
 
 
 @attrs.frozen(eq=False)
@@ -110,6 +111,16 @@ class DecodeBatcher:
         self._queue.append(step)
         self._wake.set()
 
+    async def _gather(self) -> None:
+        """Yield to the other tasks until QUIET_ROUNDS scheduler passes bring no new step (bounded): a frame already
+        read needs a few passes (link reader, decoder, node) to reach the queue."""
+        with trio.move_on_after(GATHER_LIMIT_S):
+            quiet = 0
+            while quiet < QUIET_ROUNDS:
+                queued = len(self._queue)
+                await trio.lowlevel.checkpoint()
+                quiet = quiet + 1 if len(self._queue) == queued else 0
+
     async def run(self) -> None:
         """Run batches until cancelled."""
         while True:
@@ -119,8 +130,7 @@ class DecodeBatcher:
             # Let every frame that has already arrived reach the queue first (a predecessor's batch comes as a burst
             # of frames): one step that waits alone still runs at once, as the event loop has nothing else to do.
             # Bounded: a busy task elsewhere must not hold the batch back.
-            with trio.move_on_after(GATHER_LIMIT_S):
-                await trio.testing.wait_all_tasks_blocked()
+            await self._gather()
             batch = take_batch(self._queue, self.limit)
             self.batches += 1
             self.steps += len(batch)

@@ -19,11 +19,10 @@ RECIPE_VERSION = 1
 
 def kernel_class(backend: str = "CPU") -> str:
     """``<backend>-<16 hex>``: the backend, then a digest of the llama.cpp version, ggml flags and recipe."""
-    import llama_cpp
-
-    flags = runtime().llama.llama_print_system_info()
+    llama = runtime().llama  # the llama_cpp module: only kvasir.stage imports it
+    flags = llama.llama_print_system_info()
     text = flags.decode(errors="replace") if isinstance(flags, bytes) else str(flags)
-    digest = hashlib.sha256(f"{llama_cpp.__version__}\n{text}\nrecipe {RECIPE_VERSION}".encode()).hexdigest()[:16]
+    digest = hashlib.sha256(f"{llama.__version__}\n{text}\nrecipe {RECIPE_VERSION}".encode()).hexdigest()[:16]
     return f"{backend}-{digest}"
 
 
