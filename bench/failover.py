@@ -18,6 +18,7 @@ connection died with it, by design).
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -25,12 +26,16 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from kvasir.control.client import ControlClient
-from kvasir.demo import demo_model_path
-from kvasir.errors import RingError
-from kvasir.local.launcher import LocalRing, start_ring
-from kvasir.shard.cache import default_cache_dir
-from kvasir.testing.faults import Supervised, prompt_ids, soak, stream
+REPO = Path(__file__).resolve().parent.parent
+if __name__ == "__main__" and sys.path[0] == str(REPO / "bench"):
+    sys.path[0] = str(REPO)  # run as a script: tests.harness comes from the checkout
+
+from kvasir.control.client import ControlClient  # noqa: E402
+from kvasir.demo import demo_model_path  # noqa: E402
+from kvasir.errors import RingError  # noqa: E402
+from kvasir.local.launcher import LocalRing, start_ring  # noqa: E402
+from kvasir.shard.cache import default_cache_dir  # noqa: E402
+from tests.harness.faults import Supervised, prompt_ids, soak, stream  # noqa: E402
 
 SPLITS = {"even 6/6/6": [(0, 6), (6, 12), (12, 18)], "big middle 2/14/2": [(0, 2), (2, 16), (16, 18)]}
 

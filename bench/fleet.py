@@ -1,7 +1,7 @@
 """The ring over an emulated fleet: every node in its own network namespace behind a shaped link, CPU and memory capped.
 
 For each scenario (a model, a fleet of devices with link profiles and CPU shares) it starts one `kvasir node` per
-device (kvasir/testing/fleet.py builds the namespaces, links and cgroups), decodes greedily through rank 0, and
+device (tests/harness/fleet.py builds the namespaces, links and cgroups), decodes greedily through rank 0, and
 prints:
 
 - measured decode ms/token (median and min-max over the repeats);
@@ -36,18 +36,22 @@ import attrs
 from rich.console import Console
 from rich.table import Table
 
-from kvasir.control.client import ControlClient
-from kvasir.demo import demo_model_path
-from kvasir.local.launcher import LocalRing, start_ring
-from kvasir.planner.devices import Device
-from kvasir.planner.estimate import TOKEN_FRAME_BYTES, boundary_bytes, estimate
-from kvasir.planner.profile import profile_from_gguf
-from kvasir.shard.cache import default_cache_dir, even_splits, stage_files
-from kvasir.stage.engine import Stage, StageConfig
-from kvasir.stage.pipeline import LocalPipeline
-from kvasir.testing.fleet import PROFILES, Fleet, FleetNode, fleet, link_stats, memory_of, start_fleet_ring
-from kvasir.testing.tinymodels import tiny_model_cached
-from kvasir.wire import SamplingParams
+REPO = Path(__file__).resolve().parent.parent
+if __name__ == "__main__" and sys.path[0] == str(REPO / "bench"):
+    sys.path[0] = str(REPO)  # run as a script: tests.harness comes from the checkout
+
+from kvasir.control.client import ControlClient  # noqa: E402
+from kvasir.demo import demo_model_path  # noqa: E402
+from kvasir.local.launcher import LocalRing, start_ring  # noqa: E402
+from kvasir.planner.devices import Device  # noqa: E402
+from kvasir.planner.estimate import TOKEN_FRAME_BYTES, boundary_bytes, estimate  # noqa: E402
+from kvasir.planner.profile import profile_from_gguf  # noqa: E402
+from kvasir.shard.cache import default_cache_dir, even_splits, stage_files  # noqa: E402
+from kvasir.stage.engine import Stage, StageConfig  # noqa: E402
+from kvasir.stage.pipeline import LocalPipeline  # noqa: E402
+from kvasir.testing.tinymodels import tiny_model_cached  # noqa: E402
+from kvasir.wire import SamplingParams  # noqa: E402
+from tests.harness.fleet import PROFILES, Fleet, FleetNode, fleet, link_stats, memory_of, start_fleet_ring  # noqa: E402
 
 PROMPT = "Write a short story about a ring of devices that pass hidden states to each other:"
 #: Runtime memory a node needs besides its window (Python, llama.cpp, buffers): the cgroup cap is window + this.

@@ -28,7 +28,7 @@ if __name__ == "__main__" and sys.path[0] == str(REPO / "bench"):
     sys.path[0] = str(REPO)
 
 from kvasir.core.identity import load_or_create_identity  # noqa: E402
-from kvasir.testing.marketload import (  # noqa: E402
+from tests.harness.marketload import (  # noqa: E402
     LoadConfig,
     double_holders,
     drive,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -29,15 +30,19 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from kvasir.control.client import ControlClient
-from kvasir.core.speculate import DRAFT_POLICIES
-from kvasir.demo import chat_model_path, demo_model_path
-from kvasir.local.balance import SPLIT_MODES, split_windows
-from kvasir.local.launcher import start_ring
-from kvasir.shard.cache import default_cache_dir
-from kvasir.stage.engine import BatchItem, Stage, StageConfig
-from kvasir.testing.fleet import PROFILES, FleetNode, fleet, start_fleet_ring
-from kvasir.testing.tinymodels import tiny_model_cached
+REPO = Path(__file__).resolve().parent.parent
+if __name__ == "__main__" and sys.path[0] == str(REPO / "bench"):
+    sys.path[0] = str(REPO)  # run as a script: tests.harness comes from the checkout
+
+from kvasir.control.client import ControlClient  # noqa: E402
+from kvasir.core.speculate import DRAFT_POLICIES  # noqa: E402
+from kvasir.demo import chat_model_path, demo_model_path  # noqa: E402
+from kvasir.local.balance import SPLIT_MODES, split_windows  # noqa: E402
+from kvasir.local.launcher import start_ring  # noqa: E402
+from kvasir.shard.cache import default_cache_dir  # noqa: E402
+from kvasir.stage.engine import BatchItem, Stage, StageConfig  # noqa: E402
+from kvasir.testing.tinymodels import tiny_model_cached  # noqa: E402
+from tests.harness.fleet import PROFILES, FleetNode, fleet, start_fleet_ring  # noqa: E402
 
 REPEATING = (
     "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n    return a * b\n\n"
@@ -101,7 +106,7 @@ def bench_ring(table: Table, name: str, model: Path, args: argparse.Namespace, c
     with contextlib.ExitStack() as stack:
         if args.fleet is None:
             ring = start_ring(model, windows, cache, threads=args.threads, ctx=1024, extra_args=policy)
-        else:  # each node in its own network namespace behind an emulated access link (kvasir/testing/fleet.py)
+        else:  # each node in its own network namespace behind an emulated access link (tests/harness/fleet.py)
             run_dir = Path(tempfile.mkdtemp(prefix="kvasir-spec-fleet-"))
             nodes = [FleetNode(f"n{k}", "cpu", PROFILES[args.fleet]) for k in range(len(windows))]
             f = stack.enter_context(fleet(nodes, run_dir))

@@ -39,12 +39,12 @@ from kvasir.shard.cache import default_cache_dir, model_sha256, stage_files  # n
 from kvasir.shard.gguf_file import describe  # noqa: E402
 from kvasir.shard.gguf_io import read_gguf  # noqa: E402
 from kvasir.stage.engine import Stage, StageConfig  # noqa: E402
-from kvasir.testing.audits import Cheat, serve_request  # noqa: E402
 from kvasir.testing.tinymodels import tiny_model_cached  # noqa: E402
 from kvasir.verify.audit import StepOutput, audit_window  # noqa: E402
 from kvasir.verify.commit import LOGITS_TOKEN, first_mismatch, sample_payload, step_hash  # noqa: E402
 from kvasir.verify.kernel import stage_kernel_class  # noqa: E402
 from kvasir.verify.probe import AdmissionRefused, check_probe, probe_hash  # noqa: E402
+from tests.harness.audits import Cheat, serve_request  # noqa: E402
 
 SAMPLING = SamplingParams(temperature=0.8, seed=99)
 F = 0.02

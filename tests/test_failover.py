@@ -15,7 +15,7 @@ import pytest
 
 from kvasir.control.client import ControlClient
 from kvasir.local.launcher import LocalRing
-from kvasir.testing import faults
+from tests.harness import faults
 from tests.netns import carrier_nat, netns_unavailable, phone_ring, set_link
 from tests.ringutil import running_ring
 from tests.test_speculate import REPEATING

@@ -1,4 +1,4 @@
-"""The fleet emulator (kvasir/testing/fleet.py): shaping logic, and a real 2-node ring across namespaces."""
+"""The fleet emulator (tests/harness/fleet.py): shaping logic, and a real 2-node ring across namespaces."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from kvasir.control.client import ControlClient
-from kvasir.testing.fleet import (
+from tests.harness.fleet import (
     PROFILES,
     FleetNode,
     LinkProfile,

@@ -14,7 +14,7 @@ from kvasir.market.records import ClaimRequest, Lease
 from kvasir.market.server.backend import MarketBackend
 from kvasir.market.server.service import serve_market
 from kvasir.market.server.store import MarketStore
-from kvasir.testing.marketload import (
+from tests.harness.marketload import (
     Grant,
     LoadConfig,
     Tally,

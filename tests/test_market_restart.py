@@ -22,7 +22,7 @@ from kvasir.errors import MarketError
 from kvasir.market.agent.client import MarketClient
 from kvasir.market.records import ClaimRequest, CreditReport, Lease, Receipt, ReceiptBatch
 from kvasir.market.tickets import parse_ticket
-from kvasir.testing.marketload import publish
+from tests.harness.marketload import publish
 from tests.marketutil import Proc
 
 WINDOWS = 6

@@ -1,7 +1,7 @@
 """Verifiable contribution on real llama.cpp: receipts, audits, fraud proofs, probes and token receipts.
 
 A tiny random llama (6 layers, f32) is split 0:2, 2:4, 4:6; requests are served through the three windows with
-receipts (kvasir.testing.audits), and an auditor holding its own copy of each window (loaded separately, other
+receipts (tests.harness.audits), and an auditor holding its own copy of each window (loaded separately, other
 thread count and context size) re-executes them. Cheaters run rank 1 (or the last rank) dishonestly.
 """
 
@@ -22,7 +22,6 @@ from kvasir.errors import InputError
 from kvasir.shard.cache import default_cache_dir, model_sha256, stage_files
 from kvasir.shard.gguf_io import read_gguf
 from kvasir.stage.engine import Stage, StageConfig
-from kvasir.testing.audits import Cheat, Served, serve_request
 from kvasir.testing.tinymodels import tiny_model_cached
 from kvasir.verify.audit import (
     Boundary,
@@ -49,6 +48,7 @@ from kvasir.verify.commit import (
 from kvasir.verify.kernel import stage_kernel_class
 from kvasir.verify.probe import AdmissionRefused, check_probe, probe_hash
 from tests.conftest import run_cli
+from tests.harness.audits import Cheat, Served, serve_request
 
 WINDOWS = [(0, 2), (2, 4), (4, 6)]
 SAMPLING = SamplingParams(temperature=0.8, seed=1234)

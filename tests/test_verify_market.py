@@ -24,10 +24,10 @@ from kvasir.market.server.service import serve_market
 from kvasir.market.server.store import MarketStore
 from kvasir.shard.cache import default_cache_dir, model_sha256, stage_files
 from kvasir.stage.engine import Stage, StageConfig
-from kvasir.testing.audits import Served, serve_request
 from kvasir.verify.audit import FraudProof, StepOutput, audit_window, make_proof, write_json
 from kvasir.verify.commit import step_hash
 from tests.conftest import run_cli
+from tests.harness.audits import Served, serve_request
 from tests.marketutil import SignAuth
 
 WINDOWS = [(0, 2), (2, 4), (4, 6)]

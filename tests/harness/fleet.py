@@ -18,7 +18,7 @@ The TUN devices are not persistent: they vanish when the forwarder exits. Everyt
 node processes) is removed by :func:`fleet`'s cleanup, also on Ctrl-C; node processes and the forwarder also get
 SIGTERM if the process that started them dies (PR_SET_PDEATHSIG).
 
-Run as ``python -m kvasir.testing.fleet forward CONFIG.json`` (the forwarder; started by :func:`fleet`).
+Run as ``python -m tests.harness.fleet forward CONFIG.json`` (the forwarder; started by :func:`fleet`).
 """
 
 from __future__ import annotations
@@ -51,6 +51,8 @@ from kvasir.errors import KvasirError
 from kvasir.local.launcher import LocalRing
 from kvasir.ring.manifest import Manifest, RankEntry
 from kvasir.shard.cache import model_sha256, stage_files
+
+_CHECKOUT = Path(__file__).resolve().parents[2]
 
 CLONE_NEWNET: Final = 0x40000000
 TUNSETIFF: Final = 0x400454CA
@@ -257,8 +259,11 @@ def fleet(nodes: Sequence[FleetNode], run_dir: Path, *, seed: int = 0) -> Iterat
         cfg = run_dir / f"fleet-{tag}.json"
         cfg.write_text(json.dumps(config))
         with (run_dir / f"forwarder-{tag}.log").open("wb") as log:
+            # The harness is not installed (tests/ is not in the wheel): the forwarder finds it from the checkout.
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(_CHECKOUT), os.environ.get("PYTHONPATH", "")])}
             f.forwarder = subprocess.Popen(
-                [sys.executable, "-m", "kvasir.testing.fleet", "forward", str(cfg)],
+                [sys.executable, "-m", "tests.harness.fleet", "forward", str(cfg)],
+                env=env,
                 stdout=subprocess.PIPE,
                 stderr=log,
                 preexec_fn=_pdeathsig,
@@ -523,7 +528,7 @@ def main(argv: Sequence[str]) -> int:
     if len(argv) == 2 and argv[0] == "forward":
         forward(json.loads(Path(argv[1]).read_text()))
         return 0
-    print("usage: python -m kvasir.testing.fleet forward CONFIG.json", file=sys.stderr)
+    print("usage: python -m tests.harness.fleet forward CONFIG.json", file=sys.stderr)
     return 2
 
 
