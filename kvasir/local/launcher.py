@@ -416,10 +416,10 @@ def spawn(
     cmd: list[str], env: dict[str, str], log: Path, *, append: bool = False, tied: bool = False
 ) -> subprocess.Popen[bytes]:
     """Start ``cmd`` in its own session (a terminal's Ctrl-C goes to its owner, who stops it in order), output to
-    ``log``. ``tied``: on Linux the kernel sends it SIGTERM when its parent dies, even by SIGKILL, so a killed
-    ``kvasir ring up`` leaves no node behind (strictly: when the thread that started it ends, so start tied processes
-    from the main thread)."""
-    preexec = _die_with_parent(os.getpid()) if tied and sys.platform.startswith("linux") else None
+    ``log``. ``tied``: on Linux and Android the kernel sends it SIGTERM when its parent dies, even by SIGKILL, so a
+    killed ``kvasir ring up`` leaves no node behind (strictly: when the thread that started it ends, so start tied
+    processes from the main thread)."""
+    preexec = _die_with_parent(os.getpid()) if tied and has_pdeathsig() else None
     with log.open("ab" if append else "wb") as log_file:
         return subprocess.Popen(
             cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=preexec
@@ -427,6 +427,12 @@ def spawn(
 
 
 _PR_SET_PDEATHSIG = 1
+
+
+def has_pdeathsig() -> bool:
+    """Whether this kernel can stop a child when its parent dies: Linux, and Android (Termux's Python says
+    ``sys.platform == "android"``; Bionic has the same ``prctl``, and its phantom-process killer sends SIGKILL)."""
+    return sys.platform.startswith(("linux", "android"))
 
 
 def _die_with_parent(parent: int) -> Callable[[], None]:
