@@ -92,7 +92,7 @@ def add_parser(sub: Any) -> None:
     up.add_argument("--gpu-layers", type=int, default=None, help="layers on the GPU per node (-1 all; default 0)")
     up.add_argument(
         "--max-restart-delay",
-        type=_seconds,
+        type=seconds,
         default=30.0,
         metavar="S",
         help="a node that keeps dying is restarted at once, then after 0.5 s, doubling up to S seconds between tries "
@@ -101,7 +101,8 @@ def add_parser(sub: Any) -> None:
     up.set_defaults(run=run_up)
 
 
-def _seconds(text: str) -> float:
+def seconds(text: str) -> float:
+    """``--max-restart-delay``'s value (argparse names the function in its "invalid seconds value" error)."""
     value = float(text)
     if not 0.5 <= value <= 3600:
         raise argparse.ArgumentTypeError("must be in [0.5, 3600] seconds")
