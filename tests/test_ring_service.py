@@ -366,6 +366,22 @@ def test_supervisor_backs_off_a_crash_loop_and_never_gives_up(tmp_path: Path) ->
     ring.stop()
 
 
+def test_a_relay_that_keeps_dying_is_restarted_with_backoff_too(tmp_path: Path) -> None:
+    ring = _crashing_ring(tmp_path, 0, 3)
+    cmd = [sys.executable, "-c", "import sys; sys.exit(4)"]
+    ring.relay, ring.relay_command = subprocess.Popen(cmd), (cmd, dict(os.environ))
+    sup = Supervisor(ring, first_delay_s=0.5, max_delay_s=30.0, wall=lambda: 0.0)
+    ring.relay.wait()
+    assert sup.check(now=0.0) == [f"the relay exited with code 4; restarted as pid {ring.relay.pid}"]
+    ring.relay.wait()
+    at = time.strftime("%H:%M:%S", time.localtime(0.5))
+    down = f"every link through it is down; next restart in 0.5 s (at {at})"
+    assert sup.check(now=1.0) == [f"the relay exited with code 4 (2 times in a row); {down}"]
+    assert sup.down() == [launcher.RELAY]
+    assert sup.check(now=1.5) == [f"the relay restarted as pid {ring.relay.pid} after 0.5 s down"]
+    ring.stop()
+
+
 def test_supervisor_leaves_running_ranks_alone(tmp_path: Path) -> None:
     cmd = [sys.executable, "-c", "import time; time.sleep(60)"]
     proc = subprocess.Popen(cmd)

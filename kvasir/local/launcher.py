@@ -199,11 +199,11 @@ def restart_delay(streak: int, first_s: float, max_s: float) -> float:
 class _Watched:
     """The supervisor's view of one process (a node or the relay)."""
 
-    #: When it was last (re)started, by the supervisor's clock (None: before the first check saw it).
-    started_at: float | None = None
+    #: When it was last (re)started, by the supervisor's clock (or first seen running).
+    started_at: float
     #: Deaths in a row, each before it had run ``stable_s``.
     streak: int = 0
-    #: When it died and stayed down (None: up, or restarted and not yet answering).
+    #: When it last died (for the line saying how long it was away once it answers again).
     down_since: float | None = None
     #: When the next restart is due (None: no restart pending).
     retry_at: float | None = None
@@ -289,19 +289,19 @@ class Supervisor:
     def _died(self, key: int, w: _Watched, code: int, now: float) -> str:
         what = f"{self._label(key)} exited with code {code}"
         self.deaths += 1
-        if w.started_at is not None and now - w.started_at >= self.stable_s:
+        if now - w.started_at >= self.stable_s:
             w.streak = 0
         w.streak += 1
         w.down_since = now
         delay = restart_delay(w.streak, self.first_delay_s, self.max_delay_s)
         if delay > 0:
             w.retry_at = now + delay
-            return f"{what} ({w.streak} times in a row); {self._down_for(delay)}"
+            return f"{what} ({w.streak} times in a row); {self._down_for(key, delay)}"
         try:
             self._restart(key)
         except OSError as exc:  # no fork, no log file: try again later, as after a quick death
             w.retry_at = now + self.first_delay_s
-            return f"{what}; cannot restart it ({exc}); {self._down_for(w.retry_at - now)}"
+            return f"{what}; cannot restart it ({exc}); {self._down_for(key, w.retry_at - now)}"
         w.started_at, w.restarted = now, True
         return f"{what}; restarted as pid {self._pid(key)}"
 
@@ -313,13 +313,14 @@ class Supervisor:
             w.streak += 1
             delay = max(restart_delay(w.streak, self.first_delay_s, self.max_delay_s), self.first_delay_s)
             w.retry_at = now + delay
-            return f"{self._label(key)}: cannot restart it ({exc}); {self._down_for(delay)}"
+            return f"{self._label(key)}: cannot restart it ({exc}); {self._down_for(key, delay)}"
         w.started_at, w.retry_at, w.restarted = now, None, True
         return f"{self._label(key)} restarted as pid {self._pid(key)} after {since:.1f} s down"
 
-    def _down_for(self, delay: float) -> str:
+    def _down_for(self, key: int, delay: float) -> str:
         at = time.strftime("%H:%M:%S", time.localtime(self.wall() + delay))
-        return f"its window is down; next restart in {delay:.1f} s (at {at})"
+        what = "every link through it is down" if key == RELAY else "its window is down"
+        return f"{what}; next restart in {delay:.1f} s (at {at})"
 
     def _probe_all(self, now: float) -> list[str]:
         probe = self.probe or self.ring.answers
