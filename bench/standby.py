@@ -77,7 +77,7 @@ def wait_until(cond: Callable[[], bool], limit: float = 180.0) -> None:
 @contextmanager
 def supervised(ring: LocalRing) -> Iterator[None]:
     stop = threading.Event()
-    sup = Supervisor(ring, probe_interval_s=0.5)
+    sup = Supervisor(ring, probe_interval_s=0.5, max_delay_s=0.0)  # the baseline is a plain restart: no backoff
 
     def loop() -> None:
         while not stop.is_set():

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from kvasir.control.client import ControlClient
-from kvasir.local.launcher import LocalRing, start_ring
+from kvasir.local.launcher import LocalRing, remove_run_dir, start_ring
 from kvasir.stage.engine import Stage, StageConfig
 from kvasir.stage.pipeline import GenerationResult, LocalPipeline
 from kvasir.wire import SamplingParams
@@ -24,6 +24,8 @@ def running_ring(
         yield ring
     finally:
         ring.stop()
+        if "run_dir" not in kwargs:  # its own temporary one: the nodes' keys must not pile up in /tmp
+            remove_run_dir(ring.run_dir)
 
 
 def ring_generate(sock: Path, prompt: str, max_tokens: int = 12, **params: Any) -> dict[str, Any]:

@@ -18,6 +18,7 @@ import trio
 import trio.testing
 
 from kvasir.core.identity import Identity
+from kvasir.errors import RequestRefused
 from kvasir.ring.manifest import Manifest
 from kvasir.ring.node import Node, NodeConfig, open_node
 from kvasir.ring.record import NodeRecorder
@@ -259,3 +260,50 @@ async def test_without_its_successor_a_node_logs_a_step_and_reads_on(autojump_cl
 
         _tokens, end = await answer(node, 40, 8, crash)
         assert end.reason == "error" and end.code == "link_lost"  # rank 1 stayed away
+
+
+async def test_a_new_request_is_refused_at_once_when_the_ring_gave_up_on_the_window(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Within the failover wait a new request waits for the window (a restart takes seconds); past it the ring has
+    failed the requests in flight already, and a new one is refused at once with the reason, not after link_wait."""
+    async with four_nodes(failover_wait=4.0) as (ring, _):
+        node = ring.nodes[0]
+        assert node is not None
+        ring.kill(1)
+        await wait_for(lambda: node.links.successor_down, "rank 0 to see its successor gone")
+        await trio.sleep(5)
+        started = trio.current_time()
+        with pytest.raises(RequestRefused, match=r"rank 0 lost its successor link [56] s ago \(.*rank 1"):
+            async with node.request(PROMPT, GREEDY, 4):
+                pass
+        assert trio.current_time() - started < 0.1  # link_wait is 30 s
+
+
+async def test_a_new_request_waits_for_a_window_that_comes_back_within_the_failover_wait(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with four_nodes(failover_wait=4.0) as (ring, _):
+        node = ring.nodes[0]
+        assert node is not None
+        ring.kill(1)
+        await wait_for(lambda: node.links.successor_down, "rank 0 to see its successor gone")
+        async with trio.open_nursery() as nursery:
+
+            async def restart() -> None:
+                await trio.sleep(2)
+                await ring.start(1, fresh(WINDOWS, 1))
+
+            nursery.start_soon(restart)
+            tokens, end = await answer(node, 6, 0, None)
+        assert tokens == expected_tokens(PROMPT, 6) and end.reason == "max_tokens"
+
+
+async def test_a_node_shutting_down_refuses_new_requests(autojump_clock: trio.testing.MockClock) -> None:
+    async with four_nodes() as (ring, _):
+        node = ring.nodes[2]
+        assert node is not None
+        await node.shutdown()
+        with pytest.raises(RequestRefused, match="node rank 2 is shutting down"):
+            async with node.request(PROMPT, GREEDY, 4):
+                pass

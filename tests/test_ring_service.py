@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,12 +20,15 @@ from typing import Any
 
 import attrs
 import pytest
+import trio
 
 from kvasir.commands import ring as ring_command
 from kvasir.errors import RingError
 from kvasir.local import launcher
-from kvasir.local.launcher import LocalRing, Supervisor, default_threads
+from kvasir.local.launcher import LocalRing, Supervisor, default_threads, restart_delay
+from kvasir.ring.linkmgr import TcpTransport
 from kvasir.ring.manifest import Manifest
+from kvasir.util.cli import error_line
 from tests.conftest import REPO
 from tests.ringutil import ring_generate
 
@@ -72,12 +77,24 @@ class RingUp:
         )
 
 
+def service_env(tmp_path: Path, cache_dir: Path) -> dict[str, str]:
+    """`ring up`'s environment in a test: its own runtime directory (control sockets) and TMPDIR (run directory)."""
+    runtime, tmp = tmp_path / "xdg", tmp_path / "tmp"
+    runtime.mkdir(mode=0o700)
+    tmp.mkdir()
+    return dict(
+        os.environ, XDG_RUNTIME_DIR=str(runtime), TMPDIR=str(tmp), KVASIR_CACHE=str(cache_dir), PYTHONPATH=str(REPO)
+    )
+
+
+def run_dirs(tmp_path: Path) -> list[Path]:
+    return sorted((tmp_path / "tmp").glob("kvasir-ring-*"))
+
+
 @contextlib.contextmanager
 def ring_up(model: Path | None, tmp_path: Path, cache_dir: Path, *extra: str) -> Iterator[RingUp]:
     """`kvasir ring up [MODEL] EXTRA...` serving, in its own runtime directory, until the banner is out."""
-    runtime = tmp_path / "xdg"
-    runtime.mkdir(mode=0o700)
-    env = dict(os.environ, XDG_RUNTIME_DIR=str(runtime), KVASIR_CACHE=str(cache_dir), PYTHONPATH=str(REPO))
+    env = service_env(tmp_path, cache_dir)
     out, err = tmp_path / "ring-up.out", tmp_path / "ring-up.err"
     cmd = [sys.executable, "-m", "kvasir", "ring", "up", *([str(model)] if model else []), "--threads=1", "--seqs=2"]
     cmd += ["--ctx=256", *extra]
@@ -118,6 +135,8 @@ def test_stop_signal_ends_every_node_and_the_relay(
         assert signum.name in up.stderr()
         assert [name for name, pid in pids.items() if alive(pid)] == []
         assert list((tmp_path / "xdg" / "kvasir").glob("*.sock")) == []
+        # A clean stop leaves nothing of the run: no private key, no log.
+        assert run_dirs(tmp_path) == [] and "logs are kept" not in up.stderr()
 
 
 @pytest.mark.slow
@@ -148,6 +167,152 @@ def test_a_killed_node_is_restarted_and_the_ring_serves_again(
         assert not alive(new_pid) and not any(alive(p) for p in pids.values())
 
 
+@pytest.mark.slow
+def test_a_window_killed_again_and_again_is_restarted_with_backoff_and_the_rest_keeps_serving(
+    tiny_model: Callable[..., Path], cache_dir: Path, tmp_path: Path
+) -> None:
+    """The review's crash loop (rank 2 SIGKILLed as soon as it was back, 6 times in 11 s) made `ring up` exit 2 and
+    take ranks 0 and 1 down. Now: restarts back off, the healthy ranks stay, the ring answers once it is left alone."""
+    model = tiny_model("llama", "f32")
+    with ring_up(model, tmp_path, cache_dir, "--stages=3", "--max-restart-delay=1") as up:
+        pids = up.pids()
+        sock0 = next((tmp_path / "xdg" / "kvasir").glob("rank0-*.sock"))
+        before = ring_generate(sock0, "Hello world", 8)
+        victim = pids["rank 2"]
+
+        def restarts() -> list[str]:
+            return re.findall(r"rank 2 (?:exited with code -9; )?restarted as pid (\d+)", up.stderr())
+
+        def restarted(n: int) -> bool:
+            return len(restarts()) == n
+
+        for kill in range(1, 5):  # each as soon as it is back (still loading, from the second on)
+            os.kill(victim, signal.SIGKILL)
+            wait_for(functools.partial(restarted, kill), 30, f"restart {kill}")
+            victim = int(restarts()[-1])
+        err = up.stderr()
+        assert "rank 2 exited with code -9; restarted as pid" in err  # the first death: at once
+        for streak, delay in ((2, "0.5"), (3, "1.0"), (4, "1.0")):  # then backing off, up to the cap
+            assert (
+                f"rank 2 exited with code -9 ({streak} times in a row); its window is down; next restart in {delay} s"
+                in err
+            )
+        assert up.proc.poll() is None
+        assert alive(pids["rank 0"]) and alive(pids["rank 1"])  # never taken down with it
+
+        def serves() -> bool:
+            try:
+                return bool(ring_generate(sock0, "Hello world", 8)["tokens"] == before["tokens"])
+            except (RingError, OSError):
+                return False
+
+        wait_for(serves, 90, "the relinked ring")
+        wait_for(lambda: "rank 2 answers again" in up.stderr(), 10, "the note that rank 2 is back")
+        up.proc.send_signal(signal.SIGTERM)
+        assert up.proc.wait(timeout=30) == 0, up.stderr()
+        # Nodes died during the run: their logs stay, and where; the private keys go anyway.
+        (kept,) = run_dirs(tmp_path)
+        assert f"a node died during the run; the nodes' logs are kept in {kept}" in up.stderr()
+        assert sorted(p.name for p in kept.iterdir()) == ["rank0.log", "rank1.log", "rank2.log", "ring.toml"]
+        assert not alive(victim) and not any(alive(p) for p in pids.values())
+
+
+def _refused_ring_up(tmp_path: Path, *args: str) -> str:
+    """`kvasir ring up ARGS` that must fail before it cuts the model or starts a node: its one line of stderr."""
+    cache = tmp_path / "cache"  # fresh: a balanced split would calibrate and cut into it
+    env = service_env(tmp_path, cache)
+    cmd = [sys.executable, "-m", "kvasir", "ring", "up", *args, "--stages=2", "--threads=1"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert r.returncode == 2 and r.stdout == "", (r.stdout, r.stderr)
+    assert not cache.exists() and run_dirs(tmp_path) == []  # nothing cut, no run directory, no key
+    assert list((tmp_path / "xdg").iterdir()) == []  # no node made its control socket
+    return r.stderr
+
+
+def test_ring_up_refuses_a_taken_api_port_before_anything_starts(
+    tiny_model: Callable[..., Path], tmp_path: Path
+) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        err = _refused_ring_up(tmp_path, str(tiny_model("llama", "f32")), f"--api-port={port}")
+    assert err == f"kvasir ring: error: 127.0.0.1:{port} is already in use (--api-port)\n"
+
+
+@pytest.mark.parametrize("problem", ["mode 0644", "missing", "empty"])
+def test_ring_up_refuses_a_bad_api_key_file_before_anything_starts(
+    problem: str, tiny_model: Callable[..., Path], tmp_path: Path
+) -> None:
+    keys = tmp_path / "api-keys"
+    if problem != "missing":
+        keys.write_text("sk-kvasir-test-0123456789\n" if problem == "mode 0644" else "# none yet\n")
+        keys.chmod(0o644 if problem == "mode 0644" else 0o600)
+    (port,) = launcher.free_ports(1)
+    err = _refused_ring_up(tmp_path, str(tiny_model("llama", "f32")), f"--api-port={port}", f"--api-key-file={keys}")
+    expected = {
+        "mode 0644": f"API key file {keys} is readable by others; chmod 600 it",
+        "missing": f"cannot read API key file {keys}: No such file or directory",
+        "empty": f"API key file {keys} holds no key",
+    }
+    assert err == f"kvasir ring: error: {expected[problem]}\n"
+
+
+def test_ring_up_refuses_a_missing_model_before_anything_starts(tmp_path: Path) -> None:
+    model = tmp_path / "nope.gguf"
+    assert _refused_ring_up(tmp_path, str(model)) == f"kvasir ring: error: {model}: no such file\n"
+
+
+def test_a_node_whose_link_port_is_taken_names_the_address() -> None:
+    """`kvasir node` prints this line (one OSError, its strerror) instead of a bare "Address already in use"."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+
+        async def listen() -> None:
+            async def handler(stream: trio.abc.Stream, peer: str) -> None:
+                pass
+
+            await TcpTransport().listen("127.0.0.1", port, handler)
+
+        with pytest.raises(OSError) as raised:
+            trio.run(listen)
+    assert error_line(raised.value) == f"127.0.0.1:{port} is already in use"
+
+
+@pytest.mark.slow
+def test_ring_up_prompt_leaves_no_run_directory(
+    tiny_model: Callable[..., Path], cache_dir: Path, tmp_path: Path
+) -> None:
+    env = service_env(tmp_path, cache_dir)
+    cmd = [sys.executable, "-m", "kvasir", "ring", "up", str(tiny_model("llama", "f32")), "--splits=0,3,6"]
+    cmd += ["--threads=1", "--ctx=256", "--prompt=Hello world", "--max-tokens=4", "--json"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert len(json.loads(r.stdout)["tokens"]) == 4
+    assert run_dirs(tmp_path) == [] and "logs are kept" not in r.stderr  # keys, manifest and logs all gone
+
+
+@pytest.mark.slow
+def test_a_ring_that_fails_keeps_its_logs_and_says_where_but_not_its_keys(
+    tiny_model: Callable[..., Path], cache_dir: Path, tmp_path: Path
+) -> None:
+    """Every node fails after the preflight passed (--record names a file, not a directory): the log says why."""
+    (tmp_path / "not-a-dir").write_text("")
+    env = service_env(tmp_path, cache_dir)
+    cmd = [sys.executable, "-m", "kvasir", "ring", "up", str(tiny_model("llama", "f32")), "--splits=0,3,6"]
+    cmd += ["--threads=1", "--ctx=256", "--record", str(tmp_path / "not-a-dir")]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    (kept,) = run_dirs(tmp_path)
+    assert f"ring up: the ring failed; the nodes' logs are kept in {kept}\n" in r.stderr
+    assert re.search(r"kvasir ring: error: rank \d exited with code 2", r.stderr), r.stderr
+    assert sorted(p.name for p in kept.iterdir()) == ["rank0.log", "rank1.log", "ring.toml"]
+    assert "File exists" in "".join(p.read_text() for p in kept.glob("*.log"))
+    assert list((tmp_path / "xdg" / "kvasir").glob("*.sock")) == []
+
+
 def _crashing_ring(tmp_path: Path, n: int, code: int) -> LocalRing:
     cmd = [sys.executable, "-c", f"import sys; sys.exit({code})"]
     procs = [subprocess.Popen(cmd) for _ in range(n)]
@@ -155,24 +320,65 @@ def _crashing_ring(tmp_path: Path, n: int, code: int) -> LocalRing:
     return LocalRing(manifest, tmp_path, procs, [], None, commands=[(cmd, dict(os.environ))] * n)
 
 
-def test_supervisor_restarts_dead_ranks_and_gives_up_on_a_crash_loop(tmp_path: Path) -> None:
+def test_restart_delays_double_up_to_the_cap() -> None:
+    assert [restart_delay(n, 0.5, 30) for n in range(1, 10)] == [0, 0.5, 1, 2, 4, 8, 16, 30, 30]
+    assert [restart_delay(n, 1, 3) for n in range(0, 5)] == [0, 0, 1, 2, 3]
+
+
+def test_supervisor_backs_off_a_crash_loop_and_never_gives_up(tmp_path: Path) -> None:
+    """A process that keeps dying is restarted at once, then after growing delays (one line per change of state,
+    the next restart's time in it); one that ran for stable_s before it died starts over at once."""
     ring = _crashing_ring(tmp_path, 2, 3)
-    for p in ring.processes:
-        p.wait()
-    sup = Supervisor(ring, max_restarts=2, window_s=60)
+    sup = Supervisor(ring, first_delay_s=0.5, max_delay_s=1.0, stable_s=10.0, wall=lambda: 0.0)
+
+    def died(now: float) -> list[str]:
+        for p in ring.processes:
+            p.wait()
+        return sup.check(now=now)
+
+    def at(delay: float) -> str:
+        return time.strftime("%H:%M:%S", time.localtime(delay))
+
     first = [p.pid for p in ring.processes]
-    notes = sup.check(now=0.0)
+    notes = died(0.0)
     assert [n.split(";")[0] for n in notes] == ["rank 0 exited with code 3", "rank 1 exited with code 3"]
-    assert [p.pid for p in ring.processes] != first
-    for p in ring.processes:
-        p.wait()
-    assert len(sup.check(now=1.0)) == 2
-    for p in ring.processes:
-        p.wait()
-    with pytest.raises(RingError, match="rank 0 exited with code 3 after 2 restarts"):
-        sup.check(now=2.0)
-    # Restarts older than the window are forgiven: a node that dies once a day is restarted forever.
-    assert len(sup.check(now=100.0)) == 2
+    assert [p.pid for p in ring.processes] != first and sup.down() == []
+    notes = died(1.0)
+    down = f"its window is down; next restart in 0.5 s (at {at(0.5)})"
+    assert notes == [f"rank {k} exited with code 3 (2 times in a row); {down}" for k in (0, 1)]
+    assert sup.down() == [0, 1]
+    assert sup.check(now=1.4) == []  # not due yet: nothing restarted, nothing said again
+    notes = sup.check(now=1.5)
+    assert notes == [f"rank {k} restarted as pid {ring.processes[k].pid} after 0.5 s down" for k in (0, 1)]
+    assert sup.down() == []
+    notes = died(2.0)
+    assert (
+        notes[0]
+        == f"rank 0 exited with code 3 (3 times in a row); its window is down; next restart in 1.0 s (at {at(1)})"
+    )
+    assert sup.check(now=3.0)[0].startswith("rank 0 restarted as pid")
+    notes = died(3.5)
+    assert "(4 times in a row)" in notes[0] and "next restart in 1.0 s" in notes[0]  # capped
+    assert sup.check(now=4.5)[0].startswith("rank 0 restarted as pid")
+    # Up for stable_s since its last restart: a new streak, restarted at once.
+    assert died(14.5)[0].startswith("rank 0 exited with code 3; restarted as pid")
+    assert sup.deaths == 10
+    ring.stop()
+
+
+def test_a_relay_that_keeps_dying_is_restarted_with_backoff_too(tmp_path: Path) -> None:
+    ring = _crashing_ring(tmp_path, 0, 3)
+    cmd = [sys.executable, "-c", "import sys; sys.exit(4)"]
+    ring.relay, ring.relay_command = subprocess.Popen(cmd), (cmd, dict(os.environ))
+    sup = Supervisor(ring, first_delay_s=0.5, max_delay_s=30.0, wall=lambda: 0.0)
+    ring.relay.wait()
+    assert sup.check(now=0.0) == [f"the relay exited with code 4; restarted as pid {ring.relay.pid}"]
+    ring.relay.wait()
+    at = time.strftime("%H:%M:%S", time.localtime(0.5))
+    down = f"every link through it is down; next restart in 0.5 s (at {at})"
+    assert sup.check(now=1.0) == [f"the relay exited with code 4 (2 times in a row); {down}"]
+    assert sup.down() == [launcher.RELAY]
+    assert sup.check(now=1.5) == [f"the relay restarted as pid {ring.relay.pid} after 0.5 s down"]
     ring.stop()
 
 
@@ -209,6 +415,8 @@ def test_supervisor_kills_a_node_that_stopped_answering_and_restarts_it(tmp_path
         notes = sup.check(now=3.5)
         assert notes[0].startswith("rank 0 exited with code -9; restarted as pid")
         assert ring.processes[0] is not procs[0] and ring.processes[1] is procs[1]
+        assert sup.check(now=4.5) == ["rank 0 answers again, 1.0 s after it went down"]
+        assert sup.check(now=5.5) == []
     finally:
         ring.stop()
 

@@ -6,11 +6,14 @@ platform, and ``scripts/install.sh`` patches it at build time (``scripts/patch_l
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -129,3 +132,42 @@ def test_termux_setup_refuses_to_run_outside_termux() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TERMUX_VERSION"}
     r = subprocess.run(["bash", str(SCRIPTS / "termux-setup.sh")], env=env, capture_output=True, text=True)
     assert r.returncode == 2 and "not Termux" in r.stderr
+
+
+TIED_CHILD = """
+import os, signal, sys
+from pathlib import Path
+sys.platform = "android"  # what Termux's Python reports, before kvasir reads it
+from kvasir.local.launcher import spawn
+child = spawn([sys.executable, "-c", "import time; time.sleep(120)"], dict(os.environ), Path(sys.argv[1]), tied=True)
+print(child.pid, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # as Android's phantom-process killer ends `kvasir ring up`
+"""
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie waiting for its new parent to reap it."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux's /proc (and prctl) underneath")
+def test_a_tied_node_dies_with_a_killed_ring_up_on_android(tmp_path: Path) -> None:
+    """Bionic has Linux's PR_SET_PDEATHSIG: `kill -9` of `ring up` on a phone must not leave its nodes running."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    r = subprocess.run(
+        [sys.executable, "-c", TIED_CHILD, str(tmp_path / "child.log")], env=env, capture_output=True, text=True
+    )
+    assert r.returncode == -9, r.stderr
+    child = int(r.stdout)
+    try:
+        deadline = time.monotonic() + 20
+        while _running(child) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _running(child), "the node outlived the ring up that started it"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)

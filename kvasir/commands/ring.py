@@ -7,10 +7,13 @@ import argparse
 import contextlib
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
+
+import attrs
 
 from kvasir.commands.common import (
     add_batch_arg,
@@ -26,8 +29,12 @@ from kvasir.control.client import ControlClient
 from kvasir.control.paths import find_socket
 from kvasir.core.sampling import SamplingParams
 from kvasir.errors import InputError, RingError
-from kvasir.local.launcher import LocalRing, Supervisor, default_threads, start_ring
+from kvasir.local.launcher import LocalRing, Supervisor, default_threads, remove_run_dir, start_ring
+from kvasir.local.preflight import check_api_key_file, check_port_free
 from kvasir.shard.cache import default_cache_dir, even_splits, model_sha256, stage_files
+
+#: Where rank 0 serves the API (`kvasir node --api-host`'s default, which ring up keeps).
+API_HOST = "127.0.0.1"
 
 
 def add_parser(sub: Any) -> None:
@@ -83,7 +90,23 @@ def add_parser(sub: Any) -> None:
     add_speculate_arg(up, "every request (the nodes' default)")
     add_batch_arg(up)
     up.add_argument("--gpu-layers", type=int, default=None, help="layers on the GPU per node (-1 all; default 0)")
+    up.add_argument(
+        "--max-restart-delay",
+        type=seconds,
+        default=30.0,
+        metavar="S",
+        help="a node that keeps dying is restarted at once, then after 0.5 s, doubling up to S seconds between tries "
+        "(default 30); it is never given up on, and the other nodes keep serving",
+    )
     up.set_defaults(run=run_up)
+
+
+def seconds(text: str) -> float:
+    """``--max-restart-delay``'s value (argparse names the function in its "invalid seconds value" error)."""
+    value = float(text)
+    if not 0.5 <= value <= 3600:
+        raise argparse.ArgumentTypeError("must be in [0.5, 3600] seconds")
+    return value
 
 
 def run_up(args: argparse.Namespace) -> int:
@@ -96,6 +119,11 @@ def run_up(args: argparse.Namespace) -> int:
         raise InputError("a ring needs at least 2 stages (for one stage use `kvasir generate`)")
     if args.standby and args.relay:
         raise InputError("--standby needs direct links: drop --relay")
+    # Before the split cuts anything and before any node starts: what a node would refuse, each as one line.
+    if args.api_port is not None:
+        check_port_free(API_HOST, args.api_port, "--api-port")
+        if args.api_key_file is not None:
+            check_api_key_file(args.api_key_file)
     threads = args.threads or default_threads(len(windows))
     cache = default_cache_dir()
     with _stop_signals() as stopper:
@@ -120,38 +148,84 @@ def run_up(args: argparse.Namespace) -> int:
             stopper.defer()  # processes start next: a signal now waits until the ring exists to stop it
         except _Stopped as stop:
             return 128 + stop.signum
-        ring = start_ring(
-            model,
-            windows,
-            cache,
-            api_port=args.api_port,
-            api_key_file=args.api_key_file,
-            threads=threads,
-            ctx=args.ctx,
-            seqs=args.seqs,
-            relay=args.relay,
-            standby=args.standby,
-            default_control=args.prompt is None,
-            tied=True,
-            extra_args=(
-                *(("--gpu-layers", str(args.gpu_layers)) if args.gpu_layers else ()),
-                *(("--record", str(args.record.resolve())) if args.record is not None else ()),
-                *(("--speculate", str(args.speculate)) if args.speculate else ()),
-                *(("--draft-policy", args.draft_policy) if args.draft_policy != "auto" else ()),
-                *(("--batch", str(args.batch)) if args.batch > 1 else ()),
-            ),
-        )
+        # Its own directory for this run (the nodes' keys, manifest and logs), removed when it ends: with the logs
+        # kept only if something failed, to read why.
+        run_dir = Path(tempfile.mkdtemp(prefix="kvasir-ring-"))
+        outcome = _Outcome()
         try:
-            stopper.arm()
-            return _run(ring, args, windows, params)
-        except _Stopped as stop:
-            with contextlib.suppress(OSError):  # the terminal may be gone (SIGHUP)
-                print(f"{stop.name}: stopping the ring", file=sys.stderr)
-            # Stopping a serving ring is its normal end (systemd, tmux); an interrupted prompt is not.
-            return 0 if args.prompt is None else 128 + stop.signum
+            return _start_and_run(args, model, windows, cache, threads, params, run_dir, stopper, outcome)
         finally:
-            stopper.disarm()  # a second signal must not cut the cleanup short
-            ring.stop()
+            remove_run_dir(run_dir, keep_logs=outcome.keep_logs)
+            if outcome.keep_logs:
+                with contextlib.suppress(OSError):
+                    print(f"ring up: {outcome.why}; the nodes' logs are kept in {run_dir}", file=sys.stderr)
+
+
+@attrs.define
+class _Outcome:
+    """How a ``ring up`` run ended, for what is left of its run directory."""
+
+    clean: bool = False
+    supervisor: Supervisor | None = None
+
+    @property
+    def keep_logs(self) -> bool:
+        return not self.clean or (self.supervisor is not None and self.supervisor.deaths > 0)
+
+    @property
+    def why(self) -> str:
+        if not self.clean:
+            return "the ring failed"
+        return "a node died during the run"
+
+
+def _start_and_run(
+    args: argparse.Namespace,
+    model: Path,
+    windows: list[tuple[int, int]],
+    cache: Path,
+    threads: int,
+    params: SamplingParams,
+    run_dir: Path,
+    stopper: _Stopper,
+    outcome: _Outcome,
+) -> int:
+    ring = start_ring(
+        model,
+        windows,
+        cache,
+        run_dir=run_dir,
+        api_port=args.api_port,
+        api_key_file=args.api_key_file,
+        threads=threads,
+        ctx=args.ctx,
+        seqs=args.seqs,
+        relay=args.relay,
+        standby=args.standby,
+        default_control=args.prompt is None,
+        tied=True,
+        extra_args=(
+            *(("--gpu-layers", str(args.gpu_layers)) if args.gpu_layers else ()),
+            *(("--record", str(args.record.resolve())) if args.record is not None else ()),
+            *(("--speculate", str(args.speculate)) if args.speculate else ()),
+            *(("--draft-policy", args.draft_policy) if args.draft_policy != "auto" else ()),
+            *(("--batch", str(args.batch)) if args.batch > 1 else ()),
+        ),
+    )
+    try:
+        stopper.arm()
+        code = _run(ring, args, windows, params, outcome)
+        outcome.clean = True
+        return code
+    except _Stopped as stop:
+        outcome.clean = True
+        with contextlib.suppress(OSError):  # the terminal may be gone (SIGHUP)
+            print(f"{stop.name}: stopping the ring", file=sys.stderr)
+        # Stopping a serving ring is its normal end (systemd, tmux); an interrupted prompt is not.
+        return 0 if args.prompt is None else 128 + stop.signum
+    finally:
+        stopper.disarm()  # a second signal must not cut the cleanup short
+        ring.stop()
 
 
 class _Stopped(BaseException):
@@ -209,10 +283,13 @@ def _stop_signals() -> Iterator[_Stopper]:
             signal.signal(s, handler)
 
 
-def _run(ring: LocalRing, args: argparse.Namespace, windows: list[tuple[int, int]], params: SamplingParams) -> int:
+def _run(
+    ring: LocalRing, args: argparse.Namespace, windows: list[tuple[int, int]], params: SamplingParams, outcome: _Outcome
+) -> int:
     ring.wait_ready()
     if args.prompt is None:
-        return _serve_forever(ring, args)
+        outcome.supervisor = Supervisor(ring, max_delay_s=args.max_restart_delay)
+        return _serve_forever(ring, args, outcome.supervisor)
     with ControlClient(ring.sockets[0], timeout=600) as client:
         tokens: list[int] = []
         text = ""
@@ -266,7 +343,9 @@ def _run(ring: LocalRing, args: argparse.Namespace, windows: list[tuple[int, int
     return 0
 
 
-def _serve_forever(ring: LocalRing, args: argparse.Namespace) -> int:
+def _serve_forever(ring: LocalRing, args: argparse.Namespace, supervisor: Supervisor) -> NoReturn:
+    """Serve until a stop signal (raised as :class:`_Stopped` in here); a node that dies is restarted, however often
+    (:class:`Supervisor`): one flapping window must not take the healthy ones down."""
     print(f"ring up: {len(ring.processes)} nodes, manifest {ring.run_dir / 'ring.toml'}")
     for k, sock in enumerate(ring.sockets):
         first = ring.standby_start
@@ -285,8 +364,8 @@ def _serve_forever(ring: LocalRing, args: argparse.Namespace) -> int:
     print("watch it:   kvasir tui" + ("" if found == ring.sockets[0] else f" --socket {ring.sockets[0]}"))
     standby = "; its standby takes over meanwhile" if ring.standby_start is not None else ""
     print(f"Ctrl-C (or SIGTERM/SIGHUP) stops the ring; a node that dies is restarted{standby}.", flush=True)
-    supervisor = Supervisor(ring)
     while True:
-        time.sleep(0.5)
+        time.sleep(0.2)
         for note in supervisor.check():
-            print(note, file=sys.stderr, flush=True)
+            with contextlib.suppress(OSError):  # a closed terminal must not stop the ring
+                print(note, file=sys.stderr, flush=True)

@@ -6,13 +6,14 @@ import contextlib
 import ctypes
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 import attrs
@@ -31,14 +32,19 @@ from kvasir.util.files import atomic_output
 GRANT_LIFETIME_S = 30 * 24 * 3600
 
 
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    socks = []
+def free_ports(n: int, host: str = "127.0.0.1", exclude: Collection[int] = ()) -> list[int]:
+    """``n`` distinct ports free on ``host`` now, none of them in ``exclude`` (ports the ring listens on itself: the
+    kernel may hand out an ``--api-port`` that lies in its ephemeral range)."""
+    socks: list[socket.socket] = []
+    ports: list[int] = []
     try:
-        for _ in range(n):
+        while len(ports) < n:
             s = socket.socket()
+            socks.append(s)  # every one stays bound until the end, so the kernel never hands a port out twice
             s.bind((host, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
+            if (port := s.getsockname()[1]) not in exclude:
+                ports.append(port)
+        return ports
     finally:
         for s in socks:
             s.close()
@@ -156,64 +162,165 @@ class LocalRing:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        for sock in self.sockets:  # a node killed (and not restarted) leaves its control socket behind
+            sock.unlink(missing_ok=True)
 
 
-#: Restart-count key of the relay in :attr:`Supervisor.restarts`.
+def remove_run_dir(run_dir: Path, *, keep_logs: bool = False) -> None:
+    """Remove a ring's run directory once its processes are gone: the nodes' private keys, the manifest, the logs.
+    With ``keep_logs`` the logs and the manifest (public keys only) stay, to read why it failed; the secrets go
+    anyway."""
+    if not keep_logs:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return
+    for path in run_dir.iterdir():
+        if path.suffix == ".log" or path.name == "ring.toml":
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+
+
+#: Key of the relay in the :class:`Supervisor`'s per-process state (the nodes' keys are their ``processes`` indices).
 RELAY = -1
+
+
+def restart_delay(streak: int, first_s: float, max_s: float) -> float:
+    """How long to wait before restarting a process that died ``streak`` times in a row (this death included), each
+    time before it had run stably: the first death at once (a failover is waiting for the window), then ``first_s``,
+    doubling, up to ``max_s``. A flapping window costs a few restarts a minute, never the rest of the ring."""
+    if streak <= 1:
+        return 0.0
+    return float(min(first_s * 2.0 ** (streak - 2), max_s))
+
+
+@attrs.define
+class _Watched:
+    """The supervisor's view of one process (a node or the relay)."""
+
+    #: When it was last (re)started, by the supervisor's clock (or first seen running).
+    started_at: float
+    #: Deaths in a row, each before it had run ``stable_s``.
+    streak: int = 0
+    #: When it last died (for the line saying how long it was away once it answers again).
+    down_since: float | None = None
+    #: When the next restart is due (None: no restart pending).
+    retry_at: float | None = None
+    #: Restarted since it last answered: its first answer is a state change worth a line.
+    restarted: bool = False
 
 
 @attrs.define
 class Supervisor:
     """Restarts the ring's nodes (and its relay) when they die, and kills a node that stopped answering (hung: a
-    SIGSTOP, a deadlock) so that it is restarted too; until one dies too often (a crash loop is not worth hiding).
+    SIGSTOP, a deadlock) so that it is restarted too. A process that keeps dying is restarted with a growing delay
+    (:func:`restart_delay`), never given up on: the other windows keep serving, and the ring is whole again as soon
+    as the cause goes away (memory freed, a disk back, a flapping device steady).
 
     A restarted node takes its window back and its predecessor replays the requests in flight into it
     (docs/architecture.md § Failover). ``check`` is called periodically by the owner of the ring (``kvasir ring
-    up``); it returns one line per action. ``probe(rank)`` says whether a node answers (default: its control socket).
+    up``); it returns one line per change of state (died and restarted, down until a given time, restarted, answers
+    again, hung and killed). ``probe(rank)`` says whether a node answers (default: its control socket).
     """
 
     ring: LocalRing
-    max_restarts: int = 5
-    window_s: float = 60.0
+    #: Restart delays after the second death in a row: ``first_delay_s``, doubling, up to ``max_delay_s``.
+    first_delay_s: float = 0.5
+    max_delay_s: float = 30.0
+    #: A process that ran this long before it died starts a new streak (it is restarted at once).
+    stable_s: float = 60.0
     #: A node that answered once and then misses this many probes in a row, for at least ``hang_s`` since its last
     #: answer, is killed (and then restarted). Both, so that a node slowed by a loaded machine is not taken for hung.
     hang_strikes: int = 3
     hang_s: float = 6.0
     probe_interval_s: float = 1.0
     probe: Callable[[int], bool] | None = None
-    restarts: dict[int, list[float]] = attrs.field(factory=dict)
+    #: The wall clock, only to print when a restart is due.
+    wall: Callable[[], float] = time.time
+    watched: dict[int, _Watched] = attrs.field(factory=dict)
     strikes: dict[int, int] = attrs.field(factory=dict)
     #: Ranks that answered since their last (re)start: only those can be hung (one still loading is not).
     answered: set[int] = attrs.field(factory=set)
     last_answer: dict[int, float] = attrs.field(factory=dict)
     last_probe: float = -1e9
+    #: Deaths seen (a hung node killed here included): ``ring up`` keeps the logs of a run that had any.
+    deaths: int = 0
 
-    def _count_restart(self, key: int, now: float, what: str) -> None:
-        recent = [t for t in self.restarts.get(key, []) if now - t < self.window_s]
-        if len(recent) >= self.max_restarts:
-            tail = self.ring.log_tail(key) if key != RELAY else ""  # key: an index into ring.processes
-            raise RingError(f"{what} after {len(recent)} restarts in {self.window_s:.0f} s:\n{tail}")
-        self.restarts[key] = [*recent, now]
+    def down(self) -> list[int]:
+        """The processes (keys: ``processes`` indices, :data:`RELAY`) that are down, waiting for their restart."""
+        return sorted(k for k, w in self.watched.items() if w.retry_at is not None)
+
+    def _label(self, key: int) -> str:
+        return "the relay" if key == RELAY else self.ring.label(key)
+
+    def _pid(self, key: int) -> int:
+        proc = self.ring.relay if key == RELAY else self.ring.processes[key]
+        assert proc is not None
+        return proc.pid
+
+    def _restart(self, key: int) -> None:
+        if key == RELAY:
+            self.ring.restart_relay()
+        else:
+            self.ring.restart(key)
+            self.answered.discard(key)
+            self.strikes.pop(key, None)
 
     def check(self, now: float | None = None) -> list[str]:
         now = time.monotonic() if now is None else now
+        exited = [(RELAY, code)] if self.ring.relay is not None and (code := self.ring.relay.poll()) is not None else []
+        exited += self.ring.dead()
+        for key in [RELAY, *range(len(self.ring.processes))]:
+            if key != RELAY or self.ring.relay is not None:
+                self.watched.setdefault(key, _Watched(started_at=now))
         notes = []
-        if self.ring.relay is not None and (code := self.ring.relay.poll()) is not None:
-            self._count_restart(RELAY, now, f"the relay exited with code {code}")
-            self.ring.restart_relay()
-            assert self.ring.relay is not None
-            notes.append(f"the relay exited with code {code}; restarted as pid {self.ring.relay.pid}")
-        for rank, code in self.ring.dead():
-            what = self.ring.label(rank)
-            self._count_restart(rank, now, f"{what} exited with code {code}")
-            self.ring.restart(rank)
-            self.answered.discard(rank)
-            self.strikes.pop(rank, None)
-            notes.append(f"{what} exited with code {code}; restarted as pid {self.ring.processes[rank].pid}")
+        for key, code in exited:
+            w = self.watched[key]
+            if w.retry_at is None:  # newly dead (one already down is waiting for its retry time)
+                notes.append(self._died(key, w, code, now))
+            elif now >= w.retry_at:
+                notes.append(self._retry(key, w, now))
         if now - self.last_probe >= self.probe_interval_s:
             self.last_probe = now
             notes += self._probe_all(now)
         return notes
+
+    def _died(self, key: int, w: _Watched, code: int, now: float) -> str:
+        what = f"{self._label(key)} exited with code {code}"
+        self.deaths += 1
+        if now - w.started_at >= self.stable_s:
+            w.streak = 0
+        w.streak += 1
+        w.down_since = now
+        delay = restart_delay(w.streak, self.first_delay_s, self.max_delay_s)
+        if delay > 0:
+            w.retry_at = now + delay
+            return f"{what} ({w.streak} times in a row); {self._down_for(key, delay)}"
+        try:
+            self._restart(key)
+        except OSError as exc:  # no fork, no log file: try again later, as after a quick death
+            w.retry_at = now + self.first_delay_s
+            return f"{what}; cannot restart it ({exc}); {self._down_for(key, w.retry_at - now)}"
+        w.started_at, w.restarted = now, True
+        return f"{what}; restarted as pid {self._pid(key)}"
+
+    def _retry(self, key: int, w: _Watched, now: float) -> str:
+        since = now - (w.down_since if w.down_since is not None else now)
+        try:
+            self._restart(key)
+        except OSError as exc:
+            w.streak += 1
+            delay = max(restart_delay(w.streak, self.first_delay_s, self.max_delay_s), self.first_delay_s)
+            w.retry_at = now + delay
+            return f"{self._label(key)}: cannot restart it ({exc}); {self._down_for(key, delay)}"
+        w.started_at, w.retry_at, w.restarted = now, None, True
+        return f"{self._label(key)} restarted as pid {self._pid(key)} after {since:.1f} s down"
+
+    def _down_for(self, key: int, delay: float) -> str:
+        at = time.strftime("%H:%M:%S", time.localtime(self.wall() + delay))
+        what = "every link through it is down" if key == RELAY else "its window is down"
+        return f"{what}; next restart in {delay:.1f} s (at {at})"
 
     def _probe_all(self, now: float) -> list[str]:
         probe = self.probe or self.ring.answers
@@ -222,6 +329,11 @@ class Supervisor:
             if proc.poll() is not None:
                 continue
             if probe(rank):
+                w = self.watched.get(rank)
+                if w is not None and w.restarted:
+                    w.restarted = False
+                    since = now - (w.down_since if w.down_since is not None else now)
+                    notes.append(f"{self.ring.label(rank)} answers again, {since:.1f} s after it went down")
                 self.answered.add(rank)
                 self.last_answer[rank] = now
                 self.strikes.pop(rank, None)
@@ -286,7 +398,7 @@ def start_ring(
     sha = model_sha256(model, cache_dir)
     run_dir = run_dir or Path(tempfile.mkdtemp(prefix="kvasir-ring-"))
     n = len(windows)
-    ports = free_ports(2 * n if standby else n, host)
+    ports = free_ports(2 * n if standby else n, host, exclude=() if api_port is None else (api_port,))
     standbys = [(StandbyEntry(host, ports[n + k]),) if standby else () for k in range(n)]
     manifest = Manifest(
         model_sha256=sha,
@@ -345,7 +457,8 @@ def _launch(
 ) -> None:
     manifest, run_dir, manifest_path, tied = ring.manifest, ring.run_dir, ring.run_dir / "ring.toml", ring.tied
     if relay:
-        (relay_port,) = free_ports(1, host)
+        taken = [p for r in manifest.ranks for p in (r.port, *(s.port for s in r.standby))]
+        (relay_port,) = free_ports(1, host, exclude=[*taken, *([] if ring.api_port is None else [ring.api_port])])
         relay_cmd = [sys.executable, "-m", "kvasir", "relay", "--listen", f"{host}:{relay_port}"]
         if manifest.operator is not None:
             relay_cmd += ["--trust-key", manifest.operator.to_text()]  # public: fine on a command line
@@ -416,10 +529,10 @@ def spawn(
     cmd: list[str], env: dict[str, str], log: Path, *, append: bool = False, tied: bool = False
 ) -> subprocess.Popen[bytes]:
     """Start ``cmd`` in its own session (a terminal's Ctrl-C goes to its owner, who stops it in order), output to
-    ``log``. ``tied``: on Linux the kernel sends it SIGTERM when its parent dies, even by SIGKILL, so a killed
-    ``kvasir ring up`` leaves no node behind (strictly: when the thread that started it ends, so start tied processes
-    from the main thread)."""
-    preexec = _die_with_parent(os.getpid()) if tied and sys.platform.startswith("linux") else None
+    ``log``. ``tied``: on Linux and Android the kernel sends it SIGTERM when its parent dies, even by SIGKILL, so a
+    killed ``kvasir ring up`` leaves no node behind (strictly: when the thread that started it ends, so start tied
+    processes from the main thread)."""
+    preexec = _die_with_parent(os.getpid()) if tied and has_pdeathsig() else None
     with log.open("ab" if append else "wb") as log_file:
         return subprocess.Popen(
             cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=preexec
@@ -427,6 +540,12 @@ def spawn(
 
 
 _PR_SET_PDEATHSIG = 1
+
+
+def has_pdeathsig() -> bool:
+    """Whether this kernel can stop a child when its parent dies: Linux, and Android (Termux's Python says
+    ``sys.platform == "android"``; Bionic has the same ``prctl``, and its phantom-process killer sends SIGKILL)."""
+    return sys.platform.startswith(("linux", "android"))
 
 
 def _die_with_parent(parent: int) -> Callable[[], None]:

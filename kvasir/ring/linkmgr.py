@@ -19,7 +19,7 @@ separate task, so its predecessor keeps hearing from it.
 from __future__ import annotations
 
 import contextlib
-import functools
+import errno
 import logging
 import random
 import socket
@@ -126,8 +126,14 @@ class TcpTransport:
             set_tcp_keepalive(stream)
             await handler(stream, _peer_name(stream))
 
+        try:
+            listeners = await trio.open_tcp_listeners(port, host=host)
+        except OSError as exc:  # name the address: "Address already in use" alone does not say which
+            taken = exc.errno == errno.EADDRINUSE
+            message = f"{host}:{port} is already in use" if taken else f"cannot listen on {host}:{port}: {exc.strerror}"
+            raise OSError(exc.errno, message) from exc
         async with trio.open_nursery() as nursery:
-            listeners = await nursery.start(functools.partial(trio.serve_tcp, accepted, port, host=host))
+            await nursery.start(trio.serve_listeners, accepted, listeners)
             task_status.started(listeners[0].socket.getsockname()[1])
 
     async def connect(self, host: str, port: int) -> trio.abc.Stream:

@@ -225,6 +225,7 @@ class Node:
         #: Link generations: a failover timer acts only if no newer link came (and went) since it started.
         self._pred_gen = self._succ_gen = 0
         self._succ_lost_at: float | None = None
+        self._closing = False  # shutting down: no new request
         self.links = LinkManager(
             hello=Hello(
                 node_id=config.node_id,
@@ -277,7 +278,9 @@ class Node:
             self.links.redial_successor()
 
     async def shutdown(self) -> None:
-        """Fail every in-flight request with an error reply (not silence); ``open_node`` calls it on the way out."""
+        """Refuse new requests, fail every in-flight one with an error reply (not silence); ``open_node`` calls it on
+        the way out."""
+        self._closing = True
         for state in self.requests:
             if state.done:
                 continue
@@ -904,6 +907,13 @@ class Node:
             )
         except ProtocolError as exc:  # beyond a wire limit (prompt length, stop strings…): the client's input
             raise InvalidRequest(ErrorCode.BAD_REQUEST, str(exc)) from None
+        if self._closing:
+            raise RequestRefused(ErrorCode.SHUTTING_DOWN, f"node rank {self.rank} is shutting down")
+        lost = None if self._succ_lost_at is None else trio.current_time() - self._succ_lost_at
+        if lost is not None and lost > self.config.failover_wait and self.links.successor_down:
+            # The ring gave up on that window already (requests in flight failed): refuse now, not after link_wait.
+            message = f"rank {self.rank} lost its successor link {lost:.0f} s ago ({self.links.successor_state})"
+            raise RequestRefused(ErrorCode.LINK_LOST, message)
         entry = EntryStream(TextStream(self.stage.vocab), stop, max_tokens)
         async with self.requests.admission:
             state = self._register(start, entry)

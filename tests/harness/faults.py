@@ -21,8 +21,9 @@ from kvasir.local.launcher import LocalRing, Supervisor
 class Supervised:
     """``Supervisor.check`` in a thread, as ``kvasir ring up`` runs it; ``notes`` collects what it did."""
 
-    def __init__(self, ring: LocalRing, *, probe_interval_s: float = 0.5, max_restarts: int = 100) -> None:
-        self.supervisor = Supervisor(ring, probe_interval_s=probe_interval_s, max_restarts=max_restarts)
+    def __init__(self, ring: LocalRing, *, probe_interval_s: float = 0.5, max_delay_s: float = 0.0) -> None:
+        # No backoff by default: the faults here are injected on purpose, and each restart is measured.
+        self.supervisor = Supervisor(ring, probe_interval_s=probe_interval_s, max_delay_s=max_delay_s)
         self.notes: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
