@@ -517,3 +517,23 @@ def test_a_launch_that_fails_half_way_leaves_no_process(
     with pytest.raises(OSError, match="no more processes"):
         launcher.start_ring(tiny_model("llama", "f32"), [(0, 3), (3, 6)], cache_dir, run_dir=tmp_path, threads=1)
     assert started and started[0].returncode is not None
+
+
+def test_nodes_import_what_a_wrapped_ring_up_imports(tmp_path: Path) -> None:
+    """nixpkgs' wrapper adds Kvasir's dependencies to sys.path inside the `kvasir` script, not the environment: a
+    node started as `sys.executable -m kvasir` must still import them (ring up passes its import path on)."""
+    extra = tmp_path / "wrapped-site"
+    extra.mkdir()
+    (extra / "only_in_the_wrapper.py").write_text("WHERE = 'wrapper'\n")
+    parent = (
+        "import subprocess, sys\n"
+        f"sys.path.insert(0, {str(extra)!r})  # what the wrapper's site.addsitedir does\n"
+        "from kvasir.local.launcher import importable_env\n"
+        "child = 'import only_in_the_wrapper as m; print(m.WHERE)'\n"
+        "for env in ({}, importable_env({})):\n"
+        "    r = subprocess.run([sys.executable, '-c', child], env=env, capture_output=True, text=True)\n"
+        "    print(r.stdout.strip() or 'ImportError' if 'ModuleNotFoundError' in r.stderr else r.stdout.strip())\n"
+    )
+    r = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["ImportError", "wrapper"]

@@ -425,7 +425,7 @@ def start_ring(
     manifest_path = run_dir / "ring.toml"
     manifest.write(manifest_path)
     ring = LocalRing(manifest, run_dir, [], [], api_port, tied=tied)
-    env = without_config(os.environ)  # every setting is a flag below
+    env = importable_env(without_config(os.environ))  # every setting is a flag below
     # Several nodes share this machine's cores and only one computes at a time. ggml's OpenMP workers meet at a
     # barrier after every graph op: spinning forever (OMP_WAIT_POLICY=active) starves the busy stage, sleeping at
     # once (passive) makes every barrier a futex round trip. A short spin keeps barriers fast and idle nodes quiet
@@ -523,6 +523,18 @@ def _node_command(
     if threads:
         cmd += ["--threads", str(threads)]
     return cmd
+
+
+def importable_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` for a ``sys.executable -m kvasir`` child that imports what this process imports.
+
+    A wrapped interpreter (nixpkgs' ``wrapPythonPrograms``) puts Kvasir's dependencies on ``sys.path`` inside the
+    ``kvasir`` script, not in the environment: the bare interpreter a child runs would find none of them. So the child
+    gets this process's import path, ahead of any ``PYTHONPATH`` it had.
+    """
+    ours = [p for p in sys.path if p and os.path.isdir(p)]
+    theirs = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {**env, "PYTHONPATH": os.pathsep.join(dict.fromkeys([*ours, *theirs]))}
 
 
 def spawn(
