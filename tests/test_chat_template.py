@@ -177,6 +177,21 @@ def test_prompt_tokens_are_create_chat_completions(chat_model: Path, llm: _Recor
             assert stage.vocab.chat_tokens(messages, stage.chat_template()) == ask(llm, messages, 1).prompt, name
 
 
+def test_a_template_that_writes_bos_gets_one(tiny_model: Any) -> None:
+    """The tiny Gemma 3's template starts with ``{{ bos_token }}`` and its vocabulary adds BOS: one BOS, as with
+    create_chat_completion (SmolLM2 adds none, so it cannot tell)."""
+    path = tiny_model("gemma3", "f32")
+    messages = CONVERSATIONS["multi_turn"]
+    tiny = _RecordingLlama(model_path=str(path), n_ctx=256, n_batch=64, n_threads=1, verbose=False)
+    try:
+        want = ask(tiny, messages, 1).prompt
+    finally:
+        tiny.close()
+    with Stage.load(StageConfig(path, n_ctx=256, n_seq_max=1, n_threads=1)) as stage:
+        got = stage.vocab.chat_tokens(messages, stage.chat_template())
+        assert got == want and got.count(stage.vocab.bos) == 1 and got[0] == stage.vocab.bos
+
+
 @pytest.mark.slow
 def test_in_process_chat_is_create_chat_completions(chat_model: Path, reference: dict[str, Answer]) -> None:
     """What ``kvasir generate --chat`` runs (one stage, the whole model), for every shape of conversation."""
