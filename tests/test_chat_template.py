@@ -53,7 +53,7 @@ FINISH = {"eog": "stop", "max_tokens": "length"}
 FEATURES_TEMPLATE = """{{ bos_token }}
 {% for message in messages %}
     {% if message.role == 'system' %}{% continue %}{% endif %}
-    {% if loop.index > 4 %}{% break %}{% endif %}
+    {% if loop.index > 3 %}{% break %}{% endif %}
     {% generation %}<{{ message['role'] }}>{{ message.content | tojson }}{% endgeneration %}
 {% endfor %}
 {% if tools is none and tool_choice is none and functions is none %}[no tools]{% endif %}
