@@ -84,7 +84,7 @@ def bench_model(console: Console, name: str, path: Path, args: argparse.Namespac
         def encode(text: str) -> list[int]:
             if not chat:
                 return vocab.tokenize(text, add_special=True, parse_special=False)
-            return vocab.tokenize_chat(vocab.chat_prompt([("user", text)], stage.chat_template()))
+            return vocab.chat_tokens([("user", text)], stage.chat_template())
 
         table = Table(
             title=f"{name}: plain vs --speculate {args.k}, {args.tokens} tokens, {args.threads} threads, "

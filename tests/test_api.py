@@ -43,13 +43,13 @@ class FakeVocab:
         words = [1 if parse_special and w == "<bos>" else len(w) + 2 for w in text.split()]
         return ([1] if add_special else []) + words
 
-    def chat_prompt(self, messages: Sequence[tuple[str, str]], template: str | None) -> str:
-        bos = "<bos> " if template == "with-bos" else ""
-        return bos + "".join(f"<{role}> {content} " for role, content in messages) + "<assistant>"
-
-    def tokenize_chat(self, rendered: str) -> list[int]:
-        tokens = self.tokenize(rendered, add_special=True, parse_special=True)
-        return tokens[1:] if tokens[:2] == [1, 1] else tokens
+    def chat_tokens(self, messages: Sequence[tuple[str, str]], template: str | None) -> list[int]:
+        """BOS + ``<role> content`` words + ``<assistant>``; the template "refuse" refuses (as a Jinja template's
+        ``raise_exception`` does), "no-bos" leaves BOS out."""
+        if template == "refuse":
+            raise InputError("the model's chat template refused the conversation: roles must alternate")
+        rendered = "".join(f"<{role}> {content} " for role, content in messages) + "<assistant>"
+        return self.tokenize(rendered, add_special=template != "no-bos", parse_special=True)
 
     def longest_piece(self) -> int:
         return 4
@@ -352,13 +352,23 @@ async def test_chat_shape(nursery: trio.Nursery) -> None:
         assert out["usage"] == {"prompt_tokens": 8, "completion_tokens": 5, "total_tokens": 13}
 
 
-async def test_chat_prompt_gets_one_bos(nursery: trio.Nursery) -> None:
+async def test_chat_uses_the_stages_template(nursery: trio.Nursery) -> None:
     with trio.fail_after(TIMEOUT):
-        fake = FakeBackend(stage=FakeStage(template="with-bos"))  # a template whose text carries BOS itself
+        fake = FakeBackend(stage=FakeStage(template="no-bos"))
         port = await start(nursery, fake)
         reply = await call(port, "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
         assert reply.status == 200
-        assert fake.calls[0].prompt == [1, 8, 4, 13]
+        assert fake.calls[0].prompt == [8, 4, 13]
+
+
+async def test_a_conversation_the_template_refuses_is_a_400(nursery: trio.Nursery) -> None:
+    with trio.fail_after(TIMEOUT):
+        fake = FakeBackend(stage=FakeStage(template="refuse"))
+        port = await start(nursery, fake)
+        reply = await call(port, "POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+        assert reply.status == 400 and not fake.calls
+        error = reply.json()["error"]
+        assert error["param"] == "messages" and "roles must alternate" in error["message"]
 
 
 async def test_chat_default_max_tokens_fills_the_context(nursery: trio.Nursery) -> None:

@@ -198,12 +198,7 @@ class ApiServer:
         vocab = stage.vocab
         await self._refuse_text_over_context(req)
         if req.kind == "chat":
-            template = stage.chat_template()
-
-            def render() -> list[int]:
-                return vocab.tokenize_chat(vocab.chat_prompt(req.messages, template))
-
-            return await trio.to_thread.run_sync(render)
+            return await trio.to_thread.run_sync(vocab.chat_tokens, req.messages, stage.chat_template())
         if isinstance(req.prompt, tuple):
             return list(req.prompt)
         assert isinstance(req.prompt, str)

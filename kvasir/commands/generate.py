@@ -52,8 +52,7 @@ def run(args: argparse.Namespace) -> int:
         pipe = LocalPipeline(stages)
         vocab = stages[0].vocab
         if args.chat:
-            text = vocab.chat_prompt([("user", args.prompt)], stages[0].chat_template())
-            prompt = vocab.tokenize_chat(text)
+            prompt = vocab.chat_tokens([("user", args.prompt)], stages[0].chat_template())
         else:
             prompt = vocab.tokenize(args.prompt, add_special=True, parse_special=False)
 

@@ -124,8 +124,7 @@ async def _watch(node: Node, lines: _Lines, interval: float) -> None:
 def prompt_tokens(node: Node, text: str, chat: bool) -> list[int]:
     vocab = node.stage.vocab
     if chat:
-        rendered = vocab.chat_prompt([("user", text)], node.stage.chat_template())
-        return vocab.tokenize_chat(rendered)
+        return vocab.chat_tokens([("user", text)], node.stage.chat_template())
     return vocab.tokenize(text, add_special=True, parse_special=False)
 
 

@@ -18,6 +18,7 @@ from gguf import GGUFValueType
 from kvasir.errors import InputError, StageError
 from kvasir.shard.gguf_file import TOKENIZER_STASH_PREFIX
 from kvasir.shard.gguf_io import GGUFFile, encode_kv, write_gguf
+from kvasir.stage.chat_template import render_chat
 from kvasir.stage.llama_ffi import runtime
 
 #: Built-in llama.cpp chat templates for models whose GGUF carries none (Gemma 3 270M ships without one).
@@ -73,20 +74,19 @@ class Vocab:
             raise InputError("prompt could not be tokenized")
         return list(buf[:n])
 
-    def tokenize_chat(self, rendered: str) -> list[int]:
-        """Tokens of a rendered chat template: special tokens parsed, BOS added once.
-
-        llama.cpp's built-in templates never emit BOS; without it Gemma 3 answers with blank lines. A template that
-        already starts with the BOS text must not get a second one (llama-server does the same).
-        """
-        tokens = self.tokenize(rendered, add_special=True, parse_special=True)
-        if len(tokens) >= 2 and tokens[0] == tokens[1] and tokens[0] == self.bos:
-            tokens = tokens[1:]
-        return tokens
-
     @property
     def bos(self) -> int:
         return int(self._L.llama_vocab_bos(self._vocab))
+
+    @property
+    def eos(self) -> int:
+        return int(self._L.llama_vocab_eos(self._vocab))
+
+    def token_text(self, token: int) -> str:
+        """A token's text in the vocabulary (``<|im_end|>`` for a special token); "" for no token (-1)."""
+        if not 0 <= token < self.n_tokens:
+            return ""
+        return bytes(self._L.llama_vocab_get_text(self._vocab, token)).decode("utf-8", "replace")
 
     def piece(self, token: int) -> bytes:
         """The bytes a token contributes to the text (special tokens render as nothing)."""
@@ -126,10 +126,24 @@ class Vocab:
         if bad:
             raise InputError(f"token id {bad[0]} out of range [0, {self.n_tokens})")
 
-    def chat_prompt(self, messages: Sequence[tuple[str, str]], template: str | None) -> str:
-        """Apply ``template`` (the model's own, or a llama.cpp built-in name) to (role, content) messages."""
+    def chat_tokens(self, messages: Sequence[tuple[str, str]], template: str | None) -> list[int]:
+        """The prompt tokens of (role, content) messages: every chat path (API, control socket, ``generate --chat``)
+        comes here.
+
+        With the model's own template: rendered as llama-cpp-python's ``create_chat_completion`` renders it
+        (:func:`render_chat`) and tokenized as it does: special-token text parsed, nothing added (``add_bos=False``:
+        a template that wants BOS writes ``bos_token`` itself). Without one: llama.cpp's built-in template for the
+        architecture (:meth:`_builtin_chat_tokens`).
+        """
         if template is None:
-            template = _FALLBACK_TEMPLATE.get(self.arch, "chatml")
+            return self._builtin_chat_tokens(messages)
+        text = render_chat(template, messages, bos_token=self.token_text(self.bos), eos_token=self.token_text(self.eos))
+        return self.tokenize(text, add_special=False, parse_special=True)
+
+    def _builtin_chat_tokens(self, messages: Sequence[tuple[str, str]]) -> list[int]:
+        """llama.cpp's built-in template (C ``llama_chat_apply_template``), tokenized with special-token text parsed
+        and BOS added: the built-in templates never write BOS, and without it Gemma 3 answers with blank lines."""
+        template = _FALLBACK_TEMPLATE.get(self.arch, "chatml")
         keep = [(r.encode(), c.encode()) for r, c in messages]
         arr = (self._L.llama_chat_message * len(keep))()
         for i, (r, c) in enumerate(keep):
@@ -140,9 +154,9 @@ class Vocab:
             buf = ctypes.create_string_buffer(size)
             n = self._L.llama_chat_apply_template(template.encode(), arr, len(keep), True, buf, size)
             if n < 0:
-                raise InputError(f"chat template {template[:40]!r} is not supported by llama.cpp")
+                raise InputError(f"chat template {template!r} is not supported by llama.cpp")
             if n <= size:
-                return buf.raw[:n].decode("utf-8", "replace")
+                return self.tokenize(buf.raw[:n].decode("utf-8", "replace"), add_special=True, parse_special=True)
             size = n + 1
         raise InputError("chat template output too large")  # pragma: no cover
 

@@ -100,11 +100,8 @@ class FakeVocab:
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = False) -> list[int]:
         return ([1] if add_special else []) + [1 + b % (N_VOCAB - 2) for b in text.encode()]
 
-    def chat_prompt(self, messages: Sequence[tuple[str, str]], template: str | None) -> str:
-        return "".join(f"{role}: {text}\n" for role, text in messages)
-
-    def tokenize_chat(self, rendered: str) -> list[int]:
-        return self.tokenize(rendered)
+    def chat_tokens(self, messages: Sequence[tuple[str, str]], template: str | None) -> list[int]:
+        return self.tokenize("".join(f"{role}: {text}\n" for role, text in messages))
 
     def longest_piece(self) -> int:
         return 1  # tokenize gives one token per byte
