@@ -7,6 +7,7 @@ listens on the lossless request-end listeners and still keeps a receipt and dema
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 from collections.abc import AsyncIterator
@@ -161,6 +162,10 @@ def coverage(holders: list[str]) -> list[CoverageEntry]:
     ]
 
 
+def listen(ledger: Ledger, node: Node, ended: RequestEnded) -> None:
+    ledger.request_ended(ended, node.rank, node.manifest.size)  # as kvasir.market.agent.session wires it
+
+
 async def test_a_flooded_hub_loses_no_receipt(autojump_clock: trio.testing.MockClock) -> None:
     """Token events fill a stuck observer's channel; every request still gets its demand record at its entry and a
     receipt from both of its witnesses (the ledger hears the lossless end listeners, not the hub)."""
@@ -172,7 +177,7 @@ async def test_a_flooded_hub_loses_no_receipt(autojump_clock: trio.testing.MockC
         for node in nodes:
             ledger = Ledger(node.config.node_id)
             ledger.see_holders(coverage(holders), node.rank)
-            node.requests.on_end.add(lambda e, n=node, lg=ledger: lg.request_ended(e, n.rank, n.manifest.size))
+            node.requests.on_end.add(functools.partial(listen, ledger, node))
             ledgers.append(ledger)
             stuck.append(await stack.enter_async_context(node.hub.subscribe()))  # an observer that never reads
         ids: dict[int, int] = {}  # request id -> entry rank
