@@ -507,9 +507,9 @@ def test_unpaired_receipts_are_bounded_per_witness(tmp_path: Path, monkeypatch: 
     """Receipts waiting for their partner are capped per witness (oldest dropped), settled ones keep no holders, and
     a receipt for another ring's shape counts nothing: invented receipts cannot grow the database without bound."""
     from kvasir.market.records import ClaimRequest, LeaseRef, ManifestRecord, ModelRecord, Receipt, ReceiptBatch
-    from kvasir.market.server import store as store_module
+    from kvasir.market.server import credit
 
-    monkeypatch.setattr(store_module, "MAX_PENDING_PER_WITNESS", 5)
+    monkeypatch.setattr(credit, "MAX_PENDING_PER_WITNESS", 5)
     store = MarketStore(tmp_path / "m.sqlite")
     store.put_model(ModelRecord.from_wire(signed_model(_model(), OPERATOR)))
     store.put_manifest(ManifestRecord.from_wire(MANIFEST, SHA))
@@ -593,10 +593,10 @@ def test_market_status_shows_no_terminal_control_from_the_network() -> None:
 def test_coverage_replies_are_capped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """L7: one coverage reply lists whole models up to a window cap and says when it left some out."""
     from kvasir.market.records import ManifestRecord, ModelRecord
-    from kvasir.market.server import store as store_module
+    from kvasir.market.server import catalog
     from tests.test_market import OTHER
 
-    monkeypatch.setattr(store_module, "MAX_COVERAGE_WINDOWS", 4)
+    monkeypatch.setattr(catalog, "MAX_COVERAGE_WINDOWS", 4)
     store = MarketStore(tmp_path / "m.sqlite")
     for sha in (SHA, OTHER):
         store.put_model(ModelRecord.from_wire(signed_model({**_model(), "sha256": sha}, OPERATOR)))
