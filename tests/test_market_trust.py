@@ -18,6 +18,7 @@ from kvasir.errors import MarketError
 from kvasir.market import auth
 from kvasir.market.agent.client import MarketClient
 from kvasir.market.agent.enroll import EnrollConfig, Enrollment, LeaseLost, manifest_from_coverage
+from kvasir.market.agent.lease import LeaseKeeper, LeaseTaken
 from kvasir.market.records import MAX_REWARD, CoverageEntry, coverage_from_wire
 from kvasir.market.server.service import serve_market
 from kvasir.market.server.store import BUCKET_MAX_TOKENS, MAX_TOKENS_PER_S, MarketStore
@@ -362,6 +363,27 @@ def test_a_malformed_map_entry_is_skipped_not_fatal() -> None:
     skipped: list[str] = []
     entries = coverage_from_wire({"models": [{"windows": [good, bad]}, {"windows": "x"}]}, skipped)
     assert [(e.start, e.end) for e in entries] == [(0, 2)] and len(skipped) == 2
+
+
+async def test_the_lease_keeper_raises_lease_taken_once_another_node_holds_the_window(market: Market) -> None:
+    """The keeper renews as fetching, then as serving with its endpoint; when its lease ran out and another node took
+    the window, its renewal task ends with LeaseTaken (the session's signal), and there is nothing to release."""
+    async with MarketClient(market.url, identity=VICTIM) as client:
+        keeper = LeaseKeeper(client, VICTIM.node_id, lease_s=0.6)
+        window = next(w for w in await client.coverage() if (w.start, w.end) == (2, 4))
+        await keeper.claim(window)
+        assert (await market.window(1))["state"] == "fetching"
+        keeper.endpoint = "127.0.0.1:7001"
+        await keeper.renew()
+        shown = await market.window(1)
+        assert (shown["state"], shown["endpoint"], shown["holder"]) == ("serving", "127.0.0.1:7001", VICTIM.node_id)
+        await trio.sleep(0.7)  # not renewed: the lease runs out, and another node claims the window
+        assert (await market.post("/v1/claims", _claim(ATTACKER.node_id), ATTACKER)).status_code == 200
+        with trio.fail_after(10), pytest.raises(LeaseTaken, match="held by"):
+            await keeper.keep()
+        keeper.forget()
+        await keeper.release()  # nothing to hand back: the window stays the other node's
+        assert (await market.window(1))["holder"] == ATTACKER.node_id
 
 
 async def test_dead_sources_release_the_window_and_another_is_tried(
