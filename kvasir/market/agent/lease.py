@@ -8,7 +8,6 @@ the session it runs in. A lease that merely expired with nobody else taking the 
 from __future__ import annotations
 
 import logging
-from typing import NoReturn
 
 import attrs
 import trio
@@ -67,11 +66,14 @@ class LeaseKeeper:
             # Nobody took it meanwhile: claim it again (keeps serving without a gap).
             self.lease = await self.market.claim(attrs.evolve(req, lease_id=None))
 
-    async def keep(self) -> NoReturn:
+    async def keep(self) -> None:
         """Renew until the market says the window is another's or gone (then LeaseTaken); other failures are
-        retried at the next renewal, since the lease may still be ours."""
+        retried at the next renewal, since the lease may still be ours. Returns once the lease was released (a
+        shutdown releases it before it cancels this task)."""
         while True:
             await trio.sleep(self.lease_s / 3)
+            if self.lease is None:
+                return
             try:
                 await self.renew()
             except MarketError as exc:
