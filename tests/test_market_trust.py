@@ -18,6 +18,7 @@ from kvasir.errors import MarketError
 from kvasir.market import auth
 from kvasir.market.agent.client import MarketClient
 from kvasir.market.agent.enroll import EnrollConfig, Enrollment, LeaseLost, manifest_from_coverage
+from kvasir.market.agent.lease import LeaseKeeper, LeaseTaken
 from kvasir.market.records import MAX_REWARD, CoverageEntry, coverage_from_wire
 from kvasir.market.server.service import serve_market
 from kvasir.market.server.store import BUCKET_MAX_TOKENS, MAX_TOKENS_PER_S, MarketStore
@@ -364,6 +365,27 @@ def test_a_malformed_map_entry_is_skipped_not_fatal() -> None:
     assert [(e.start, e.end) for e in entries] == [(0, 2)] and len(skipped) == 2
 
 
+async def test_the_lease_keeper_raises_lease_taken_once_another_node_holds_the_window(market: Market) -> None:
+    """The keeper renews as fetching, then as serving with its endpoint; when its lease ran out and another node took
+    the window, its renewal task ends with LeaseTaken (the session's signal), and there is nothing to release."""
+    async with MarketClient(market.url, identity=VICTIM) as client:
+        keeper = LeaseKeeper(client, VICTIM.node_id, lease_s=0.6)
+        window = next(w for w in await client.coverage() if (w.start, w.end) == (2, 4))
+        await keeper.claim(window)
+        assert (await market.window(1))["state"] == "fetching"
+        keeper.endpoint = "127.0.0.1:7001"
+        await keeper.renew()
+        shown = await market.window(1)
+        assert (shown["state"], shown["endpoint"], shown["holder"]) == ("serving", "127.0.0.1:7001", VICTIM.node_id)
+        await trio.sleep(0.7)  # not renewed: the lease runs out, and another node claims the window
+        assert (await market.post("/v1/claims", _claim(ATTACKER.node_id), ATTACKER)).status_code == 200
+        with trio.fail_after(10), pytest.raises(LeaseTaken, match="held by"):
+            await keeper.keep()
+        keeper.forget()
+        await keeper.release()  # nothing to hand back: the window stays the other node's
+        assert (await market.window(1))["holder"] == ATTACKER.node_id
+
+
 async def test_dead_sources_release_the_window_and_another_is_tried(
     market: Market, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -507,9 +529,9 @@ def test_unpaired_receipts_are_bounded_per_witness(tmp_path: Path, monkeypatch: 
     """Receipts waiting for their partner are capped per witness (oldest dropped), settled ones keep no holders, and
     a receipt for another ring's shape counts nothing: invented receipts cannot grow the database without bound."""
     from kvasir.market.records import ClaimRequest, LeaseRef, ManifestRecord, ModelRecord, Receipt, ReceiptBatch
-    from kvasir.market.server import store as store_module
+    from kvasir.market.server import credit
 
-    monkeypatch.setattr(store_module, "MAX_PENDING_PER_WITNESS", 5)
+    monkeypatch.setattr(credit, "MAX_PENDING_PER_WITNESS", 5)
     store = MarketStore(tmp_path / "m.sqlite")
     store.put_model(ModelRecord.from_wire(signed_model(_model(), OPERATOR)))
     store.put_manifest(ManifestRecord.from_wire(MANIFEST, SHA))
@@ -593,10 +615,10 @@ def test_market_status_shows_no_terminal_control_from_the_network() -> None:
 def test_coverage_replies_are_capped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """L7: one coverage reply lists whole models up to a window cap and says when it left some out."""
     from kvasir.market.records import ManifestRecord, ModelRecord
-    from kvasir.market.server import store as store_module
+    from kvasir.market.server import catalog
     from tests.test_market import OTHER
 
-    monkeypatch.setattr(store_module, "MAX_COVERAGE_WINDOWS", 4)
+    monkeypatch.setattr(catalog, "MAX_COVERAGE_WINDOWS", 4)
     store = MarketStore(tmp_path / "m.sqlite")
     for sha in (SHA, OTHER):
         store.put_model(ModelRecord.from_wire(signed_model({**_model(), "sha256": sha}, OPERATOR)))

@@ -16,6 +16,7 @@ import trio
 
 from kvasir.control.server import serve_control
 from kvasir.local.launcher import free_ports
+from kvasir.ring.events import TokenPassed
 from kvasir.ring.links import StreamLink, handshake
 from kvasir.ring.manifest import Manifest, RankEntry
 from kvasir.ring.node import Node, NodeConfig, open_node
@@ -290,14 +291,14 @@ async def test_watch_never_writes_a_torn_line_to_a_slow_reader(
             s = await trio.open_unix_socket(str(sock))
             await s.send_all(b'{"op": "watch", "interval": 0.1}\n')
             await trio.sleep(0.2)
-            nodes[0].hub.publish({"type": "note", "text": "x" * (4 << 20)})  # far beyond the socket's buffer
+            nodes[0].hub.publish(TokenPassed(1, 0, 1, "x" * (4 << 20)))  # far beyond the socket's buffer
             await trio.sleep(0.5)  # the reader is slow: status deadlines pass while the line is being written
             data = b""
             with trio.move_on_after(3):
                 while data.count(b"\n") < 8:
                     data += await s.receive_some(1 << 20)
             lines = data.split(b"\n")[:-1]
-            assert any(json.loads(ln)["type"] == "note" for ln in lines)
+            assert any(len(json.loads(ln).get("text", "")) == 4 << 20 for ln in lines)
             for ln in lines:
                 json.loads(ln)  # no torn line
             await s.aclose()

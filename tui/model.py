@@ -12,6 +12,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvasir.errors import InputError
+from kvasir.ring.events import NodeEvent, RequestEnded, RequestStarted, TokenPassed, event_from_wire
 from kvasir.ring.status import LinkStatus, NodeStatus
 
 #: How many samples the sparklines keep.
@@ -136,8 +138,9 @@ class NodeModel:
     #: The last status as sent (the widgets read it) and as parsed with the node's own schema.
     status: dict[str, Any] | None = None
     node: NodeStatus | None = None
-    #: Status messages that did not parse (skipped).
+    #: Status messages and events that did not parse (skipped).
     bad_status: int = 0
+    bad_events: int = 0
     links: dict[str, LinkView] = field(
         default_factory=lambda: {"predecessor": LinkView("predecessor"), "successor": LinkView("successor")}
     )
@@ -151,12 +154,29 @@ class NodeModel:
         kind = msg.get("type")
         if kind == "status" and isinstance(msg.get("status"), dict):
             self.apply_status(msg["status"])
-        elif kind == "token":
+        elif kind in ("token", "request"):
+            try:
+                event = event_from_wire(msg)
+            except InputError:
+                self.bad_events += 1
+                return
             self.events += 1
-            self._token(msg)
-        elif kind == "request":
-            self.events += 1
-            self._request(msg)
+            self.apply_event(event)
+
+    def apply_event(self, event: NodeEvent) -> None:
+        if isinstance(event, TokenPassed):
+            view = self._view(event.request)
+            view.tokens += 1
+            view.text = (view.text + event.text)[-MAX_TEXT:]
+        elif isinstance(event, RequestStarted):
+            view = self._view(event.request)
+            view.state = "running"
+            view.prompt_tokens = event.prompt_tokens
+            view.entry_rank = event.entry_rank
+        elif isinstance(event, RequestEnded):
+            view = self._view(event.request)
+            view.state = "ended"
+            view.reason = event.reason
 
     def apply_all(self, msgs: Iterable[Mapping[str, Any]]) -> None:
         for m in msgs:
@@ -208,21 +228,6 @@ class NodeModel:
             while len(self.requests) > MAX_REQUESTS:
                 self.requests.popitem(last=False)
         return view
-
-    def _token(self, msg: Mapping[str, Any]) -> None:
-        view = self._view(int(msg.get("request", 0)))
-        view.tokens += 1
-        view.text = (view.text + str(msg.get("text", "")))[-MAX_TEXT:]
-
-    def _request(self, msg: Mapping[str, Any]) -> None:
-        view = self._view(int(msg.get("request", 0)))
-        if msg.get("state") == "start":
-            view.state = "running"
-            view.prompt_tokens = msg.get("prompt_tokens")
-            view.entry_rank = msg.get("entry_rank")
-        else:
-            view.state = "ended"
-            view.reason = msg.get("reason")
 
     # ------------------------------------------------------------------------------------------ derived
 

@@ -355,16 +355,18 @@ async def serve_enrolled(config: Any, args: argparse.Namespace) -> None:
     """Run an enrolling node until SIGINT/SIGTERM; then credit, release the lease and stop."""
     from kvasir.market.agent.enroll import Enrollment
 
-    async def on_node(node: Node, nursery: trio.Nursery) -> None:
-        control = args.control or node_socket_path(node.rank, node.manifest.rank(node.rank).port)
-        await nursery.start(serve_control, node, control)
-        if args.api_port is not None:
-            from kvasir.api import serve_api
+    async def on_node(node: Node) -> None:
+        """Beside each node served, until its window's session ends: the control socket (and the API)."""
+        async with trio.open_nursery() as nursery:
+            control = args.control or node_socket_path(node.rank, node.manifest.rank(node.rank).port)
+            await nursery.start(serve_control, node, control)
+            if args.api_port is not None:
+                from kvasir.api import serve_api
 
-            await nursery.start(
-                functools.partial(serve_api, access=api_access(args)), node, args.api_host, args.api_port
-            )
-        print(f"kvasir node: enrolled {json.dumps(enrollment.status())}", flush=True)
+                await nursery.start(
+                    functools.partial(serve_api, access=api_access(args)), node, args.api_host, args.api_port
+                )
+            print(f"kvasir node: enrolled {json.dumps(enrollment.status())}", flush=True)
 
     enrollment = Enrollment(config, on_node=on_node)
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:

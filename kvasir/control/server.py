@@ -19,6 +19,7 @@ import trio
 
 from kvasir.control.ops import GenerateOp, StatusOp, WatchOp, parse_op
 from kvasir.errors import KvasirError
+from kvasir.ring.events import event_to_wire
 from kvasir.ring.node import Node
 from kvasir.ring.requests import EndEvent, TokenEvent
 
@@ -115,7 +116,7 @@ async def _watch(node: Node, lines: _Lines, interval: float) -> None:
             with trio.move_on_at(next_status):
                 event = await events.receive()
             if event is not None:
-                await lines.write(event)  # outside the deadline: a line cut short would tear the stream
+                await lines.write(event_to_wire(event))  # outside the deadline: a torn line breaks the stream
                 continue
             await lines.write({"type": "status", "status": node.status().to_wire()})
             next_status = trio.current_time() + interval

@@ -38,7 +38,7 @@ from kvasir.errors import InputError, InvalidRequest, KvasirError, ProtocolError
 from kvasir.ring.batching import DecodeBatcher, DecodeStep, batchable, compute_batch
 from kvasir.ring.compute import RingStage
 from kvasir.ring.edges import RelayConnect, RingEdges
-from kvasir.ring.events import EventHub
+from kvasir.ring.events import EventHub, FailedOver
 from kvasir.ring.linkmgr import LinkManager, SuccessorLost, Transport
 from kvasir.ring.manifest import Manifest
 from kvasir.ring.record import NodeRecorder
@@ -161,7 +161,7 @@ async def open_node(
         )
         node.recorder = recorder
         if recorder is not None:
-            node.requests.on_end = node._record_end
+            node.requests.on_end.add(lambda ended: node._record_end(ended.request))
         await nursery.start(node.links.run)
         nursery.start_soon(node.requests.reap, config.stall_timeout + config.link_wait)
         if node.batcher is not None:
@@ -371,15 +371,7 @@ class Node:
             self.rank, len(states), frames, nbytes, hello.rank, hello.node_id, done - started, stall,
         )  # fmt: skip
         self.hub.publish(
-            {
-                "type": "failover",
-                "rank": hello.rank,
-                "window": [hello.window_start, hello.window_end],
-                "requests": len(states),
-                "frames": frames,
-                "bytes": nbytes,
-                "stall_s": stall,
-            }
+            FailedOver(hello.rank, (hello.window_start, hello.window_end), len(states), frames, nbytes, stall)
         )
 
     def _count_error(self) -> None:

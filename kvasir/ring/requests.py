@@ -15,7 +15,7 @@ from kvasir.core.speculate import Drafter, SpeculationStats
 from kvasir.core.stops import find_stop
 from kvasir.errors import InputError, InvalidRequest, RequestRefused
 from kvasir.ring.compute import RingStage, TokenSampler
-from kvasir.ring.events import EventHub
+from kvasir.ring.events import EndListeners, EventHub, RequestEnded, RequestStarted, TokenPassed
 from kvasir.ring.speculation import CacheEnd, TokenTrail, VerifyBatch
 from kvasir.ring.status import RequestCounters
 from kvasir.wire import EndReason, ErrorCode, Frame, StartRequest
@@ -216,8 +216,8 @@ class RequestTable:
         self.tokens = 0
         self.boundaries = 0
         self.errors = 0
-        #: Called with the request id once a request ended here and its compute is over (the node's receipts).
-        self.on_end: Callable[[int], None] | None = None
+        #: Lossless: every request that ended here, once its compute is over (receipts, the market agent's ledger).
+        self.on_end = EndListeners()
         self.speculation = SpeculationStats()
 
     def get(self, request_id: int) -> RequestState | None:
@@ -290,15 +290,7 @@ class RequestTable:
                 raise
         self._states[start.request_id] = state
         self.requests += 1
-        self.hub.publish(
-            {
-                "type": "request",
-                "state": "start",
-                "request": start.request_id,
-                "prompt_tokens": start.prompt_length,
-                "entry_rank": start.entry_rank,
-            }
-        )
+        self.hub.publish(RequestStarted(start.request_id, start.prompt_length, start.entry_rank))
         return state
 
     def see(self, state: RequestState, index: int, token: int) -> None:
@@ -310,13 +302,7 @@ class RequestTable:
         if state.entry is not None:
             state.entry.push(index, token)
         self.hub.publish(
-            {
-                "type": "token",
-                "request": state.request_id,
-                "index": index,
-                "token": token,
-                "text": self.stage.vocab.piece(token).decode("utf-8", "replace"),
-            }
+            TokenPassed(state.request_id, index, token, self.stage.vocab.piece(token).decode("utf-8", "replace"))
         )
 
     def see_step(self, state: RequestState, pos: int, tokens: Sequence[int]) -> None:
@@ -366,18 +352,9 @@ class RequestTable:
             # find this sequence free.
             if state.entry is not None:
                 state.entry.finish(reason, state.prompt_len, state.seen, error, code.name.lower() if code else None)
-        if self.on_end is not None:
-            self.on_end(state.request_id)
-        self.hub.publish(
-            {
-                "type": "request",
-                "state": "end",
-                "request": state.request_id,
-                "reason": reason,
-                "generated": state.seen,
-                "error": error,
-            }
-        )
+        ended = RequestEnded(state.request_id, reason, state.seen, error, state.start.entry_rank)
+        self.on_end.emit(ended)  # lossless, before the observers' lossy copy
+        self.hub.publish(ended)
 
     async def reap(self, limit: float) -> None:
         """Free requests nothing has happened to for ``limit`` seconds; runs until cancelled.

@@ -1,0 +1,102 @@
+"""Demand: how many tokens each model served lately, which raises the rewards of its windows."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Callable
+from contextlib import suppress
+from typing import Any
+
+from kvasir.errors import MarketError
+from kvasir.market.records import MAX_REWARD, DemandReport
+from kvasir.market.server import catalog
+from kvasir.market.server.sqlite import Database, StorePart
+
+#: Demand older than this no longer raises rewards.
+DEMAND_HORIZON_S = 600.0
+#: Recent tokens that double a model's rewards.
+DEMAND_SCALE_TOKENS = 1000.0
+#: Demand is summed per bucket of this many seconds: one row per model and bucket, whoever reports.
+DEMAND_BUCKET_S = 60
+#: Tokens one bucket counts at most (a sum that never nears 2^63, whatever the reports).
+BUCKET_MAX_TOKENS = 10**9
+BUCKET_MAX_REQUESTS = 10**7
+#: The most demand can raise rewards.
+MAX_MULTIPLIER = 1000.0
+
+
+def demand_multiplier(recent_tokens: int) -> float:
+    """How much recent demand raises a model's rewards (pure): 1 at no demand, +1 per DEMAND_SCALE_TOKENS, at most
+    MAX_MULTIPLIER."""
+    return min(1.0 + recent_tokens / DEMAND_SCALE_TOKENS, MAX_MULTIPLIER)
+
+
+def reward_of(weight: float, multiplier: float) -> float:
+    return min(weight * multiplier, MAX_REWARD)
+
+
+def bucket(ts: float) -> int:
+    return int(ts // DEMAND_BUCKET_S)
+
+
+def recent_tokens(db: sqlite3.Connection, model: str, now: float) -> int:
+    """Tokens ``model`` served within the demand horizon before ``now``."""
+    row = db.execute(
+        "SELECT COALESCE(SUM(tokens), 0) FROM demand_buckets WHERE model = ? AND bucket >= ?",
+        (model, bucket(now - DEMAND_HORIZON_S)),
+    ).fetchone()
+    return int(row[0])
+
+
+class DemandBook(StorePart):
+    """Demand reports (from lease holders only: ``holds_lease(node_id, model)``) and the demand summary."""
+
+    def __init__(self, base: Database, models: catalog.Catalog, holds_lease: Callable[[str, str], bool]) -> None:
+        super().__init__(base)
+        self.catalog = models
+        self.holds_lease = holds_lease
+
+    def add_demand(self, report: DemandReport, node_id: str) -> None:
+        """Add a lease holder's report to the current bucket (sums clamped); drop buckets past the horizon."""
+        self.catalog.model(report.model)
+        now = self.clock()
+        if not self.holds_lease(node_id, report.model):
+            raise MarketError(403, "not_a_holder", f"node {node_id} holds no window of model {report.model[:12]}…")
+        with self._write() as db:
+            db.execute(
+                "INSERT INTO demand_buckets (model, bucket, requests, tokens) VALUES (?, ?, ?, ?)"
+                " ON CONFLICT (model, bucket) DO UPDATE SET requests = MIN(requests + excluded.requests, ?),"
+                " tokens = MIN(tokens + excluded.tokens, ?)",
+                (report.model, bucket(now), report.requests, report.tokens, BUCKET_MAX_REQUESTS, BUCKET_MAX_TOKENS),
+            )
+            db.execute("DELETE FROM demand_buckets WHERE bucket < ?", (bucket(now - DEMAND_HORIZON_S),))
+
+    def demand(self) -> dict[str, Any]:
+        """Recent demand per model, with each window's reward (window lists stop at MAX_COVERAGE_WINDOWS in all)."""
+        now = self.clock()
+        out = []
+        shown = 0
+        for m in self.catalog.models():
+            row = self.db.execute(
+                "SELECT COALESCE(SUM(requests), 0), COALESCE(SUM(tokens), 0) FROM demand_buckets"
+                " WHERE model = ? AND bucket >= ?",
+                (m.sha256, bucket(now - DEMAND_HORIZON_S)),
+            ).fetchone()
+            mult = demand_multiplier(int(row[1]))
+            rewards = []
+            with suppress(MarketError):  # a model without a manifest yet
+                windows = self.catalog.manifest(m.sha256).windows
+                if shown + len(windows) <= catalog.MAX_COVERAGE_WINDOWS:
+                    shown += len(windows)
+                    rewards = [{"layers": [w.start, w.end], "reward": reward_of(w.weight, mult)} for w in windows]
+            out.append(
+                {
+                    "model": m.sha256,
+                    "name": m.name,
+                    "requests": int(row[0]),
+                    "tokens": int(row[1]),
+                    "multiplier": mult,
+                    "windows": rewards,
+                }
+            )
+        return {"horizon_s": DEMAND_HORIZON_S, "models": out}

@@ -1,0 +1,125 @@
+"""The market's SQLite database (WAL, one connection): its schema, its write transactions and its meta keys.
+
+Every write is one ``BEGIN IMMEDIATE`` transaction (a claim's read and write are one atomic compare-and-set), and
+records when the market was last alive, so that after a downtime every lease that was live gets back the time it
+had left. The parts of :class:`~kvasir.market.server.store.MarketStore` share one :class:`Database`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from kvasir.errors import InputError
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS models (sha256 TEXT PRIMARY KEY, body TEXT NOT NULL, added REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS manifests (model TEXT PRIMARY KEY, body TEXT NOT NULL, updated REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS leases (
+    model TEXT NOT NULL, start INTEGER NOT NULL, "end" INTEGER NOT NULL,
+    node_id TEXT NOT NULL, lease_id TEXT NOT NULL, expires_at REAL NOT NULL,
+    endpoint TEXT, state TEXT NOT NULL, claimed_at REAL NOT NULL, holder_key TEXT,
+    PRIMARY KEY (model, start, "end"));
+CREATE TABLE IF NOT EXISTS demand_buckets (
+    model TEXT NOT NULL, bucket INTEGER NOT NULL, requests INTEGER NOT NULL, tokens INTEGER NOT NULL,
+    PRIMARY KEY (model, bucket));
+CREATE TABLE IF NOT EXISTS lease_credits (
+    lease_id TEXT PRIMARY KEY, node_id TEXT NOT NULL, model TEXT NOT NULL, start INTEGER NOT NULL,
+    "end" INTEGER NOT NULL, tokens INTEGER NOT NULL, layer_tokens INTEGER NOT NULL, earned REAL NOT NULL,
+    ts REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS lease_credits_node ON lease_credits (node_id);
+DROP TABLE IF EXISTS receipts_seen;
+CREATE TABLE IF NOT EXISTS receipts (
+    model TEXT NOT NULL, entry TEXT NOT NULL, request TEXT NOT NULL, role TEXT NOT NULL, witness TEXT NOT NULL,
+    tokens INTEGER NOT NULL, holders TEXT NOT NULL, settled INTEGER NOT NULL, ts REAL NOT NULL,
+    PRIMARY KEY (model, entry, request, role));
+CREATE INDEX IF NOT EXISTS receipts_ts ON receipts (ts);
+CREATE INDEX IF NOT EXISTS receipts_pending ON receipts (witness, settled, ts);
+CREATE TABLE IF NOT EXISTS lease_confirmed (lease_id TEXT PRIMARY KEY, tokens INTEGER NOT NULL, ts REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS lease_witnesses (
+    lease_id TEXT NOT NULL, witness TEXT NOT NULL, tokens INTEGER NOT NULL, PRIMARY KEY (lease_id, witness));
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS frauds (
+    proof_id TEXT PRIMARY KEY, node_id TEXT NOT NULL, model TEXT NOT NULL, start INTEGER NOT NULL,
+    "end" INTEGER NOT NULL, request TEXT NOT NULL, step INTEGER NOT NULL, submitter TEXT NOT NULL,
+    verdict TEXT NOT NULL, withdrawn REAL NOT NULL, leases TEXT NOT NULL, lease_revoked INTEGER NOT NULL,
+    banned_until REAL NOT NULL, ts REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS bans (
+    model TEXT NOT NULL, node_id TEXT NOT NULL, until REAL NOT NULL, proof_id TEXT NOT NULL,
+    PRIMARY KEY (model, node_id));
+"""
+
+
+class Database:
+    """One connection; the service never runs two calls at once. Time comes from ``clock`` (unix seconds) so tests
+    can move it."""
+
+    def __init__(self, path: Path | str, *, clock: Callable[[], float] = time.time) -> None:
+        self.clock = clock
+        try:
+            self.db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False, timeout=10)
+            self.db.execute("PRAGMA journal_mode=WAL")
+            self.db.execute("PRAGMA synchronous=NORMAL")
+            self.db.executescript(_SCHEMA)
+            columns = {r[1] for r in self.db.execute("PRAGMA table_info(leases)")}
+            if "holder_key" not in columns:  # a database from before signed claims
+                self.db.execute("ALTER TABLE leases ADD COLUMN holder_key TEXT")
+            self._resume()
+        except sqlite3.Error as exc:
+            raise InputError(f"{path}: cannot open the market database ({exc})") from None
+
+    def _resume(self) -> None:
+        """After a downtime, give every lease that was live when the market stopped the time it had left.
+
+        Holders could not renew while the market was away; without this, a spare that polls first after a restart
+        would take a healthy holder's window and cut its streams.
+        """
+        row = self.db.execute("SELECT value FROM meta WHERE key = 'alive_at'").fetchone()
+        now = self.clock()
+        if row is not None and now > float(row[0]):
+            alive_at = float(row[0])
+            with self.write() as db:
+                db.execute(
+                    "UPDATE leases SET expires_at = expires_at + ? WHERE expires_at > ?", (now - alive_at, alive_at)
+                )
+
+    def close(self) -> None:
+        self.db.close()
+
+    @contextmanager
+    def write(self) -> Iterator[sqlite3.Connection]:
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            yield self.db
+            # When the market was last alive (every write): a restart extends leases by the time it was away.
+            self.db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('alive_at', ?)", (str(self.clock()),))
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        self.db.execute("COMMIT")
+
+    def get_meta(self, key: str) -> str | None:
+        row = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return None if row is None else str(row[0])
+
+    def set_meta(self, key: str, value: str) -> None:
+        with self.write() as db:
+            db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
+
+
+class StorePart:
+    """One concern of the store, on the shared :class:`Database`."""
+
+    def __init__(self, base: Database) -> None:
+        self.base = base
+        self.db = base.db
+
+    def clock(self) -> float:
+        return self.base.clock()
+
+    def _write(self) -> contextlib.AbstractContextManager[sqlite3.Connection]:
+        return self.base.write()
