@@ -2,7 +2,8 @@
 
 Everything is derived from the messages' contents, never from the wall clock: rates come from the difference of
 two status snapshots' counters over the difference of their ``uptime_s``, so a recorded stream replays to the same
-screen every time.
+screen every time. The one exception is handed in by the app: when the connection is lost, the time it was lost
+(:meth:`NodeModel.mark_stale`); until the next status, what the model holds is the past, not the node's state.
 """
 
 from __future__ import annotations
@@ -145,7 +146,19 @@ class NodeModel:
     token_rate: float = 0.0
     token_hist: deque[float] = field(default_factory=lambda: deque(maxlen=HISTORY))
     events: int = 0
+    #: When the connection was lost ("HH:MM:SS", the app's clock); None while the status is live. The next status
+    #: that parses clears it.
+    stale_since: str | None = None
     _sample: tuple[float, dict[str, tuple[int, int]], int] | None = None
+
+    def mark_stale(self, since: str) -> None:
+        """The connection is lost: everything held is from before ``since`` (kept if already stale)."""
+        if self.stale_since is None:
+            self.stale_since = since
+
+    @property
+    def stale(self) -> bool:
+        return self.stale_since is not None
 
     def apply(self, msg: Mapping[str, Any]) -> None:
         kind = msg.get("type")
@@ -171,6 +184,7 @@ class NodeModel:
         if self.node is not None and node.node_id != self.node.node_id:
             self._sample = None  # another node (or a restart): counters start over
         self.status, self.node = status, node
+        self.stale_since = None
         uptime = node.uptime_s
         links = {"predecessor": node.predecessor, "successor": node.successor}
         for name, view in self.links.items():
