@@ -435,5 +435,9 @@ class KvasirTUI(App[None]):
         yield SystemCommand(
             "Toggle light/dark theme", "Switch between light and dark (Ctrl+T)", self.action_toggle_theme
         )
-        yield SystemCommand("Reconnect now", "Retry the node's socket without waiting (Ctrl+R)", self.action_reconnect)
+        yield SystemCommand(
+            "Reconnect now",
+            "Retry without waiting; without --socket, find the node again (Ctrl+R)",
+            self.action_reconnect,
+        )
         yield SystemCommand("Key help", "All key bindings (F1)", self.action_help)
