@@ -30,7 +30,15 @@ from kvasir.tui.model import NodeModel, Segment, fill_gaps, sanitize
 from kvasir.tui.screens import HelpScreen, Sampling, SettingsScreen, parse_sampling
 from kvasir.tui.screenshots import stale_app
 from kvasir.tui.source import Message, ReplaySource, SocketSource, SourceError
-from kvasir.tui.widgets import CoverageMap, NodePanel, RingView, TokenStream, render_coverage, render_node
+from kvasir.tui.widgets import (
+    CoverageMap,
+    NodePanel,
+    RingView,
+    TokenStream,
+    render_coverage,
+    render_node,
+    render_requests,
+)
 from tests.ringutil import ring_generate, running_ring
 
 SESSION = Path(__file__).parent / "data" / "tui_session.jsonl"
@@ -121,6 +129,29 @@ def test_token_events_and_sanitize() -> None:
     req = model.requests[7]
     assert (req.text, req.tokens, req.state, req.reason) == ("Hi \x02there", 2, "ended", "eog")
     assert sanitize(req.text) == "Hi \u2402there"
+
+
+def test_a_lost_connection_leaves_no_live_looking_leftovers() -> None:
+    """After a lost connection: a request last seen running is unknown until a token shows it is still going; a
+    status from another node (a restarted ring) starts the rates and their history over."""
+    model = NodeModel()
+    model.apply_all([{"type": "status", "status": _status(1.0, 0)}, {"type": "status", "status": _status(2.0, 50, 4)}])
+    model.apply_all([{"type": "request", "state": "start", "request": r, "prompt_tokens": 3} for r in (7, 8)])
+    assert model.links["predecessor"].frames_hist and model.token_hist
+    model.mark_stale("12:00:00")
+    model.mark_stale("12:00:05")
+    assert model.stale_since == "12:00:00"  # since the first loss, not the latest retry
+    assert "◌ " in render_requests(list(model.requests.values()), 80, stale=True).plain
+    model.apply({"type": "status", "status": _status(3.0, 60, 5)})  # the same node, back
+    assert not model.stale and [r.state for r in model.requests.values()] == ["unknown", "unknown"]
+    assert len(model.links["predecessor"].frames_hist) == 2  # the same node: its history goes on
+    model.apply({"type": "token", "request": 8, "index": 0, "token": 1, "text": "x"})
+    assert [r.state for r in model.requests.values()] == ["unknown", "running"]
+    text = render_requests(list(model.requests.values()), 80).plain
+    assert "◌ 000007  · state unknown (missed while disconnected)" in text and "● 000008" in text
+    model.apply({"type": "status", "status": _status(0.5, 0, node_id="n2")})  # a restarted ring
+    pred = model.links["predecessor"]
+    assert not pred.frames_hist and pred.frames_s == 0.0 and not model.token_hist and model.token_rate == 0.0
 
 
 def test_sampling_form_parsing() -> None:

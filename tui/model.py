@@ -116,6 +116,7 @@ class RequestView:
     request: int
     text: str = ""
     tokens: int = 0
+    #: "running", "ended", or "unknown" (last seen running before the connection was lost).
     state: str = "running"
     reason: str | None = None
     prompt_tokens: int | None = None
@@ -182,7 +183,20 @@ class NodeModel:
             self.bad_status += 1
             return
         if self.node is not None and node.node_id != self.node.node_id:
-            self._sample = None  # another node (or a restart): counters start over
+            # Another node (a restarted ring): counters start over, and the old node's history is not this one's.
+            self._sample = None
+            self.token_rate = 0.0
+            self.token_hist.clear()
+            for view in self.links.values():
+                view.frames_s = view.bytes_s = 0.0
+                view.frames_hist.clear()
+                view.bytes_hist.clear()
+                view.rtt_hist.clear()
+        if self.stale_since is not None:
+            # Back after a lost connection: a request last seen running may have ended unseen.
+            for req in self.requests.values():
+                if req.state == "running":
+                    req.state = "unknown"
         self.status, self.node = status, node
         self.stale_since = None
         uptime = node.uptime_s
@@ -226,6 +240,8 @@ class NodeModel:
     def _token(self, msg: Mapping[str, Any]) -> None:
         view = self._view(int(msg.get("request", 0)))
         view.tokens += 1
+        if view.state == "unknown":  # still going after all
+            view.state = "running"
         view.text = (view.text + str(msg.get("text", "")))[-MAX_TEXT:]
 
     def _request(self, msg: Mapping[str, Any]) -> None:

@@ -315,11 +315,12 @@ def render_requests(requests: Sequence[RequestView], width: int, stale: bool = F
         return t.append("no tokens have passed this node yet", style="dim")
     for k, req in enumerate(requests):
         running = req.state == "running"
-        if running and stale:
+        unknown = req.state == "unknown" or (running and stale)
+        if unknown:
             t.append(f"◌ {req.short_id} ", style="bold yellow")
         else:
             t.append(f"{'●' if running else '○'} {req.short_id} ", style="bold green" if running else "bold")
-        extra = " · state unknown (stale)" if running and stale else ""
+        extra = f" · state unknown ({'stale' if stale else 'missed while disconnected'})" if unknown else ""
         extra += f" · {req.tokens} tokens"
         if req.prompt_tokens is not None:
             extra += f" · prompt {req.prompt_tokens}"
