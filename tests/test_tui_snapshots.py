@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from textual.pilot import Pilot
 
-from kvasir.tui.screenshots import replay_app, show
+from kvasir.tui.screenshots import app_for, replay_app, show
 
 SnapCompare = Callable[..., bool]
 
@@ -37,3 +37,9 @@ def test_screen_80x24(snap_compare: SnapCompare, screen: str) -> None:
 
 def test_chat_120x40(snap_compare: SnapCompare) -> None:
     assert snap_compare(replay_app(), terminal_size=(120, 40), run_before=_before("chat"))
+
+
+@pytest.mark.parametrize("size", [(80, 24), (120, 40)], ids=["80x24", "120x40"])
+def test_stale_screen(snap_compare: SnapCompare, size: tuple[int, int]) -> None:
+    """The node went away after the recording: header, the stale line under it, and the ring tab marked stale."""
+    assert snap_compare(app_for("stale"), terminal_size=size, run_before=_before("stale"))

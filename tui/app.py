@@ -4,6 +4,9 @@ It never slows the node: it reads one ``watch`` stream in an asyncio task (the n
 observer does not take in time), queues the messages, and applies them to the model and the widgets at most
 ``REFRESH_HZ`` times a second. A chat prompt is one ``generate`` op on its own connection; stopping it is a
 ``cancel`` op on another one.
+
+When the connection is lost it retries with a backoff (the source finds the node again each time: a bare ``kvasir
+tui`` follows a restarted ring), and until a fresh status arrives everything on screen is marked stale.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
+from rich.text import Text
 from textual import on
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding, BindingType
@@ -34,6 +38,8 @@ MAX_PENDING = 20000
 BACKOFF = (0.5, 8.0)
 
 DARK, LIGHT = "textual-dark", "textual-light"
+#: What each tab focuses when it is chosen (F2/F3/F4, the palette).
+TAB_FOCUS = {"ring": "#ring-pane", "tokens": "#tokens-pane", "chat": "#prompt"}
 
 
 class ChatLog(VerticalScroll):
@@ -55,6 +61,9 @@ class KvasirTUI(App[None]):
     .section { color: $text-muted; text-style: bold; padding: 0 1; height: 1; }
     #conn { height: 1; padding: 0 1; background: $boost; }
     #conn.down { background: $error 40%; }
+    #stale { height: auto; padding: 0 1; color: $text-warning; background: $warning 15%; }
+    /* Stale (disconnected): the past, dimmed; the widgets say "stale" / "unknown" in words too. */
+    CoverageMap.stale, RingView.stale, TokenStream.stale, LinkRow.stale > Horizontal { opacity: 50%; }
     #chat-status { height: 1; padding: 0 1; color: $text-muted; }
     #prompt { margin: 0 1; }
     """
@@ -79,9 +88,12 @@ class KvasirTUI(App[None]):
         interval: float = 1.0,
         dark: bool = True,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], str] = lambda: time.strftime("%H:%M:%S"),
         pace: bool = True,
+        backoff: tuple[float, float] = BACKOFF,
     ) -> None:
-        """``pace``: read status snapshots no faster than two per ``interval`` (off for replays)."""
+        """``pace``: read status snapshots no faster than two per ``interval`` (off for replays). ``wall_clock``: the
+        time of day a lost connection is stamped with. ``backoff``: the first and the longest reconnect delay."""
         super().__init__()
         self.source = source
         self.sampling = sampling or Sampling()
@@ -89,11 +101,15 @@ class KvasirTUI(App[None]):
         self.model = NodeModel()
         self.connected = False
         self.conn_note = "connecting…"
+        #: Why the last connection failed or ended (shown in full under the header while disconnected).
+        self.conn_error: str | None = None
+        self.backoff = backoff
         self.dropped = 0
         self.generating: int | None = None  # request id of the answer being streamed
         self._busy = False
         self._dark = dark
         self._clock = clock
+        self._wall_clock = wall_clock
         self._pace = pace
         self._pending: list[Message] = []
         self._dirty = True
@@ -109,6 +125,9 @@ class KvasirTUI(App[None]):
 
     def compose(self) -> ComposeResult:
         yield Static("connecting…", id="conn")
+        banner = Static("", id="stale")
+        banner.display = False
+        yield banner
         with TabbedContent(initial="ring"):
             with TabPane("F2 Ring", id="ring"), VerticalScroll(id="ring-pane"):
                 yield Static("layers", classes="section")
@@ -140,7 +159,7 @@ class KvasirTUI(App[None]):
     # ------------------------------------------------------------------------------------------ watching
 
     async def _watch_loop(self) -> None:
-        delay = BACKOFF[0]
+        delay = self.backoff[0]
         while True:
             self._wake.clear()
             try:
@@ -148,7 +167,8 @@ class KvasirTUI(App[None]):
                 n = 0
                 async for msg in self.source.watch(self.interval):
                     if not self.connected:
-                        self.connected, self.conn_note, delay = True, "connected", BACKOFF[0]
+                        self.connected, self.conn_note, delay = True, "connected", self.backoff[0]
+                        self.sub_title = self.source.label  # a bare `kvasir tui` may have found another socket
                         self._dirty = True
                     self._queue(msg)
                     n += 1
@@ -165,14 +185,24 @@ class KvasirTUI(App[None]):
                 note = "the node closed the connection"
             except (SourceError, OSError) as exc:
                 note = str(exc)
-            self.connected = False
-            self._dirty = True
-            self.conn_note = f"disconnected: {note} — retrying in {delay:g} s"
+            self._lost(note)
+            self.conn_note = f"disconnected · retrying in {delay:g} s · Ctrl+R: now"
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=delay)
-            delay = min(delay * 2, BACKOFF[1])
+            delay = min(delay * 2, self.backoff[1])
             self.conn_note = "reconnecting…"
             self._dirty = True
+
+    def _lost(self, why: str) -> None:
+        """The connection failed or ended: what was read still counts, and from now on it is the past."""
+        if self._pending:  # applied now, so that a status of the next connection is the first to clear staleness
+            batch, self._pending = self._pending, []
+            self.model.apply_all(batch)
+        if self.model.status is not None:
+            self.model.mark_stale(self._wall_clock())
+        self.connected = False
+        self.conn_error = why
+        self._dirty = True
 
     def _queue(self, msg: Message) -> None:
         self._pending.append(msg)
@@ -200,31 +230,51 @@ class KvasirTUI(App[None]):
         except NoMatches:  # the app is closing: its widgets are gone
             return
 
-    def _redraw(self) -> None:
-        m = self.model
-        conn = self.query_one("#conn", Static)
-        conn.set_class(not self.connected, "down")
-        st = m.status
-        if self.connected and st is not None:
+    def header_text(self) -> str:
+        st = self.model.status
+        if self.connected and st is not None and not self.model.stale:
             ready = "ready" if st.get("ready") else "linking"
             note = f"◆ Kvasir ● connected · {st['model']['name']} · rank {st['rank']}/{st['ring_size']} · {ready}"
             if self.dropped:
                 note += f" · {self.dropped} events skipped"
-        elif self.connected:
-            note = "◆ Kvasir ● connected · waiting for status…"
-        else:
-            note = f"◆ Kvasir ○ {self.conn_note}"
-        conn.update(note)
+            return note
+        if self.connected:
+            return "◆ Kvasir ● connected · waiting for status…"
+        return f"◆ Kvasir ○ {self.conn_note}"
+
+    def stale_text(self) -> str:
+        """The line under the header while the screen is not live: since when, and why (in full: it wraps)."""
+        m = self.model
+        parts = []
+        if m.stale_since is not None:
+            parts.append(f"stale since {m.stale_since} (not live)")
+        if not self.connected and self.conn_error:
+            parts.append(self.conn_error)
+        return " · ".join(parts)
+
+    def _redraw(self) -> None:
+        m = self.model
+        conn = self.query_one("#conn", Static)
+        conn.set_class(not self.connected, "down")
+        # One line whatever the width: what matters comes first, the rest ends in an ellipsis.
+        conn.update(Text(self.header_text(), no_wrap=True, overflow="ellipsis"))
+        stale_note = self.stale_text()
+        banner = self.query_one("#stale", Static)
+        banner.display = bool(stale_note)
+        banner.update(Text(stale_note))
+        st = m.status
         if st is not None:
             window = m.window
             self.query_one(CoverageMap).set_map(m.coverage(), int(st["model"]["layers"]), window, f"rank {m.rank}")
             self.query_one(RingView).set_ring(m.ranks(), m.rank)
+        self.query_one(CoverageMap).set_class(m.stale, "stale")
+        self.query_one(RingView).set_class(m.stale, "stale")
         for name, view in m.links.items():
-            self.query_one(f"#link-{name}", LinkRow).show(view)
+            self.query_one(f"#link-{name}", LinkRow).show(view, m.stale)
         self.query_one(NodePanel).show(m)
         pane = self.query_one("#tokens-pane", VerticalScroll)
         at_end = pane.scroll_y >= pane.max_scroll_y - 1
-        self.query_one(TokenStream).show(list(m.requests.values()))
+        self.query_one(TokenStream).show(list(m.requests.values()), m.stale)
         if at_end:
             pane.scroll_end(animate=False)
 
@@ -325,14 +375,14 @@ class KvasirTUI(App[None]):
             self.push_screen(HelpScreen())
 
     def action_tab(self, tab: str) -> None:
-        self.query_one(TabbedContent).active = tab
-        if tab == "chat":
-            self.query_one("#prompt", Input).focus()
+        """Show ``tab`` and focus what it is used with: the chat prompt, or the pane (↑ ↓ PgUp PgDn scroll it).
 
-    @on(TabbedContent.TabActivated)
-    def _tab_activated(self, event: TabbedContent.TabActivated) -> None:
-        if event.pane.id == "chat":
-            self.query_one("#prompt", Input).focus()
+        The focus moves at once, not later: a focused widget whose pane gets hidden hands its focus to a sibling in
+        that pane (Textual's blur on hide), and a pane holding the focus is made active again (F2 from the chat
+        prompt used to flip straight back to the chat).
+        """
+        self.query_one(TabbedContent).active = tab
+        self.screen.set_focus(self.query_one(TAB_FOCUS[tab]))
 
     def action_settings(self) -> None:
         def apply(result: Sampling | None) -> None:
@@ -385,5 +435,9 @@ class KvasirTUI(App[None]):
         yield SystemCommand(
             "Toggle light/dark theme", "Switch between light and dark (Ctrl+T)", self.action_toggle_theme
         )
-        yield SystemCommand("Reconnect now", "Retry the node's socket without waiting (Ctrl+R)", self.action_reconnect)
+        yield SystemCommand(
+            "Reconnect now",
+            "Retry without waiting; without --socket, find the node again (Ctrl+R)",
+            self.action_reconnect,
+        )
         yield SystemCommand("Key help", "All key bindings (F1)", self.action_help)

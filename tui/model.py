@@ -2,7 +2,8 @@
 
 Everything is derived from the messages' contents, never from the wall clock: rates come from the difference of
 two status snapshots' counters over the difference of their ``uptime_s``, so a recorded stream replays to the same
-screen every time.
+screen every time. The one exception is handed in by the app: when the connection is lost, the time it was lost
+(:meth:`NodeModel.mark_stale`); until the next status, what the model holds is the past, not the node's state.
 """
 
 from __future__ import annotations
@@ -117,6 +118,7 @@ class RequestView:
     request: int
     text: str = ""
     tokens: int = 0
+    #: "running", "ended", or "unknown" (last seen running before the connection was lost).
     state: str = "running"
     reason: str | None = None
     prompt_tokens: int | None = None
@@ -148,7 +150,19 @@ class NodeModel:
     token_rate: float = 0.0
     token_hist: deque[float] = field(default_factory=lambda: deque(maxlen=HISTORY))
     events: int = 0
+    #: When the connection was lost ("HH:MM:SS", the app's clock); None while the status is live. The next status
+    #: that parses clears it.
+    stale_since: str | None = None
     _sample: tuple[float, dict[str, tuple[int, int]], int] | None = None
+
+    def mark_stale(self, since: str) -> None:
+        """The connection is lost: everything held is from before ``since`` (kept if already stale)."""
+        if self.stale_since is None:
+            self.stale_since = since
+
+    @property
+    def stale(self) -> bool:
+        return self.stale_since is not None
 
     def apply(self, msg: Mapping[str, Any]) -> None:
         kind = msg.get("type")
@@ -167,6 +181,8 @@ class NodeModel:
         if isinstance(event, TokenPassed):
             view = self._view(event.request)
             view.tokens += 1
+            if view.state == "unknown":  # still going after all
+                view.state = "running"
             view.text = (view.text + event.text)[-MAX_TEXT:]
         elif isinstance(event, RequestStarted):
             view = self._view(event.request)
@@ -189,8 +205,22 @@ class NodeModel:
             self.bad_status += 1
             return
         if self.node is not None and node.node_id != self.node.node_id:
-            self._sample = None  # another node (or a restart): counters start over
+            # Another node (a restarted ring): counters start over, and the old node's history is not this one's.
+            self._sample = None
+            self.token_rate = 0.0
+            self.token_hist.clear()
+            for view in self.links.values():
+                view.frames_s = view.bytes_s = 0.0
+                view.frames_hist.clear()
+                view.bytes_hist.clear()
+                view.rtt_hist.clear()
+        if self.stale_since is not None:
+            # Back after a lost connection: a request last seen running may have ended unseen.
+            for req in self.requests.values():
+                if req.state == "running":
+                    req.state = "unknown"
         self.status, self.node = status, node
+        self.stale_since = None
         uptime = node.uptime_s
         links = {"predecessor": node.predecessor, "successor": node.successor}
         for name, view in self.links.items():

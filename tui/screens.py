@@ -16,16 +16,17 @@ from kvasir.core.sampling import SamplingParams
 
 #: (keys, what they do): the help screen and docs/tui.md list these.
 KEYS: tuple[tuple[str, str], ...] = (
-    ("F1  ?", "this help"),
+    ("F1  ?", "this help (? outside the chat prompt)"),
     ("F2", "Ring tab: coverage map, ring, links, this node"),
     ("F3", "Tokens tab: tokens as they pass this node"),
-    ("F4", "Chat tab: prompt the ring"),
+    ("F4", "Chat tab: prompt the ring (focuses the prompt)"),
+    ("↑ ↓ PgUp PgDn", "scroll the Ring or Tokens tab"),
     ("F5", "sampling settings (temperature, top_k, top_p, max_tokens, seed)"),
     ("Enter", "send the prompt (chat input)"),
     ("Esc", "stop the answer being generated (closes a dialog)"),
     ("Ctrl+L", "clear the chat"),
     ("Ctrl+T", "toggle light / dark theme"),
-    ("Ctrl+R", "reconnect to the node now"),
+    ("Ctrl+R", "reconnect now (finding the socket again)"),
     ("Ctrl+P", "command palette (every action above, searchable)"),
     ("Tab  Shift+Tab", "move the focus"),
     ("← →", "switch tabs (tab bar focused)"),

@@ -10,18 +10,31 @@ import sys
 from pathlib import Path
 
 from textual.pilot import Pilot
+from textual.widgets import Input
 
 from kvasir.tui.app import KvasirTUI
 from kvasir.tui.source import ReplaySource
 
 REPO = Path(__file__).resolve().parent.parent
 SESSION = REPO / "tests" / "data" / "tui_session.jsonl"
-#: Screen name: what ``show`` does to reach it.
-SCREENS = ("ring", "tokens", "chat", "help", "settings")
+#: Screen name: what ``show`` does to reach it. "stale": the ring tab after the node has gone away.
+SCREENS = ("ring", "tokens", "chat", "help", "settings", "stale")
 
 
 def replay_app(session: Path = SESSION) -> KvasirTUI:
     return KvasirTUI(ReplaySource.from_file(session), pace=False)
+
+
+def app_for(screen: str, session: Path = SESSION) -> KvasirTUI:
+    return stale_app(session) if screen == "stale" else replay_app(session)
+
+
+def stale_app(session: Path = SESSION) -> KvasirTUI:
+    """The recorded session, after which the node goes away: the stale screen, with a fixed time and a retry far
+    enough off that the picture stays still."""
+    return KvasirTUI(
+        ReplaySource.from_file(session, hang_up=True), pace=False, wall_clock=lambda: "12:34:56", backoff=(600, 600)
+    )
 
 
 async def show(pilot: Pilot[None], screen: str) -> None:
@@ -29,6 +42,10 @@ async def show(pilot: Pilot[None], screen: str) -> None:
     app = pilot.app
     assert isinstance(app, KvasirTUI) and isinstance(app.source, ReplaySource)
     await app.source.replayed.wait()
+    for _ in range(500):  # a node that goes away after the recording: until the app has noticed (up to 10 s)
+        if not app.source.hang_up or (not app.connected and app.model.stale):
+            break
+        await pilot.pause(0.02)
     app.flush()
     await pilot.pause()
     if screen == "tokens":
@@ -47,6 +64,8 @@ async def show(pilot: Pilot[None], screen: str) -> None:
         await pilot.press("f1")
     elif screen == "settings":
         await pilot.press("f5")
+    for field in app.screen.query(Input):  # a still picture: the cursor shown, whatever the blink's phase
+        field.cursor_blink = False
     app.flush()
     await pilot.pause()
     await pilot.wait_for_scheduled_animations()
@@ -54,7 +73,7 @@ async def show(pilot: Pilot[None], screen: str) -> None:
 
 
 async def screenshot(screen: str, size: tuple[int, int], session: Path = SESSION) -> str:
-    app = replay_app(session)
+    app = app_for(screen, session)
     async with app.run_test(size=size) as pilot:
         await show(pilot, screen)
         return app.export_screenshot(title=f"kvasir tui · {screen}")

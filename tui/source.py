@@ -9,9 +9,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
+
+from kvasir.errors import KvasirError
 
 #: Longest line accepted from the node (a status of a large ring is a few KiB).
 MAX_LINE = 1 << 20
@@ -39,10 +41,16 @@ class Source(Protocol):
 
 
 class SocketSource:
-    """A node's control socket (JSON lines over a Unix socket)."""
+    """A node's control socket (JSON lines over a Unix socket).
 
-    def __init__(self, path: Path) -> None:
+    ``find`` (a bare ``kvasir tui``): how the socket was found; it is asked again before each ``watch`` connection,
+    so the TUI follows a ring restarted with new ports, hence new socket names. It raises KvasirError when there is
+    no node. Without it (``--socket``) the path stays. ``generate`` and ``cancel`` go to the node last watched.
+    """
+
+    def __init__(self, path: Path, *, find: Callable[[], Path] | None = None) -> None:
         self.path = path
+        self.find = find
 
     @property
     def label(self) -> str:
@@ -83,6 +91,11 @@ class SocketSource:
         return obj
 
     async def watch(self, interval: float) -> AsyncIterator[Message]:
+        if self.find is not None:
+            try:
+                self.path = self.find()
+            except KvasirError as exc:
+                raise SourceError(str(exc)) from None
         async with self._connect() as (reader, writer):
             await self._send(writer, {"op": "watch", "interval": interval})
             while True:
@@ -113,12 +126,15 @@ class SocketSource:
 class ReplaySource:
     """A recorded session: ``{"stream": "watch"|"generate", "msg": {...}}`` lines, replayed in order.
 
-    ``watch`` yields the recorded watch messages, then stays connected and quiet; ``generate`` yields the recorded
-    answer whatever the prompt. ``requests`` keeps what was asked, ``cancelled`` what was cancelled.
+    ``watch`` yields the recorded watch messages, then stays connected and quiet (with ``hang_up``: the connection
+    ends there, as when the node goes away, and every later ``watch`` fails to connect); ``generate`` yields the
+    recorded answer whatever the prompt. ``requests`` keeps what was asked, ``cancelled`` what was cancelled.
     """
 
-    def __init__(self, records: Iterable[Mapping[str, Any]], label: str = "replay") -> None:
+    def __init__(self, records: Iterable[Mapping[str, Any]], label: str = "replay", *, hang_up: bool = False) -> None:
         self._label = label
+        self.hang_up = hang_up
+        self._watched = False
         self.watch_msgs: list[Message] = []
         self.generate_msgs: list[Message] = []
         for rec in records:
@@ -129,18 +145,23 @@ class ReplaySource:
         self.replayed = asyncio.Event()
 
     @classmethod
-    def from_file(cls, path: Path) -> ReplaySource:
+    def from_file(cls, path: Path, *, hang_up: bool = False) -> ReplaySource:
         records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        return cls(records, label=path.name)
+        return cls(records, label=path.name, hang_up=hang_up)
 
     @property
     def label(self) -> str:
         return self._label
 
     async def watch(self, interval: float) -> AsyncIterator[Message]:
+        if self.hang_up and self._watched:
+            raise SourceError(f"cannot reach {self._label}: the recording has ended")
+        self._watched = True
         for msg in self.watch_msgs:
             yield msg
         self.replayed.set()
+        if self.hang_up:
+            raise SourceError("the node closed the connection")
         await asyncio.Event().wait()  # stay connected
 
     async def generate(self, request: Mapping[str, Any]) -> AsyncIterator[Message]:

@@ -185,10 +185,16 @@ class RingView(Widget):
         return render_ring(self.ranks, self.me, max(10, self.size.width))
 
 
-def link_title(view: LinkView) -> Text:
+def link_title(view: LinkView, stale: bool = False) -> Text:
+    """``◀ from predecessor ● direct   connected to …``; while the status is stale the link's state is unknown, so
+    it says that, with the last state seen after it (dim)."""
     arrow = "◀ from" if view.name == "predecessor" else "▶ to"
     t = Text(no_wrap=True, overflow="ellipsis")
     t.append(f"{arrow} {view.name:<11} ", style="bold")
+    if stale:
+        t.append("○ unknown", style="bold yellow")
+        t.append(f"   last seen: {view.kind or '-'}, {view.state}", style="dim")
+        return t
     dot_style = "green" if view.connected else "red"
     t.append("● ", style=dot_style)
     t.append(view.kind or "-", style="yellow" if view.kind == "relay" else "")
@@ -221,11 +227,14 @@ class LinkRow(Widget):
             yield Label("", classes="value rtt")
             yield Sparkline([], summary_function=max, classes="rtt")
 
-    def show(self, view: LinkView) -> None:
-        self.query_one(".title", Label).update(link_title(view))
-        self.query_one("Label.frames", Label).update(f"{view.frames_s:6.1f} fr/s")
-        self.query_one("Label.bytes", Label).update(f"{human_bytes(view.bytes_s)}/s")
-        rtt = "rtt -" if view.rtt_ms is None else f"rtt {view.rtt_ms:.2f} ms"
+    def show(self, view: LinkView, stale: bool = False) -> None:
+        """``stale``: the rates and rtt are not shown (they are from before the connection was lost); the sparklines
+        keep their history, dimmed."""
+        self.set_class(stale, "stale")
+        self.query_one(".title", Label).update(link_title(view, stale))
+        self.query_one("Label.frames", Label).update("     - fr/s" if stale else f"{view.frames_s:6.1f} fr/s")
+        self.query_one("Label.bytes", Label).update("- B/s" if stale else f"{human_bytes(view.bytes_s)}/s")
+        rtt = "rtt -" if stale or view.rtt_ms is None else f"rtt {view.rtt_ms:.2f} ms"
         self.query_one("Label.rtt", Label).update(rtt)
         self.query_one("Sparkline.frames", Sparkline).data = list(view.frames_hist) or [0.0]
         self.query_one("Sparkline.bytes", Sparkline).data = list(view.bytes_hist) or [0.0]
@@ -241,14 +250,17 @@ def render_node(model: NodeModel) -> Text:
     req = st.get("requests", {})
     contrib = st.get("contribution", {})
     rss = st.get("memory", {}).get("rss_bytes")
+    since = model.stale_since
+    # Stale: the counters are as last seen, the uptime is that of the last status, and there is no rate.
+    up = f"up {st.get('uptime_s', 0):.0f} s" + ("" if since is None else " when last seen")
     rows = [
         ("window", f"layers {a}:{b} of {st['model']['layers']} · rank {st['rank']}/{st['ring_size']}"),
-        ("backend", f"{st.get('backend', '?')} · {st.get('threads', '?')} threads · up {st.get('uptime_s', 0):.0f} s"),
+        ("backend", f"{st.get('backend', '?')} · {st.get('threads', '?')} threads · {up}"),
         ("memory", "-" if rss is None else f"{human_bytes(float(rss))} resident"),
         (
             "contribution",
             f"{contrib.get('tokens', 0)} tokens · {contrib.get('layer_tokens', 0)} layer-tokens"
-            f" · {model.token_rate:.1f} tok/s",
+            f" · {'-' if since is not None else f'{model.token_rate:.1f}'} tok/s",
         ),
         (
             "requests",
@@ -276,9 +288,12 @@ def render_node(model: NodeModel) -> Text:
                 f" back after {fo.get('last_stall_s')} s",
             )
         )
+    if since is not None:
+        t.append(f"{'stale':<13}", style="bold yellow")
+        t.append(f"since {since}: the last status seen\n", style="yellow")
     for k, (name, value) in enumerate(rows):
-        t.append(f"{name:<13}", style="bold")
-        t.append(value)
+        t.append(f"{name:<13}", style="bold dim" if since else "bold")
+        t.append(value, style="dim" if since else "")
         if k + 1 < len(rows):
             t.append("\n")
     return t
@@ -293,14 +308,20 @@ class NodePanel(Static):
         self.update(render_node(model))
 
 
-def render_requests(requests: Sequence[RequestView], width: int) -> Text:
+def render_requests(requests: Sequence[RequestView], width: int, stale: bool = False) -> Text:
+    """One block per request; ``stale``: a request last seen running may have ended since, so it says unknown."""
     t = Text()
     if not requests:
         return t.append("no tokens have passed this node yet", style="dim")
     for k, req in enumerate(requests):
-        mark = "●" if req.state == "running" else "○"
-        t.append(f"{mark} {req.short_id} ", style="bold green" if req.state == "running" else "bold")
-        extra = f" · {req.tokens} tokens"
+        running = req.state == "running"
+        unknown = req.state == "unknown" or (running and stale)
+        if unknown:
+            t.append(f"◌ {req.short_id} ", style="bold yellow")
+        else:
+            t.append(f"{'●' if running else '○'} {req.short_id} ", style="bold green" if running else "bold")
+        extra = f" · state unknown ({'stale' if stale else 'missed while disconnected'})" if unknown else ""
+        extra += f" · {req.tokens} tokens"
         if req.prompt_tokens is not None:
             extra += f" · prompt {req.prompt_tokens}"
         if req.entry_rank is not None:
@@ -321,5 +342,6 @@ class TokenStream(Static):
     TokenStream { height: auto; padding: 0 1; }
     """
 
-    def show(self, requests: Sequence[RequestView]) -> None:
-        self.update(render_requests(requests, self.size.width))
+    def show(self, requests: Sequence[RequestView], stale: bool = False) -> None:
+        self.set_class(stale, "stale")
+        self.update(render_requests(requests, self.size.width, stale))

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvasir.control.paths import find_socket
 from kvasir.errors import InputError
+
+if TYPE_CHECKING:
+    from kvasir.tui.source import SocketSource
 
 
 def add_parser(sub: Any) -> None:
@@ -25,15 +28,24 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(run=run)
 
 
+def socket_source(socket: Path | None) -> SocketSource:
+    """``--socket PATH``: that path, always. None: the local node's socket (find_socket), found again at each
+    reconnect, so the TUI follows a ``ring up`` restarted on new ports (new socket names)."""
+    from kvasir.tui.source import SocketSource
+
+    if socket is not None:
+        return SocketSource(socket)
+    return SocketSource(find_socket(), find=find_socket)
+
+
 def run(args: argparse.Namespace) -> int:
-    path = args.socket or find_socket()
+    source = socket_source(args.socket)  # no node at all: a one-line error now, not a TUI that waits
     if args.max_tokens < 1:
         raise InputError("--max-tokens must be at least 1")
     if not 0.1 <= args.interval <= 10:
         raise InputError("--interval must be between 0.1 and 10 seconds")
     from kvasir.tui.app import KvasirTUI
     from kvasir.tui.screens import Sampling
-    from kvasir.tui.source import SocketSource
 
     sampling = Sampling(
         temperature=args.temperature,
@@ -43,5 +55,5 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         chat=not args.raw,
     )
-    KvasirTUI(SocketSource(path), sampling=sampling, interval=args.interval, dark=not args.light).run()
+    KvasirTUI(source, sampling=sampling, interval=args.interval, dark=not args.light).run()
     return 0
