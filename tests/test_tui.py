@@ -136,7 +136,9 @@ def test_a_lost_connection_leaves_no_live_looking_leftovers() -> None:
     status from another node (a restarted ring) starts the rates and their history over."""
     model = NodeModel()
     model.apply_all([{"type": "status", "status": _status(1.0, 0)}, {"type": "status", "status": _status(2.0, 50, 4)}])
-    model.apply_all([{"type": "request", "state": "start", "request": r, "prompt_tokens": 3} for r in (7, 8)])
+    model.apply_all(
+        [{"type": "request", "state": "start", "request": r, "prompt_tokens": 3, "entry_rank": 0} for r in (7, 8)]
+    )
     assert model.links["predecessor"].frames_hist and model.token_hist
     model.mark_stale("12:00:00")
     model.mark_stale("12:00:05")
