@@ -334,11 +334,12 @@ register_record(_StatusWire)
 register_hooks(NodeStatus, _status_from_wire, _status_to_wire)
 
 
-def speculation_line(req: Mapping[str, Any]) -> str:
-    """The last rank's speculation counters (docs/speculation.md): verify batches, drafts accepted, eager steps."""
-    drafted, accepted = int(req.get("drafted") or 0), int(req.get("accepted") or 0)
-    share = f" ({accepted / drafted:.0%})" if drafted else ""
+def speculation_line(req: Mapping[str, Any] | RequestCounters) -> str:
+    """The last rank's speculation counters (docs/speculation.md): verify batches, drafts accepted, eager steps.
+    ``req``: the counters, or a status's ``requests`` object (read strictly: SchemaError on a wrong type)."""
+    c = req if isinstance(req, RequestCounters) else RequestCounters.from_wire(req)
+    share = f" ({c.accepted / c.drafted:.0%})" if c.drafted else ""
     return (
-        f"{req.get('verify_batches', 0)} verify batches · {accepted}/{drafted} drafts accepted{share}"
-        f" · {req.get('eager_steps', 0)} steps drafted eagerly"
+        f"{c.verify_batches} verify batches · {c.accepted}/{c.drafted} drafts accepted{share}"
+        f" · {c.eager_steps} steps drafted eagerly"
     )
