@@ -28,7 +28,8 @@ from kvasir.ring.manifest import Manifest, RankEntry, parse_manifest
 from kvasir.ring.status import FailoverStatus, LinkStatus, MarketWindow, NodeStatus, RankStatus, RequestCounters
 from kvasir.tui.screens import MAX_TOKENS, parse_sampling
 from kvasir.util.addr import format_hostport, parse_hostport
-from kvasir.verify.audit import LoggedInput
+from kvasir.verify.audit import FraudProof, LoggedInput, WindowLog
+from kvasir.verify.commit import TOKENS
 from kvasir.wire import MAX_NEW_TOKENS, MAX_PROMPT_TOKENS
 
 SHA = "ab" * 32
@@ -518,3 +519,52 @@ _sampling = st.builds(
 @given(_sampling)
 def test_sampling_round_trips_through_json(params: SamplingParams) -> None:
     assert structure(json.loads(json.dumps(unstructure(params))), SamplingParams, where="s") == params
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=20,
+)
+_keyed_json = st.fixed_dictionaries(
+    {},
+    optional={
+        k: _json
+        for k in ("kind", "suspect", "step", "inputs", "predecessor", "receipt", "pos", "n_tokens", "dtype", "payload")
+    },
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.one_of(_json, _keyed_json))
+def test_untrusted_json_parses_or_is_one_schema_error(data: object) -> None:
+    """What a market or a TUI reads from a peer either parses or is refused as one SchemaError line; no other
+    exception escapes (the market answers it 400, the TUI skips the snapshot)."""
+    for cls in (FraudProof, WindowLog, LoggedInput, NodeStatus):
+        try:
+            cls.from_wire(data)
+        except SchemaError as exc:
+            assert "\n" not in str(exc)
+
+
+_logged = st.integers(1, 8).flatmap(
+    lambda n: st.builds(
+        LoggedInput,
+        st.integers(0, 2**32 - 1),
+        st.just(n),
+        st.sampled_from([TOKENS, 0, 1, 2]),
+        st.binary(min_size=0, max_size=0),
+    ).flatmap(
+        lambda b: st.binary(min_size=4 * n, max_size=4 * n).map(
+            lambda raw: attrs.evolve(b, payload=raw if b.dtype in (TOKENS, 0) else raw[: 2 * n])
+        )
+    )
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(_logged)
+def test_logged_inputs_round_trip_through_json(logged: LoggedInput) -> None:
+    wire = json.loads(json.dumps(logged.to_wire()))
+    assert list(wire) == ["pos", "n_tokens", "dtype", "payload"] and "=" not in wire["payload"]
+    assert LoggedInput.from_wire(wire) == logged
