@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import re
 import subprocess
 import sys
@@ -20,8 +21,9 @@ from hypothesis import strategies as st
 
 from kvasir.api.schema import ApiError, parse_generation
 from kvasir.control.ops import CancelOp, GenerateOp, StatusOp, WatchOp, parse_op
+from kvasir.core import validators
 from kvasir.core.sampling import MAX_REPEAT_LAST_N, MAX_SEED, SamplingError, SamplingParams
-from kvasir.core.schema import SchemaError, is_registered, register_record, structure, unstructure
+from kvasir.core.schema import FieldError, SchemaError, is_registered, register_record, structure, unstructure
 from kvasir.errors import InputError
 from kvasir.market.records import ClaimRequest, CoverageEntry, ModelRecord
 from kvasir.ring.manifest import Manifest, RankEntry, parse_manifest
@@ -568,3 +570,51 @@ def test_logged_inputs_round_trip_through_json(logged: LoggedInput) -> None:
     wire = json.loads(json.dumps(logged.to_wire()))
     assert list(wire) == ["pos", "n_tokens", "dtype", "payload"] and "=" not in wire["payload"]
     assert LoggedInput.from_wire(wire) == logged
+
+
+# ---------------------------------------------------------------------------------------------- field validators
+
+
+@attrs.frozen
+class _Rules:
+    count: int = attrs.field(default=1, validator=validators.int_in(1, 9))
+    low: int = attrs.field(default=0, validator=validators.int_in(0, key="lower"))
+    ratio: float = attrs.field(default=0.5, validator=validators.number_in(0, 1, open_low=True))
+    size: float | None = attrs.field(default=None, validator=validators.at_least(1, optional=True))
+    rate: float = attrs.field(default=1.0, validator=validators.positive())
+    gap: float = attrs.field(default=0.0, validator=validators.positive(zero=True))
+    kind: str = attrs.field(default="a", validator=validators.one_of("a", "b"))
+    name: str | None = attrs.field(default=None, validator=validators.optional(validators.matches("[a-z]+", "lower")))
+
+
+@pytest.mark.parametrize(
+    ("change", "field", "reason"),
+    [
+        ({"count": 10}, "count", "must be an integer in [1, 9]"),
+        ({"count": True}, "count", "must be an integer in [1, 9]"),
+        ({"low": -1}, "lower", "must be an integer >= 0"),
+        ({"ratio": 0}, "ratio", "must be a number in (0, 1]"),
+        ({"ratio": "1"}, "ratio", "must be a number, got str"),
+        ({"ratio": math.inf}, "ratio", "must be a number in (0, 1]"),
+        ({"size": 0.5}, "size", "must be at least 1, not 0.5"),
+        ({"rate": 0}, "rate", "must be a positive number, not 0"),
+        ({"gap": -1}, "gap", "must be a positive number, not -1"),
+        ({"kind": "c"}, "kind", "must be one of a, b"),
+        ({"name": "A"}, "name", "lower"),
+    ],
+)
+def test_validators_name_the_field_and_the_rule(change: dict[str, Any], field: str, reason: str) -> None:
+    with pytest.raises(FieldError) as info:
+        _Rules(**change)
+    assert (info.value.field, info.value.reason) == (field, reason)
+
+
+def test_validators_take_another_error_and_pass_good_values() -> None:
+    assert _Rules(count=9, low=5, ratio=1, size=None, rate=0.1, gap=0, kind="b", name="ok").count == 9
+
+    class Wrong(InputError):
+        pass
+
+    check = validators.positive(error=lambda field, reason: Wrong(f"{field} {reason}"))
+    with pytest.raises(Wrong, match=r"^t must be a positive number, not 0$"):
+        check(None, attrs.fields(_Rules).rate.evolve(name="t"), 0)
