@@ -157,7 +157,7 @@ def test_pinned_encodings_read_back() -> None:
 def test_base64url_is_unpadded_and_refuses_junk() -> None:
     assert signed.b64url(b"\xff\xfe") == "__4"
     assert signed.unb64url("__4", "x") == signed.unb64url("__4=", "x") == b"\xff\xfe"
-    for junk in (5, None, "ü", "a" * 9):
+    for junk in (5, None, "ü", "a" * 9, "ab+/", "ab c", "ab\n", "a===", "=ab"):
         with pytest.raises(InputError, match=r"^x is not base64url$"):
             signed.unb64url(junk, "x", max_chars=8)
     assert not signed.verify(OPERATOR.public, 5, b"m")

@@ -169,9 +169,7 @@ def _object_factory(cls: Any, conv: cattrs.BaseConverter) -> Callable[[object, t
     inner = make_dict_structure_fn(cls, conv)
 
     def structure(value: object, tp: type) -> object:
-        if not isinstance(value, Mapping):
-            raise InputError(f"must be an object, not {_shown(value)}")
-        return inner(value, tp)
+        return inner(require_object(value), tp)
 
     return structure
 

@@ -18,10 +18,13 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import re
 from collections.abc import Mapping
 from typing import Any, Protocol
 
 from kvasir.errors import InputError
+
+_B64URL = re.compile(r"[A-Za-z0-9_-]*={0,2}")
 
 
 class Signer(Protocol):
@@ -39,8 +42,9 @@ def b64url(data: bytes) -> str:
 
 def unb64url(text: object, what: str, *, max_chars: int | None = None) -> bytes:
     """The bytes of unpadded (or padded) base64url ``text``; InputError "``what`` is not base64url" for anything
-    else, a non-string or text longer than ``max_chars`` included."""
-    if not isinstance(text, str) or not text.isascii() or (max_chars is not None and len(text) > max_chars):
+    else: a non-string, text longer than ``max_chars``, or a character outside the base64url alphabet (standard
+    base64's ``+`` and ``/``, spaces and newlines are refused, not skipped)."""
+    if not isinstance(text, str) or (max_chars is not None and len(text) > max_chars) or not _B64URL.fullmatch(text):
         raise InputError(f"{what} is not base64url")
     try:
         return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
