@@ -16,14 +16,13 @@ time is passed in.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import hashlib
 import re
 
 import attrs
 
 from kvasir.core.identity import Identity, PublicKey
+from kvasir.core.signed import b64url, canonical_lines, seal, split_lines, unb64url
 from kvasir.errors import InputError
 from kvasir.relay.errors import EdgeTokenError, EdgeTokenExpired
 from kvasir.relay.token import Role, is_valid_edge_id
@@ -37,16 +36,10 @@ _GRANT_DOMAIN = b"kvasir-edge-grant/v2\n"
 _TOKEN_DOMAIN = b"kvasir-edge-token/v2\n"
 
 
-def _b64(data: bytes) -> str:
-    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
-
-
 def _unb64(text: str, what: str) -> bytes:
-    if not text.isascii():
-        raise EdgeTokenError(f"malformed edge token {what}")
     try:
-        return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
-    except (binascii.Error, ValueError) as exc:
+        return unb64url(text, what)
+    except InputError as exc:
         raise EdgeTokenError(f"malformed edge token {what}") from exc
 
 
@@ -70,23 +63,26 @@ class EdgeGrant:
             raise InputError("not_after must be a non-negative Unix time")
 
     def to_bytes(self) -> bytes:
-        return _GRANT_DOMAIN + (
-            f"{self.ring}\n{self.edge}\n{int(self.role)}\n{self.holder.to_text()}\n{self.not_after}\n"
-            f"{self.issuer.to_text()}"
-        ).encode("ascii")
+        return canonical_lines(
+            _GRANT_DOMAIN,
+            self.ring,
+            self.edge,
+            int(self.role),
+            self.holder.to_text(),
+            self.not_after,
+            self.issuer.to_text(),
+        )
 
     @classmethod
     def from_bytes(cls, data: bytes) -> EdgeGrant:
-        if not data.startswith(_GRANT_DOMAIN):
-            raise EdgeTokenError("malformed edge grant")
         try:
-            ring, edge, role, holder, not_after, issuer = data[len(_GRANT_DOMAIN) :].decode("ascii").split("\n")
+            ring, edge, role, holder, not_after, issuer = split_lines(data, _GRANT_DOMAIN, 6, "edge grant")
             if not not_after.isdigit() or len(not_after) > 20 or str(int(not_after)) != not_after:
                 raise ValueError("not_after")
             return cls(
                 ring, edge, Role(int(role)), PublicKey.from_text(holder), int(not_after), PublicKey.from_text(issuer)
             )
-        except (ValueError, UnicodeDecodeError) as exc:  # InputError is a ValueError
+        except ValueError as exc:  # InputError is a ValueError
             raise EdgeTokenError("malformed edge grant") from exc
 
 
@@ -94,8 +90,7 @@ def sign_grant(operator: Identity, grant: EdgeGrant) -> str:
     """``<grant>.<signature>``: the part of a token the operator hands a node (manifest, ``ring up``, market)."""
     if grant.issuer != operator.public:
         raise InputError("a grant is signed by its issuer")
-    data = grant.to_bytes()
-    return f"{_b64(data)}.{_b64(operator.sign(data))}"
+    return seal(operator, grant.to_bytes())
 
 
 def read_grant(signed_grant: str) -> EdgeGrant:
@@ -117,7 +112,7 @@ def make_token(holder: Identity, signed_grant: str, expires_at: int) -> str:
     grant_text, _, _ = signed_grant.partition(".")
     digest = hashlib.sha256(_unb64(grant_text, "grant")).digest()
     signature = holder.sign(_TOKEN_DOMAIN + digest + f"\n{expires_at}".encode("ascii"))
-    return f"{TOKEN_VERSION_V2}.{signed_grant}.{expires_at}.{_b64(signature)}"
+    return f"{TOKEN_VERSION_V2}.{signed_grant}.{expires_at}.{b64url(signature)}"
 
 
 def verify_token(token: str, trusted: frozenset[PublicKey], edge: str, role: Role | None, now: int) -> EdgeGrant:

@@ -20,7 +20,6 @@ import ssl
 import time
 import urllib.parse
 from collections.abc import Callable, Mapping
-from typing import Any
 
 import attrs
 import trio
@@ -28,6 +27,7 @@ import trio_websocket
 from trio_websocket import ConnectionClosed, WebSocketConnection
 
 from kvasir.core.identity import PublicKey
+from kvasir.core.validators import positive
 from kvasir.relay.codes import CloseCode
 from kvasir.relay.errors import EdgeTokenError, EdgeTokenExpired, RelayConfigError
 from kvasir.relay.grant import verify_token
@@ -50,9 +50,11 @@ EDGE_PATH_PREFIX = "/v1/edge/"
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024 + 64 * 1024
 
 
-def _positive(instance: object, attribute: attrs.Attribute[Any], value: float) -> None:
-    if not value > 0:
-        raise RelayConfigError(f"{attribute.name} must be positive, got {value!r}")
+def _config_error(field: str, reason: str) -> RelayConfigError:
+    return RelayConfigError(f"{field} {reason}")
+
+
+_positive = positive(error=_config_error)
 
 
 def _port(instance: object, attribute: attrs.Attribute[int], value: int) -> None:

@@ -10,16 +10,16 @@ passed in.
 
 from __future__ import annotations
 
-import base64
 import enum
 import hashlib
 import hmac
 import re
 
+from kvasir.core.signed import b64url, canonical_lines
 from kvasir.relay.errors import EdgeTokenError, EdgeTokenExpired
 
 TOKEN_VERSION = "v1"
-_DOMAIN = "kvasir-edge-token/v1"
+_DOMAIN = b"kvasir-edge-token/v1\n"
 # URL-unreserved characters only: the id travels in the URL path unescaped and cannot hold the "\n" separator.
 _EDGE_ID = re.compile(r"[A-Za-z0-9._~-]{1,128}")
 _SIGNATURE_CHARS = 43  # base64url of 32 bytes, unpadded
@@ -39,9 +39,8 @@ def is_valid_edge_id(edge_id: str) -> bool:
 
 
 def _signature(secret: bytes, edge_id: str, role: Role, expires_at: int) -> str:
-    message = f"{_DOMAIN}\n{edge_id}\n{int(role)}\n{expires_at}".encode("ascii")
-    digest = hmac.new(secret, message, hashlib.sha256).digest()
-    return base64.urlsafe_b64encode(digest).rstrip(b"=").decode("ascii")
+    message = canonical_lines(_DOMAIN, edge_id, int(role), expires_at)
+    return b64url(hmac.new(secret, message, hashlib.sha256).digest())
 
 
 def _check_inputs(secret: bytes, edge_id: str, role: Role) -> None:

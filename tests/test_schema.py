@@ -3,26 +3,39 @@ manifest's TOML, control-socket ops, and the TUI form that must not offer what t
 
 from __future__ import annotations
 
+import importlib
 import json
+import math
 import re
+import subprocess
+import sys
 import tomllib
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import attrs
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvasir.api.schema import ApiError, parse_generation
 from kvasir.control.ops import CancelOp, GenerateOp, StatusOp, WatchOp, parse_op
+from kvasir.core import validators
 from kvasir.core.sampling import MAX_REPEAT_LAST_N, MAX_SEED, SamplingError, SamplingParams
-from kvasir.core.schema import SchemaError, register_record, structure, unstructure
+from kvasir.core.schema import FieldError, SchemaError, is_registered, register_record, structure, unstructure
 from kvasir.errors import InputError
 from kvasir.market.records import ClaimRequest, CoverageEntry, ModelRecord
 from kvasir.ring.manifest import Manifest, RankEntry, parse_manifest
+from kvasir.ring.status import FailoverStatus, LinkStatus, MarketWindow, NodeStatus, RankStatus, RequestCounters
 from kvasir.tui.screens import MAX_TOKENS, parse_sampling
 from kvasir.util.addr import format_hostport, parse_hostport
+from kvasir.verify.audit import FraudProof, LoggedInput, WindowLog
+from kvasir.verify.commit import TOKENS
 from kvasir.wire import MAX_NEW_TOKENS, MAX_PROMPT_TOKENS
 
 SHA = "ab" * 32
+REPO = Path(__file__).resolve().parent.parent
 
 # ---------------------------------------------------------------------------------------------- sampling
 
@@ -283,3 +296,325 @@ def test_control_ops_parse() -> None:
 def test_control_ops_refuse(msg: dict[str, Any], reason: str) -> None:
     with pytest.raises(InputError, match=f"^{reason}"):
         parse_op(msg)
+
+
+# ---------------------------------------------------------------------------------------------- one converter
+
+
+def test_a_fresh_interpreter_refuses_a_list_for_any_record() -> None:
+    """Strictness does not depend on what was imported first: in a new process that imports only the schema and
+    SamplingParams, a JSON list is not "every field at its default"; nor is it for a class nobody registered."""
+    code = (
+        "import attrs\n"
+        "from kvasir.core.sampling import SamplingParams\n"
+        "from kvasir.core.schema import SchemaError, structure\n"
+        "@attrs.frozen\n"
+        "class Unregistered:\n"
+        "    a: int = 1\n"
+        "for cls in (SamplingParams, Unregistered):\n"
+        "    try:\n"
+        "        structure(['x'], cls, where='s')\n"
+        "    except SchemaError as exc:\n"
+        "        print(exc)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["s: must be an object, not ['x']"] * 2
+
+
+def _attrs_classes() -> Iterator[type]:
+    for base, package in ((REPO / "kvasir", "kvasir"), (REPO / "relay", "kvasir.relay"), (REPO / "tui", "kvasir.tui")):
+        for path in sorted(base.rglob("*.py")):
+            parts = path.relative_to(base).with_suffix("").parts
+            name = ".".join((package, *parts)).removesuffix(".__init__")
+            if name in _UNIMPORTABLE:
+                continue
+            module = importlib.import_module(name)
+            for obj in vars(module).values():
+                if isinstance(obj, type) and attrs.has(obj) and obj.__module__ == name:
+                    yield obj
+
+
+#: Modules the walk does not import (their imports need what a test machine may lack), with why.
+_UNIMPORTABLE: dict[str, str] = {"kvasir.__main__": "runs the CLI on import"}
+
+#: attrs classes that never cross JSON or TOML through the converter, by module (every class in it) or by class,
+#: with the reason. Anything else must be registered with the converter next to its class.
+EXEMPT: dict[str, str] = {
+    "kvasir.wire.frames": "binary frames: their own byte codec (docs/protocol.md § Frames)",
+    "kvasir.wire.boundary": "binary boundary payloads: their own byte codec",
+    "kvasir.shard": "GGUF files and their parse state: a binary format, read by the bounded parser",
+    "kvasir.stage": "in-process stage configuration and results (llama.cpp), never serialised",
+    "kvasir.ring.requests": "per-request state inside a node",
+    "kvasir.ring.speculation": "in-process speculation state",
+    "kvasir.ring.batching": "in-process batch gathering",
+    "kvasir.ring.secure": "TLS and handshake state; the handshake is a binary frame",
+    "kvasir.ring.edges": "relay edges derived from the manifest in process",
+    "kvasir.ring.node": "node configuration and in-process state",
+    "kvasir.ring.links.LinkStats": "live link counters; the status reports them as LinkStatus (registered)",
+    "kvasir.ring.manifest.Manifest": "the parsed manifest; its TOML goes through _ManifestFile (registered)",
+    "kvasir.ring.manifest.RankEntry": "a parsed rank; its TOML goes through _RankTable (registered)",
+    "kvasir.ring.manifest.StandbyEntry": "a parsed standby; its TOML goes through _StandbyTable (registered)",
+    "kvasir.net": "HTTP server plumbing",
+    "kvasir.util": "helpers (backoff state)",
+    "kvasir.testing": "test and bench harnesses",
+    "kvasir.local": "the `ring up` process supervisor's state",
+    "kvasir.core.identity": "keys: they travel as text (PublicKey.to_text), never as objects",
+    "kvasir.core.speculate": "in-process drafting state and counters",
+    "kvasir.core.config.Config": "the resolved configuration; its TOML goes through ConfigFile (registered)",
+    "kvasir.core.config.Setting": "one resolved setting and where it came from, built in process",
+    "kvasir.planner.estimate": "planner results, printed (kvasir plan), never parsed",
+    "kvasir.planner.profile.ModelProfile": "a profile in process; its TOML goes through _ProfileFile (registered)",
+    "kvasir.planner.profile.LayerProfile": "one layer of a ModelProfile (the TOML lists columns, _ProfileFile)",
+    "kvasir.api.schema.GenerationRequest": "built from an OpenAI body by hand (unions); _Options is registered",
+    "kvasir.api.server.ApiAccess": "the API keys, loaded from a file in process",
+    "kvasir.market.tickets": "window tickets: a signed text format (kvasir.core.signed), not JSON",
+    "kvasir.market.auth.Signed": "a verified request's signer, built from headers",
+    "kvasir.market.records.FraudRecord": "the market store keeps it as SQL columns, never as JSON",
+    "kvasir.market.agent": "the node agent's in-process state",
+    "kvasir.verify.select": "which requests to keep for audit, in process",
+    "kvasir.verify.audit.StepOutput": "a step computed in process; logged as LoggedInput (registered)",
+    "kvasir.verify.audit.AuditResult": "an audit's verdict, printed, never parsed",
+    "kvasir.relay.grant": "edge grants: a signed text format (kvasir.core.signed), not JSON",
+    "kvasir.relay.server": "relay configuration and state, built from CLI flags",
+}
+
+
+def _exempt(cls: type) -> str | None:
+    name = f"{cls.__module__}.{cls.__qualname__}"
+    for key in sorted(EXEMPT, key=len, reverse=True):
+        if name == key or name.startswith(key + "."):
+            return EXEMPT[key]
+    return None
+
+
+def test_every_attrs_class_is_registered_or_exempt() -> None:
+    classes = list(_attrs_classes())
+    assert len(classes) > 100  # the walk found the tree
+    loose = [f"{c.__module__}.{c.__qualname__}" for c in classes if not is_registered(c) and _exempt(c) is None]
+    assert not loose, f"register these next to their class, or exempt them with a reason: {loose}"
+    names = [f"{c.__module__}.{c.__qualname__}" for c in classes if not is_registered(c)]
+    stale = [key for key in EXEMPT if not any(n == key or n.startswith(key + ".") for n in names)]
+    assert not stale, f"exemptions that match no unregistered class: {stale}"
+
+
+def test_registering_is_idempotent_of_import_order() -> None:
+    """A record structures the same whichever modules were imported: the hooks live beside the classes."""
+    assert is_registered(SamplingParams) and is_registered(NodeStatus) and is_registered(LoggedInput)
+    with pytest.raises(SchemaError, match=r"^s: must be an object"):
+        structure([], SamplingParams, where="s")
+
+
+# ---------------------------------------------------------------------------------------------- node status
+
+#: A status as the node wrote it before the status moved onto the converter: the bytes must not change.
+STATUS_WIRE = (
+    '{"node_id": "n1", "rank": 1, "ring_size": 3, "model": {"name": "m", "sha256": "' + "ab" * 32 + '", '
+    '"layers": 18}, "window": [6, 12], "backend": "CPU", "threads": 4, "busy_s": 1.5, "handoff_s": 0.25, '
+    '"send_s": 0.125, "ready": true, "uptime_s": 10.0, "ranks": [{"rank": 0, "layers": [0, 6], "address": "h:1", '
+    '"link": "direct"}, {"rank": 1, "layers": [6, 12], "address": "h:2", "link": "relay"}], "links": '
+    '{"predecessor": {"state": "down"}, "successor": {"state": "connected", "kind": "relay", "peer": "r:443", '
+    '"frames_out": 1, "bytes_out": 2, "frames_in": 3, "bytes_in": 4, "rtt_ms": 15.1, "up_s": 9.6, "secure": true}}, '
+    '"requests": {"in_flight": 1, "free_sequences": 2, "requests": 3, "tokens": 4, "boundaries": 5, "errors": 6, '
+    '"verify_batches": 7, "drafted": 8, "accepted": 9, "decode_batches": 10, "batched_steps": 11, "eager_steps": 12}, '
+    '"contribution": {"tokens": 4, "layer_tokens": 24}, "memory": {"rss_bytes": 1234}, "market": [{"rank": 0, '
+    '"layers": [0, 6], "holder": "k", "reward": 1.5, "state": "serving"}, {"rank": 1, "layers": [6, 12], '
+    '"holder": null, "reward": null, "state": null}], "failover": {"replays": 1, "requests": 2, "frames": 3, '
+    '"bytes": 4, "duplicates": 5, "last_stall_s": 0.5, "last_window": [6, 12], "log_bytes": 99}}'
+)
+STATUS = NodeStatus(
+    "n1", 1, 3, "m", "ab" * 32, 18, (6, 12), backend="CPU", threads=4, busy_s=1.5, handoff_s=0.25, send_s=0.125,
+    ready=True, uptime_s=10.0, ranks=(RankStatus(0, (0, 6), "h:1"), RankStatus(1, (6, 12), "h:2", "relay")),
+    predecessor=LinkStatus("down"), successor=LinkStatus("connected", "relay", "r:443", 1, 2, 3, 4, 15.1, 9.6, True),
+    requests=RequestCounters(1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12), rss_bytes=1234,
+    market=(MarketWindow(0, (0, 6), "k", 1.5, "serving"), MarketWindow(1, (6, 12))),
+    failover=FailoverStatus(1, 2, 3, 4, 5, 0.5, (6, 12), 99),
+)  # fmt: skip
+
+
+def test_status_wire_bytes_are_unchanged() -> None:
+    assert json.dumps(STATUS.to_wire()) == STATUS_WIRE
+    assert NodeStatus.from_wire(json.loads(STATUS_WIRE)) == STATUS
+    bare = NodeStatus("n1", 0, 1, "m", "", 4, (0, 4)).to_wire()
+    assert bare["links"] == {"predecessor": {"state": "unknown"}, "successor": {"state": "unknown"}}
+    assert bare["memory"] == {} and bare["market"] is None and bare["threads"] is None
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"ready": "false"}, "status: ready: must be true or false, not 'false'"),
+        ({"rank": 3.9}, "status: rank: must be an integer, not 3.9"),
+        ({"rank": "3"}, "status: rank: must be an integer, not '3'"),
+        ({"window": ["0", 4]}, "status: window[0]: must be an integer, not '0'"),
+        ({"window": [0, 4, 8]}, "status: window: must be a list of 2, not [0, 4, 8]"),
+        ({"window": "04"}, "status: window: must be a list of 2, not '04'"),
+        ({"threads": "4"}, "status: threads: must be an integer, not '4'"),
+        ({"busy_s": "1.5"}, "status: busy_s: must be a finite number, not '1.5'"),
+        ({"model": {"layers": "18"}}, "status: model.layers: must be an integer, not '18'"),
+        ({"links": {"successor": {"secure": 1}}}, "status: links.successor.secure: must be true or false, not 1"),
+        ({"requests": {"tokens": True}}, "status: requests.tokens: must be an integer, not True"),
+        ({"ranks": [{"rank": 0}]}, "status: ranks[0].layers: required field missing"),
+        ({"market": [{"rank": 0, "layers": [0, 6], "reward": "1"}]}, "status: market[0].reward: must be a finite"),
+        ({"failover": {"last_window": [6]}}, "status: failover.last_window: must be a list of 2, not [6]"),
+        ({"memory": []}, "status: memory: must be an object, not []"),
+    ],
+)
+def test_status_refuses_wrong_types_naming_the_field(change: dict[str, Any], message: str) -> None:
+    with pytest.raises(SchemaError) as info:
+        NodeStatus.from_wire({**json.loads(STATUS_WIRE), **change})
+    assert str(info.value).startswith(message)
+
+
+def test_status_is_lenient_only_about_absent_fields() -> None:
+    status = NodeStatus.from_wire({"rank": 2, "window": [0, 4], "links": {"successor": {"kind": "direct"}}})
+    assert (status.node_id, status.ready, status.requests, status.market) == ("", False, RequestCounters(), None)
+    assert status.predecessor == LinkStatus("unknown") and status.successor.up and status.successor.state == "unknown"
+    for required in ("rank", "window"):
+        with pytest.raises(SchemaError, match=f"^status: {required}: required field missing$"):
+            NodeStatus.from_wire({k: v for k, v in {"rank": 2, "window": [0, 4]}.items() if k != required})
+
+
+_counts = st.integers(min_value=0, max_value=2**53)
+_floats = st.floats(allow_nan=False, allow_infinity=False)
+_pairs = st.tuples(st.integers(0, 1000), st.integers(0, 1000))
+_links = st.one_of(
+    st.builds(LinkStatus, st.text()),
+    st.builds(LinkStatus, st.text(), st.text(), st.text(), _counts, _counts, _counts, _counts,
+              st.none() | _floats, st.none() | _floats, st.booleans()),
+)  # fmt: skip
+_statuses = st.builds(
+    NodeStatus,
+    node_id=st.text(), rank=_counts, ring_size=_counts, model_name=st.text(), model_sha256=st.text(),
+    n_layers=_counts, window=_pairs, backend=st.text(), threads=st.none() | _counts, busy_s=_floats,
+    handoff_s=_floats, send_s=_floats, ready=st.booleans(), uptime_s=_floats,
+    ranks=st.lists(st.builds(RankStatus, _counts, _pairs, st.text(), st.text()), max_size=3).map(tuple),
+    predecessor=_links, successor=_links,
+    requests=st.builds(RequestCounters, *[_counts] * len(attrs.fields(RequestCounters))),
+    rss_bytes=st.none() | _counts,
+    market=st.none() | st.lists(st.builds(MarketWindow, _counts, _pairs, st.none() | st.text(),
+                                          st.none() | _floats, st.none() | st.text()), max_size=3).map(tuple),
+    failover=st.builds(FailoverStatus, _counts, _counts, _counts, _counts, _counts, st.none() | _floats,
+                       st.none() | _pairs, _counts),
+)  # fmt: skip
+
+
+@settings(max_examples=60, deadline=None)
+@given(_statuses)
+def test_status_round_trips_through_json(status: NodeStatus) -> None:
+    wire = json.loads(json.dumps(status.to_wire()))
+    assert NodeStatus.from_wire(wire) == status
+    assert wire["contribution"] == {"tokens": status.requests.tokens, "layer_tokens": status.layer_tokens}
+
+
+_sampling = st.builds(
+    SamplingParams,
+    temperature=st.floats(0, 100),
+    top_k=st.integers(0, 2**31 - 1),
+    top_p=st.floats(0, 1, exclude_min=True),
+    min_p=st.floats(0, 1),
+    seed=st.none() | st.integers(0, MAX_SEED),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(_sampling)
+def test_sampling_round_trips_through_json(params: SamplingParams) -> None:
+    assert structure(json.loads(json.dumps(unstructure(params))), SamplingParams, where="s") == params
+
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=20,
+)
+_keyed_json = st.fixed_dictionaries(
+    {},
+    optional={
+        k: _json
+        for k in ("kind", "suspect", "step", "inputs", "predecessor", "receipt", "pos", "n_tokens", "dtype", "payload")
+    },
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.one_of(_json, _keyed_json))
+def test_untrusted_json_parses_or_is_one_schema_error(data: object) -> None:
+    """What a market or a TUI reads from a peer either parses or is refused as one SchemaError line; no other
+    exception escapes (the market answers it 400, the TUI skips the snapshot)."""
+    for cls in (FraudProof, WindowLog, LoggedInput, NodeStatus):
+        try:
+            cls.from_wire(data)
+        except SchemaError as exc:
+            assert "\n" not in str(exc)
+
+
+_logged = st.integers(1, 8).flatmap(
+    lambda n: st.builds(
+        LoggedInput,
+        st.integers(0, 2**32 - 1),
+        st.just(n),
+        st.sampled_from([TOKENS, 0, 1, 2]),
+        st.binary(min_size=0, max_size=0),
+    ).flatmap(
+        lambda b: st.binary(min_size=4 * n, max_size=4 * n).map(
+            lambda raw: attrs.evolve(b, payload=raw if b.dtype in (TOKENS, 0) else raw[: 2 * n])
+        )
+    )
+)
+
+
+@settings(max_examples=100, deadline=None)
+@given(_logged)
+def test_logged_inputs_round_trip_through_json(logged: LoggedInput) -> None:
+    wire = json.loads(json.dumps(logged.to_wire()))
+    assert list(wire) == ["pos", "n_tokens", "dtype", "payload"] and "=" not in wire["payload"]
+    assert LoggedInput.from_wire(wire) == logged
+
+
+# ---------------------------------------------------------------------------------------------- field validators
+
+
+@attrs.frozen
+class _Rules:
+    count: int = attrs.field(default=1, validator=validators.int_in(1, 9))
+    low: int = attrs.field(default=0, validator=validators.int_in(0, key="lower"))
+    ratio: float = attrs.field(default=0.5, validator=validators.number_in(0, 1, open_low=True))
+    size: float | None = attrs.field(default=None, validator=validators.at_least(1, optional=True))
+    rate: float = attrs.field(default=1.0, validator=validators.positive())
+    gap: float = attrs.field(default=0.0, validator=validators.positive(zero=True))
+    kind: str = attrs.field(default="a", validator=validators.one_of("a", "b"))
+    name: str | None = attrs.field(default=None, validator=validators.optional(validators.matches("[a-z]+", "lower")))
+
+
+@pytest.mark.parametrize(
+    ("change", "field", "reason"),
+    [
+        ({"count": 10}, "count", "must be an integer in [1, 9]"),
+        ({"count": True}, "count", "must be an integer in [1, 9]"),
+        ({"low": -1}, "lower", "must be an integer >= 0"),
+        ({"ratio": 0}, "ratio", "must be a number in (0, 1]"),
+        ({"ratio": "1"}, "ratio", "must be a number, got str"),
+        ({"ratio": math.inf}, "ratio", "must be a number in (0, 1]"),
+        ({"size": 0.5}, "size", "must be at least 1, not 0.5"),
+        ({"rate": 0}, "rate", "must be a positive number, not 0"),
+        ({"gap": -1}, "gap", "must be a positive number, not -1"),
+        ({"kind": "c"}, "kind", "must be one of a, b"),
+        ({"name": "A"}, "name", "lower"),
+    ],
+)
+def test_validators_name_the_field_and_the_rule(change: dict[str, Any], field: str, reason: str) -> None:
+    with pytest.raises(FieldError) as info:
+        _Rules(**change)
+    assert (info.value.field, info.value.reason) == (field, reason)
+
+
+def test_validators_take_another_error_and_pass_good_values() -> None:
+    assert _Rules(count=9, low=5, ratio=1, size=None, rate=0.1, gap=0, kind="b", name="ok").count == 9
+
+    class Wrong(InputError):
+        pass
+
+    check = validators.positive(error=lambda field, reason: Wrong(f"{field} {reason}"))
+    with pytest.raises(Wrong, match=r"^t must be a positive number, not 0$"):
+        check(None, attrs.fields(_Rules).rate.evolve(name="t"), 0)

@@ -24,8 +24,8 @@ from kvasir.shard.gguf_io import read_gguf
 from kvasir.stage.engine import Stage, StageConfig
 from kvasir.testing.tinymodels import tiny_model_cached
 from kvasir.verify.audit import (
-    Boundary,
     FraudProof,
+    LoggedInput,
     StepOutput,
     WindowLog,
     audit_window,
@@ -143,17 +143,20 @@ def test_receipt_wire_signature_and_chain(fx: Fixture) -> None:
 
 
 def test_logged_inputs_are_checked_before_use() -> None:
-    good = Boundary.of_tokens(3, [5, 6]).to_wire()
-    assert Boundary.from_wire(good).tokens() == [5, 6]
+    good = LoggedInput.of_tokens(3, [5, 6]).to_wire()
+    assert LoggedInput.from_wire(good).tokens() == [5, 6]
     for bad, why in (
-        ({**good, "n_tokens": 3}, "token ids take 12 bytes"),
-        ({**good, "dtype": 7}, "neither a boundary dtype"),
-        ({**good, "pos": -1}, "pos in"),
-        ({**good, "dtype": 0, "n_tokens": 3}, "rows of F32"),
-        ({**good, "payload": 5}, "base64url"),
+        ({**good, "n_tokens": 3}, "input: payload: of 3 token ids takes 12 bytes"),
+        ({**good, "dtype": 7}, "input: dtype: 7 is neither a boundary dtype"),
+        ({**good, "pos": -1}, r"input: pos: must be in \[0, 2\^32\)"),
+        ({**good, "dtype": 0, "n_tokens": 3}, "input: payload: of 8 bytes is not 3 rows of F32"),
+        ({**good, "payload": 5}, "input: payload: must be base64url text"),
+        ({**good, "pos": "3"}, "input: pos: must be an integer"),
+        ({**good, "n_tokens": True}, "input: n_tokens: must be an integer"),
+        ([good], "input: must be an object"),
     ):
         with pytest.raises(InputError, match=why):
-            Boundary.from_wire(bad)
+            LoggedInput.from_wire(bad)
 
 
 def test_first_mismatch() -> None:

@@ -201,7 +201,7 @@ class NodeModel:
     def apply_status(self, status: dict[str, Any]) -> None:
         try:
             node = NodeStatus.from_wire(status)
-        except (KeyError, TypeError, ValueError):
+        except InputError:  # the schema's SchemaError, naming the field
             self.bad_status += 1
             return
         if self.node is not None and node.node_id != self.node.node_id:

@@ -13,7 +13,8 @@ from typing import Any, Literal
 import attrs
 
 from kvasir.core.sampling import SamplingError, SamplingParams
-from kvasir.core.schema import FieldError, SchemaError, register_record, structure
+from kvasir.core.schema import SchemaError, register_record, structure
+from kvasir.core.validators import int_in
 from kvasir.wire.frames import MAX_DRAFTS, MAX_NEW_TOKENS, MAX_PROMPT_TOKENS, MAX_STOP_BYTES, MAX_STOP_STRINGS
 
 Json = dict[str, Any]
@@ -74,14 +75,8 @@ def new_id(kind: Kind) -> str:
 # ---------------------------------------------------------------------------------------------------- parsing
 
 
-def _token_count(_: object, attribute: attrs.Attribute[int | None], value: int | None) -> None:
-    if value is not None and not 1 <= value <= MAX_NEW_TOKENS:
-        raise FieldError(attribute.name, f"must be an integer in [1, {MAX_NEW_TOKENS}]")
-
-
-def _speculate(_: object, attribute: attrs.Attribute[int | None], value: int | None) -> None:
-    if value is not None and not 0 <= value <= MAX_DRAFTS:
-        raise FieldError(attribute.name, f"must be an integer in [0, {MAX_DRAFTS}]")
+_token_count = int_in(1, MAX_NEW_TOKENS, optional=True)
+_speculate = int_in(0, MAX_DRAFTS, optional=True)
 
 
 @attrs.frozen

@@ -13,7 +13,7 @@ from rich.table import Table
 from kvasir.commands.common import print_json
 from kvasir.control.client import ControlClient
 from kvasir.control.paths import find_socket
-from kvasir.ring.status import speculation_line
+from kvasir.ring.status import NodeStatus, speculation_line
 
 
 def add_parser(sub: Any) -> None:
@@ -30,6 +30,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print_json(st)
         return 0
+    NodeStatus.from_wire(st, where=f"the status from {path}")  # what follows reads a well-typed status
     c = Console()
     c.print(
         f"[bold]{escape(str(st['model']['name']))}[/] rank {st['rank']}/{st['ring_size']}"

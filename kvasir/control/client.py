@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from kvasir.errors import RingError
+from kvasir.errors import InputError, RingError
 from kvasir.ring.status import NodeStatus
 
 
@@ -46,8 +46,8 @@ class ControlClient:
         """The node's status as the typed record (the same schema the node wrote)."""
         try:
             return NodeStatus.from_wire(self.status())
-        except (KeyError, TypeError, ValueError) as exc:
-            raise RingError(f"the node at {self.path} sent a malformed status: {exc!r}") from None
+        except InputError as exc:
+            raise RingError(f"the node at {self.path} sent a malformed status: {exc}") from None
 
     def generate(self, **request: Any) -> Iterator[dict[str, Any]]:
         self.send({"op": "generate", **request})

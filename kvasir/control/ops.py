@@ -15,7 +15,7 @@ import attrs
 from cattrs.gen import make_dict_structure_fn, override
 
 from kvasir.core.sampling import SamplingParams
-from kvasir.core.schema import converter, structure
+from kvasir.core.schema import converter, register_hooks, register_record, require_object, structure
 from kvasir.errors import InputError
 
 OPS = ("status", "watch", "generate", "cancel")
@@ -72,10 +72,14 @@ def parse_op(msg: Mapping[str, Any]) -> Op:
 _generate_fields = make_dict_structure_fn(GenerateOp, converter, sampling=override(omit=True))
 
 
-def _structure_generate(data: Mapping[str, Any], _: type) -> GenerateOp:
+def _structure_generate(data: object, _: type) -> GenerateOp:
+    data = require_object(data)
     sampling = SamplingParams.GREEDY.with_fields(data)
     rest = {k: v for k, v in data.items() if k not in SamplingParams.FIELDS}
     return attrs.evolve(_generate_fields(rest, GenerateOp), sampling=sampling)
 
 
-converter.register_structure_hook(GenerateOp, _structure_generate)
+register_record(StatusOp)
+register_record(WatchOp)
+register_record(CancelOp)
+register_hooks(GenerateOp, _structure_generate)

@@ -30,6 +30,7 @@ import attrs
 
 from kvasir.core.identity import IDENTITY_FILE
 from kvasir.core.schema import FieldError, register_record, structure
+from kvasir.core.validators import at_least
 from kvasir.errors import InputError
 from kvasir.util.dirs import config_dir, data_dir
 
@@ -57,14 +58,6 @@ def _check_url(*schemes: str) -> Callable[[object, attrs.Attribute[Any], str | N
     return check
 
 
-def _at_least(low: int) -> Callable[[object, attrs.Attribute[Any], int | None], None]:
-    def check(_: object, a: attrs.Attribute[Any], value: int | None) -> None:
-        if value is not None and value < low:
-            raise FieldError(a.name, f"must be at least {low}, not {value}")
-
-    return check
-
-
 @attrs.frozen
 class ConfigFile:
     """The TOML file's shape: every key optional, none other allowed."""
@@ -73,8 +66,8 @@ class ConfigFile:
     market: str | None = attrs.field(default=None, validator=_check_url("http", "https"))
     relay: str | None = attrs.field(default=None, validator=_check_url("ws", "wss"))
     memory_budget: str | None = attrs.field(default=None, validator=_check_size)
-    threads: int | None = attrs.field(default=None, validator=_at_least(1))
-    gpu_layers: int | None = attrs.field(default=None, validator=_at_least(-1))
+    threads: int | None = attrs.field(default=None, validator=at_least(1, optional=True))
+    gpu_layers: int | None = attrs.field(default=None, validator=at_least(-1, optional=True))
     api_key_file: str | None = None
     market_ca: str | None = None
 

@@ -6,7 +6,6 @@ The key file is PKCS#8 PEM, created once with mode 0600 and never rewritten. Pub
 
 from __future__ import annotations
 
-import base64
 import hashlib
 import os
 import stat
@@ -17,6 +16,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from kvasir.core.signed import b64url, unb64url
 from kvasir.errors import InputError
 
 KEY_PREFIX = "ed25519:"
@@ -43,15 +43,14 @@ class PublicKey:
         """Parse ``ed25519:<base64url>``; InputError names what is wrong."""
         if not isinstance(text, str) or not text.startswith(KEY_PREFIX):
             raise InputError(f"a node key looks like {KEY_PREFIX}<base64url>, not {str(text)[:40]!r}")
-        body = text[len(KEY_PREFIX) :]
         try:
-            raw = base64.urlsafe_b64decode(body + "=" * (-len(body) % 4))
-        except (ValueError, TypeError) as exc:
-            raise InputError(f"node key {text[:40]!r} is not base64url") from exc
+            raw = unb64url(text[len(KEY_PREFIX) :], "node key")
+        except InputError:
+            raise InputError(f"node key {text[:40]!r} is not base64url") from None
         return cls(raw)
 
     def to_text(self) -> str:
-        return KEY_PREFIX + base64.urlsafe_b64encode(self.raw).decode().rstrip("=")
+        return KEY_PREFIX + b64url(self.raw)
 
     @property
     def fingerprint(self) -> str:

@@ -9,13 +9,13 @@ named default set instead of spelling its own defaults.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import attrs
 
-from kvasir.core.schema import FieldError
+from kvasir.core.schema import FieldError, register_record
+from kvasir.core.validators import Validator, int_in, number_in
 
 I32_MAX = 2**31 - 1
 #: llama.cpp reads a seed of 0xFFFFFFFF as "random", so the largest usable seed is one less.
@@ -28,32 +28,14 @@ class SamplingError(FieldError):
     """A sampling parameter out of range; ``field`` is its name (``top_p``), ``reason`` the rule it broke."""
 
 
-_Validator = Callable[[Any, "attrs.Attribute[Any]", Any], None]
-
-
-def _number(low: float, high: float, *, open_low: bool = False) -> _Validator:
+def _number(low: float, high: float, *, open_low: bool = False) -> Validator:
     interval = f"{'(' if open_low else '['}{low:g}, {high:g}]"
-
-    def check(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise SamplingError(attribute.name, f"must be a number, got {type(value).__name__}")
-        above = low < value if open_low else low <= value
-        if not (math.isfinite(value) and above and value <= high):
-            raise SamplingError(attribute.name, f"must be in {interval}")
-
-    return check
+    return number_in(low, high, open_low=open_low, reason=f"must be in {interval}", error=SamplingError)
 
 
-def _integer(low: int, high: int, *, optional: bool = False) -> _Validator:
+def _integer(low: int, high: int, *, optional: bool = False) -> Validator:
     rule = f"must be {'None or ' if optional else ''}an int in [{low}, {high}]"
-
-    def check(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
-        if value is None and optional:
-            return
-        if type(value) is not int or not low <= value <= high:
-            raise SamplingError(attribute.name, rule)
-
-    return check
+    return int_in(low, high, optional=optional, reason=rule, error=SamplingError)
 
 
 def _float(value: float) -> float:
@@ -103,3 +85,5 @@ SamplingParams.FIELDS = tuple(a.name for a in attrs.fields(SamplingParams))
 SamplingParams.LLAMA_CPP = SamplingParams()
 SamplingParams.OPENAI = attrs.evolve(SamplingParams.LLAMA_CPP, temperature=1.0, top_p=1.0)
 SamplingParams.GREEDY = attrs.evolve(SamplingParams.LLAMA_CPP, temperature=0.0)
+
+register_record(SamplingParams)

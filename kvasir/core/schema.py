@@ -4,9 +4,14 @@ Shapes are frozen attrs classes whose field validators hold the value rules; thi
 the few spellings that differ from the attribute names:
 
 - types are strict, as JSON and TOML give them: an int field takes an int (not ``true``, ``1.5`` or ``"1"``), a
-  float field an int or a finite float, a sequence field a list;
+  float field an int or a finite float, a sequence field a list, a bytes field unpadded base64url text;
 - ``start``/``end`` attribute pairs are spelled ``"layers": [start, end]`` (:func:`register_record`);
-- classes registered with ``forbid_extra=True`` refuse unknown keys.
+- classes registered with ``forbid_extra=True`` refuse unknown keys;
+- every attrs class takes a JSON object and nothing else, registered or not (a list is never "all defaults").
+
+Each record is registered next to its class (:func:`register_record`, or :func:`register_hooks` for a hand-written
+hook), never by another module's import, so the converter behaves the same whatever was imported first;
+``tests/test_schema.py`` walks every attrs class and checks it is registered or exempt with a reason.
 
 :func:`structure` turns every failure into one :class:`SchemaError` line that names the source and the field path
 (``model: stages[1].bytes: must be an integer``); its ``path`` and ``reason`` stay apart for replies that name the
@@ -22,6 +27,7 @@ import typing
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
+import attrs
 import cattrs
 from cattrs.cols import homogenous_tuple_structure_factory, is_sequence, list_structure_factory
 from cattrs.errors import (
@@ -33,6 +39,7 @@ from cattrs.errors import (
 )
 from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn, override
 
+from kvasir.core.signed import b64url, unb64url
 from kvasir.errors import InputError, KvasirError
 
 T = TypeVar("T")
@@ -53,6 +60,8 @@ converter = cattrs.Converter()
 #: attribute -> wire key for renamed fields, so that error paths show the key a user wrote (cattrs' notes carry the
 #: attribute name only).
 _WIRE_KEYS: dict[str, str] = {}
+#: Classes taught to the converter (:func:`register_record`, :func:`register_hooks`).
+_REGISTERED: set[type] = set()
 
 
 # ---------------------------------------------------------------------------------------------- strict primitives
@@ -82,6 +91,13 @@ def _bool(value: object, _: type) -> bool:
     return value
 
 
+def _bytes(value: object, _: type) -> bytes:
+    try:
+        return unb64url(value, "")
+    except InputError:
+        raise InputError(f"must be base64url text, not {_shown(value)}") from None
+
+
 def _shown(value: object) -> str:
     text = repr(value)
     return text if len(text) <= 40 else f"a {type(value).__name__}"
@@ -91,6 +107,8 @@ converter.register_structure_hook(int, _int)
 converter.register_structure_hook(float, _float)
 converter.register_structure_hook(str, _str)
 converter.register_structure_hook(bool, _bool)
+converter.register_structure_hook(bytes, _bytes)
+converter.register_unstructure_hook(bytes, b64url)
 
 
 def _is_literal(t: Any) -> bool:
@@ -122,8 +140,44 @@ def _sequence_factory(t: Any, conv: cattrs.BaseConverter) -> Callable[[object, t
     return structure
 
 
+def _is_fixed_tuple(t: Any) -> bool:
+    args = typing.get_args(t)
+    return typing.get_origin(t) is tuple and bool(args) and args[-1] is not Ellipsis
+
+
+def _fixed_tuple_factory(t: Any, conv: cattrs.BaseConverter) -> Callable[[object, type], object]:
+    # ``tuple[int, int]``: a list of exactly that many, each item structured as its own type.
+    items = typing.get_args(t)
+
+    def structure(value: object, _: type) -> object:
+        if not isinstance(value, list | tuple) or len(value) != len(items):
+            raise InputError(f"must be a list of {len(items)}, not {_shown(value)}")
+        out = []
+        for i, (v, item) in enumerate(zip(value, items, strict=True)):
+            try:
+                out.append(conv.structure(v, item))
+            except Exception as exc:
+                exc.__notes__ = [*getattr(exc, "__notes__", []), IterableValidationNote(f"@ index {i}", i, item)]
+                raise IterableValidationError(f"While structuring {t!r}", [exc], t) from None
+        return tuple(out)
+
+    return structure
+
+
+def _object_factory(cls: Any, conv: cattrs.BaseConverter) -> Callable[[object, type], object]:
+    # cattrs' own attrs hook would read a list (or any non-mapping) as "every field at its default".
+    inner = make_dict_structure_fn(cls, conv)
+
+    def structure(value: object, tp: type) -> object:
+        return inner(require_object(value), tp)
+
+    return structure
+
+
 converter.register_structure_hook_factory(_is_literal, _literal_factory)
 converter.register_structure_hook_factory(is_sequence, _sequence_factory)
+converter.register_structure_hook_factory(_is_fixed_tuple, _fixed_tuple_factory)
+converter.register_structure_hook_factory(attrs.has, _object_factory)
 
 
 # ---------------------------------------------------------------------------------------------- records
@@ -155,6 +209,32 @@ def register_record(
     left out of the output while None; ``omit_if_empty``: while empty. ``rename``: attribute -> key.
     ``key_order``: the output's key order, where a wire format fixes one (keys not listed follow in attribute order).
     """
+    register_hooks(
+        cls,
+        *record_hooks(
+            cls,
+            window=window,
+            forbid_extra=forbid_extra,
+            omit_if_none=omit_if_none,
+            omit_if_empty=omit_if_empty,
+            rename=rename,
+            key_order=key_order,
+        ),
+    )
+
+
+def record_hooks(
+    cls: type[T],
+    *,
+    window: bool = False,
+    forbid_extra: bool = False,
+    omit_if_none: tuple[str, ...] = (),
+    omit_if_empty: tuple[str, ...] = (),
+    rename: Mapping[str, str] | None = None,
+    key_order: tuple[str, ...] | None = None,
+) -> tuple[Callable[[object, type], T], Callable[[T], Json]]:
+    """The structure and unstructure hooks :func:`register_record` registers, for a class whose own hook wraps
+    them (then registered with :func:`register_hooks`)."""
     names = rename or {}
     _WIRE_KEYS.update(names)
     overrides: dict[str, Any] = {a: override(rename=k) for a, k in names.items()}
@@ -162,8 +242,7 @@ def register_record(
     unstructure_fn = make_dict_unstructure_fn(cls, converter, **overrides)
 
     def structure(data: object, _: type) -> T:
-        if not isinstance(data, Mapping):
-            raise InputError(f"must be an object, not {_shown(data)}")
+        data = require_object(data)
         if window:
             if "layers" not in data:
                 raise FieldError("layers", "required field missing")
@@ -188,8 +267,30 @@ def register_record(
             out = {k: out[k] for k in key_order if k in out} | {k: v for k, v in out.items() if k not in key_order}
         return out
 
+    return structure, unstructure
+
+
+def register_hooks(
+    cls: type[T], structure: Callable[[Any, type], T], unstructure: Callable[[T], Any] | None = None
+) -> None:
+    """Teach the converter one class by hand-written hooks (a shape :func:`register_record` cannot say). A structure
+    hook must refuse a non-object itself (:func:`require_object`)."""
     converter.register_structure_hook(cls, structure)
-    converter.register_unstructure_hook(cls, unstructure)
+    if unstructure is not None:
+        converter.register_unstructure_hook(cls, unstructure)
+    _REGISTERED.add(cls)
+
+
+def is_registered(cls: type) -> bool:
+    """Whether ``cls`` was registered with the converter (:func:`register_record` or :func:`register_hooks`)."""
+    return cls in _REGISTERED
+
+
+def require_object(data: object) -> Mapping[str, Any]:
+    """``data`` if it is a JSON object; InputError otherwise (the start of every hand-written structure hook)."""
+    if not isinstance(data, Mapping):
+        raise InputError(f"must be an object, not {_shown(data)}")
+    return data
 
 
 # ---------------------------------------------------------------------------------------------- entry points

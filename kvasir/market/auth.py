@@ -18,10 +18,7 @@ Every function here is pure: time is passed in.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import hashlib
-import json
 import re
 import secrets
 from collections.abc import Iterable, Mapping
@@ -30,6 +27,7 @@ from typing import Any
 import attrs
 
 from kvasir.core.identity import Identity, PublicKey
+from kvasir.core.signed import canonical_json, canonical_lines, sign, unb64url, verify
 from kvasir.errors import InputError, MarketError
 
 REQUEST_DOMAIN = b"kvasir-market-request/v1\n"
@@ -42,34 +40,22 @@ MAX_NONCES = 200_000
 H_KEY, H_TIME, H_NONCE, H_SIG = "x-kvasir-key", "x-kvasir-time", "x-kvasir-nonce", "x-kvasir-signature"
 _NONCE = re.compile(r"[0-9a-f]{16,64}")
 _TIME = re.compile(r"[0-9]{1,12}")
-
-
-def b64(data: bytes) -> str:
-    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
-
-
-def unb64(text: str, what: str, max_chars: int = 200) -> bytes:
-    if not isinstance(text, str) or not text.isascii() or len(text) > max_chars:
-        raise InputError(f"{what} is not base64url")
-    try:
-        return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
-    except (binascii.Error, ValueError):
-        raise InputError(f"{what} is not base64url") from None
+#: Longest signature text read (an Ed25519 signature is 86 characters of base64url).
+MAX_SIGNATURE_CHARS = 200
 
 
 # ---------------------------------------------------------------------------------------------- requests
 
 
 def request_message(method: str, target: str, when: int, nonce: str, body: bytes) -> bytes:
-    digest = hashlib.sha256(body).hexdigest()
-    return REQUEST_DOMAIN + f"{method}\n{target}\n{when}\n{nonce}\n{digest}".encode()
+    return canonical_lines(REQUEST_DOMAIN, method, target, when, nonce, hashlib.sha256(body).hexdigest())
 
 
 def sign_request(identity: Identity, method: str, target: str, body: bytes, now: float) -> dict[str, str]:
     """The headers that sign one request made at ``now``."""
     when, nonce = int(now), secrets.token_hex(16)
-    sig = identity.sign(request_message(method, target, when, nonce, body))
-    return {H_KEY: identity.public.to_text(), H_TIME: str(when), H_NONCE: nonce, H_SIG: b64(sig)}
+    sig = sign(identity, request_message(method, target, when, nonce, body))
+    return {H_KEY: identity.public.to_text(), H_TIME: str(when), H_NONCE: nonce, H_SIG: sig}
 
 
 @attrs.frozen
@@ -95,7 +81,7 @@ def verify_request(method: str, target: str, headers: Iterable[tuple[str, str]],
         raise MarketError(401, "unsigned", "this request must be signed (x-kvasir-key, -time, -nonce, -signature)")
     try:
         key = PublicKey.from_text(h[H_KEY])
-        sig = unb64(h[H_SIG], "x-kvasir-signature")
+        sig = unb64url(h[H_SIG], "x-kvasir-signature", max_chars=MAX_SIGNATURE_CHARS)
     except InputError as exc:
         raise MarketError(401, "bad_signature", str(exc)) from None
     if not _TIME.fullmatch(h[H_TIME]) or not _NONCE.fullmatch(h[H_NONCE]):
@@ -144,30 +130,24 @@ class NonceCache:
 # ---------------------------------------------------------------------------------------------- records
 
 
-def canonical(wire: Mapping[str, Any], drop: str = "signature") -> bytes:
-    """A record's canonical JSON bytes: sorted keys, no spaces, without ``drop``."""
-    return json.dumps({k: v for k, v in wire.items() if k != drop}, sort_keys=True, separators=(",", ":")).encode()
-
-
 def sign_record(identity: Identity, domain: bytes, wire: Mapping[str, Any]) -> str:
-    return b64(identity.sign(domain + canonical(wire)))
+    return sign(identity, canonical_json(domain, wire))
 
 
 def signature_ok(key: PublicKey, message: bytes, signature: object) -> bool:
     """Whether ``signature`` (base64url text, or anything a body may hold) is ``key``'s signature of ``message``."""
-    if not isinstance(signature, str):
-        return False
-    try:
-        sig = unb64(signature, "signature")
-    except InputError:
-        return False
-    return key.verify(sig, message)
+    return verify(key, signature, message, max_chars=MAX_SIGNATURE_CHARS)
 
 
 def record_signed_by(key: PublicKey, domain: bytes, wire: Mapping[str, Any], signature: str | None) -> bool:
-    return signature_ok(key, domain + canonical(wire), signature)
+    return signature_ok(key, canonical_json(domain, wire), signature)
 
 
 def delegation_message(market: PublicKey) -> bytes:
     """What the operator signs to say that ``market`` may issue window tickets for its models."""
     return DELEGATION_DOMAIN + market.to_text().encode()
+
+
+def sign_delegation(operator: Identity, market: PublicKey) -> str:
+    """The operator's delegation to ``market``, as base64url signature text."""
+    return sign(operator, delegation_message(market))

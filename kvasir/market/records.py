@@ -8,15 +8,16 @@ for every field.
 
 from __future__ import annotations
 
-import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, ClassVar, Literal, Self
 
 import attrs
 
 from kvasir.core.identity import Identity, PublicKey
 from kvasir.core.schema import FieldError, Json, register_record, structure, unstructure
+from kvasir.core.signed import canonical_json
+from kvasir.core.validators import int_in, is_int, number_in, optional, rule
 from kvasir.errors import InputError
 from kvasir.market import auth
 from kvasir.util.addr import parse_hostport
@@ -46,55 +47,24 @@ LEASE_STATES: tuple[LeaseState, ...] = ("fetching", "serving")
 # ---------------------------------------------------------------------------------------------- field rules
 
 
-def _rule(ok: Callable[[Any], bool], text: str, key: str | None = None) -> Callable[[Any, Any, Any], None]:
-    """An attrs validator: ``ok(value)`` or FieldError(key, text); the key defaults to the attribute name."""
-
-    def check(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-        if not ok(value):
-            raise FieldError(key or attribute.name, text)
-
-    return check
-
-
-def _is_int(v: Any) -> bool:
-    return type(v) is int
-
-
-def _count(low: int = 0, key: str | None = None, high: int | None = None) -> Callable[[Any, Any, Any], None]:
-    if high is None:
-        return _rule(lambda v: _is_int(v) and v >= low, f"must be an integer >= {low}", key)
-    return _rule(lambda v: _is_int(v) and low <= v <= high, f"must be an integer in [{low}, {high}]", key)
-
-
-def _number(low: float, high: float) -> Callable[[Any, Any, Any], None]:
-    def ok(v: Any) -> bool:
-        return not isinstance(v, bool) and isinstance(v, int | float) and math.isfinite(v) and low <= v <= high
-
-    return _rule(ok, f"must be a number in [{low}, {high}]")
-
-
-def _optional(check: Callable[[Any, Any, Any], None]) -> Callable[[Any, Any, Any], None]:
-    return attrs.validators.optional(check)
-
-
 def is_sha256(v: Any) -> bool:
     return isinstance(v, str) and _SHA256.fullmatch(v) is not None
 
 
-_sha256 = _rule(is_sha256, "must be a sha256 in lowercase hex")
-_node_id = _rule(lambda v: isinstance(v, str) and _NODE_ID.fullmatch(v) is not None,
+_sha256 = rule(is_sha256, "must be a sha256 in lowercase hex")
+_node_id = rule(lambda v: isinstance(v, str) and _NODE_ID.fullmatch(v) is not None,
                  "must be 1-64 characters of [A-Za-z0-9._-]")  # fmt: skip
-_text = _rule(lambda v: isinstance(v, str) and 0 < len(v) <= MAX_TEXT,
+_text = rule(lambda v: isinstance(v, str) and 0 < len(v) <= MAX_TEXT,
               f"must be a non-empty string of at most {MAX_TEXT} characters")  # fmt: skip
-_state = _rule(lambda v: v in LEASE_STATES, f"must be one of {', '.join(LEASE_STATES)}")
+_state = rule(lambda v: v in LEASE_STATES, f"must be one of {', '.join(LEASE_STATES)}")
 
 
-_ticket = _rule(lambda v: isinstance(v, str) and len(v) <= 4096, "must be a string of at most 4096 characters")
+_ticket = rule(lambda v: isinstance(v, str) and len(v) <= 4096, "must be a string of at most 4096 characters")
 
 
 def _window_end(instance: Any, _: attrs.Attribute[int], end: Any) -> None:
     start = instance.start
-    if not (_is_int(start) and _is_int(end) and 0 <= start < end):
+    if not (is_int(start) and is_int(end) and 0 <= start < end):
         raise FieldError("layers", f"[{start}, {end}] is not a non-empty window")
 
 
@@ -152,7 +122,7 @@ class _Body(_Record):
 # ---------------------------------------------------------------------------------------------- models
 
 
-_kernel_class = _rule(lambda v: isinstance(v, str) and 0 < len(v) <= 64, "must be 1-64 characters")
+_kernel_class = rule(lambda v: isinstance(v, str) and 0 < len(v) <= 64, "must be 1-64 characters")
 
 
 @attrs.frozen
@@ -174,8 +144,8 @@ class StageHash(_Body):
     start: int
     end: int = attrs.field(validator=_window_end)
     sha256: str = attrs.field(validator=_sha256)
-    bytes: int = attrs.field(validator=_count(1))
-    probes: tuple[Probe, ...] = attrs.field(default=(), validator=_rule(lambda v: len(v) <= 16, "at most 16 probes"))
+    bytes: int = attrs.field(validator=int_in(1))
+    probes: tuple[Probe, ...] = attrs.field(default=(), validator=rule(lambda v: len(v) <= 16, "at most 16 probes"))
 
     def probe_map(self) -> dict[str, str]:
         return {p.kernel_class: p.sha256 for p in self.probes}
@@ -187,17 +157,17 @@ class ModelRecord(_Record):
 
     sha256: str = attrs.field(validator=_sha256)
     name: str = attrs.field(validator=_text)
-    n_layers: int = attrs.field(validator=_count(1, "layers"))
-    file_bytes: int = attrs.field(validator=_count(1, high=MAX_FILE_BYTES))
+    n_layers: int = attrs.field(validator=int_in(1, key="layers"))
+    file_bytes: int = attrs.field(validator=int_in(1, MAX_FILE_BYTES))
     #: Bytes of the GGUF header (metadata and tensor infos, up to the aligned data offset).
-    header_bytes: int = attrs.field(validator=_count(24, high=MAX_FILE_BYTES))
+    header_bytes: int = attrs.field(validator=int_in(24, MAX_FILE_BYTES))
     #: URLs serving the whole GGUF with HTTP Range support.
     sources: tuple[str, ...]
     layer_bytes: tuple[int, ...]
-    outside_bytes: int = attrs.field(validator=_count(0))
+    outside_bytes: int = attrs.field(validator=int_in(0))
     stages: tuple[StageHash, ...]
     #: The operator's signature (kvasir.market.auth): nodes load nothing from an unsigned or foreign record.
-    signature: str | None = attrs.field(default=None, validator=_optional(_text))
+    signature: str | None = attrs.field(default=None, validator=optional(_text))
 
     def __attrs_post_init__(self) -> None:
         if self.header_bytes > self.file_bytes:
@@ -208,7 +178,7 @@ class ModelRecord(_Record):
             if not isinstance(url, str) or not url.startswith(("http://", "https://")) or len(url) > MAX_TEXT:
                 raise InputError("every source must be an http:// or https:// URL")
         if len(self.layer_bytes) != self.n_layers or not all(
-            _is_int(x) and 0 <= x <= MAX_FILE_BYTES for x in self.layer_bytes
+            is_int(x) and 0 <= x <= MAX_FILE_BYTES for x in self.layer_bytes
         ):
             raise InputError(f"'layer_bytes' must list {self.n_layers} byte counts")
         if len(self.stages) > MAX_WINDOWS:
@@ -229,7 +199,7 @@ class ModelRecord(_Record):
         return auth.record_signed_by(key, auth.MODEL_DOMAIN, self.to_wire(), self.signature)
 
     def same_content(self, other: ModelRecord) -> bool:
-        return auth.canonical(self.to_wire()) == auth.canonical(other.to_wire())
+        return canonical_json(b"", self.to_wire()) == canonical_json(b"", other.to_wire())
 
     @classmethod
     def from_wire(cls, data: Any, where: str = "model") -> ModelRecord:
@@ -248,7 +218,7 @@ class WindowSpec(_Body):
     start: int
     end: int = attrs.field(validator=_window_end)
     #: Reward weight: credits per token this window earns at base demand.
-    weight: float = attrs.field(default=1.0, validator=_number(0.0, 1e12))
+    weight: float = attrs.field(default=1.0, validator=number_in(0.0, 1e12))
 
 
 @attrs.frozen
@@ -259,7 +229,7 @@ class ManifestRecord(_Record):
     windows: tuple[WindowSpec, ...]
     #: "planner" (windows from kvasir.planner) or "explicit".
     origin: str = attrs.field(
-        default="explicit", validator=_rule(lambda v: v in ("planner", "explicit"), "must be 'planner' or 'explicit'")
+        default="explicit", validator=rule(lambda v: v in ("planner", "explicit"), "must be 'planner' or 'explicit'")
     )
 
     def __attrs_post_init__(self) -> None:
@@ -285,11 +255,11 @@ class ClaimRequest(_Record):
     start: int
     end: int = attrs.field(validator=_window_end)
     node_id: str = attrs.field(validator=_node_id)
-    lease_s: float = attrs.field(default=30.0, validator=_number(MIN_LEASE_S, MAX_LEASE_S))
+    lease_s: float = attrs.field(default=30.0, validator=number_in(MIN_LEASE_S, MAX_LEASE_S))
     endpoint: str | None = attrs.field(default=None, validator=_endpoint)
     state: LeaseState = attrs.field(default="fetching", validator=_state)
     #: Renew only: the lease being renewed.
-    lease_id: str | None = attrs.field(default=None, validator=_optional(_text))
+    lease_id: str | None = attrs.field(default=None, validator=optional(_text))
 
     def __attrs_post_init__(self) -> None:
         if self.state == "serving" and self.endpoint is None:
@@ -329,9 +299,9 @@ class Lease(_Body):
     end: int = attrs.field(validator=_window_end)
     node_id: str = attrs.field(validator=_node_id)
     lease_id: str = attrs.field(validator=_text)
-    expires_at: float = attrs.field(validator=_number(0, 1e12))
+    expires_at: float = attrs.field(validator=number_in(0, 1e12))
     #: The window ticket (kvasir.market.tickets) the market signed for the holder; neighbours check it.
-    ticket: str | None = attrs.field(default=None, validator=_optional(_ticket))
+    ticket: str | None = attrs.field(default=None, validator=optional(_ticket))
     #: Relay edge grants (kvasir.relay.grant) the market signed for the holder's two edges: relay admission without a
     #: secret every node shares.
     grants: tuple[str, ...] = attrs.field(default=(), validator=_grants)
@@ -347,8 +317,8 @@ class DemandReport(_Body):
     WHERE: ClassVar[str] = "demand"
 
     model: str = attrs.field(validator=_sha256)
-    requests: int = attrs.field(default=0, validator=_count(0, high=MAX_REPORT_REQUESTS))
-    tokens: int = attrs.field(default=0, validator=_count(0, high=MAX_REPORT_TOKENS))
+    requests: int = attrs.field(default=0, validator=int_in(0, MAX_REPORT_REQUESTS))
+    tokens: int = attrs.field(default=0, validator=int_in(0, MAX_REPORT_TOKENS))
 
 
 @attrs.frozen
@@ -363,7 +333,7 @@ class CreditReport(_Body):
     end: int = attrs.field(validator=_window_end)
     node_id: str = attrs.field(validator=_node_id)
     lease_id: str = attrs.field(validator=_text)
-    tokens: int = attrs.field(default=0, validator=_count(0, high=MAX_LEASE_TOKENS))
+    tokens: int = attrs.field(default=0, validator=int_in(0, MAX_LEASE_TOKENS))
 
 
 @attrs.frozen
@@ -377,10 +347,10 @@ class Receipt(_Body):
 
     WHERE: ClassVar[str] = "receipt"
 
-    request: int = attrs.field(validator=_count(0, high=2**64 - 1))
-    tokens: int = attrs.field(validator=_count(0, high=MAX_REPORT_TOKENS))
+    request: int = attrs.field(validator=int_in(0, 2**64 - 1))
+    tokens: int = attrs.field(validator=int_in(0, MAX_REPORT_TOKENS))
     holders: tuple[str, ...]
-    entry: str | None = attrs.field(default=None, validator=_optional(_node_id))
+    entry: str | None = attrs.field(default=None, validator=optional(_node_id))
 
     def __attrs_post_init__(self) -> None:
         if len(self.holders) > MAX_WINDOWS or not all(
@@ -414,21 +384,21 @@ class CoverageEntry(_Body):
     WHERE: ClassVar[str] = "window"
 
     model: str = attrs.field(validator=_sha256)
-    rank: int = attrs.field(validator=_count(0))
+    rank: int = attrs.field(validator=int_in(0))
     start: int
     end: int = attrs.field(validator=_window_end)
-    weight: float = attrs.field(validator=_number(0, 1e12))
+    weight: float = attrs.field(validator=number_in(0, 1e12))
     #: Credits per token served on this window now (weight × the model's demand multiplier).
-    reward: float = attrs.field(validator=_number(0, 1e18))
+    reward: float = attrs.field(validator=number_in(0, 1e18))
     #: Bytes of the window's stage file (what a holder downloads and loads).
-    bytes: int = attrs.field(validator=_count(1))
+    bytes: int = attrs.field(validator=int_in(1))
     sha256: str = attrs.field(validator=_sha256)
     holder: str | None = None
-    lease_expires: float | None = attrs.field(default=None, validator=_optional(_number(0, 1e12)))
-    state: LeaseState | None = attrs.field(default=None, validator=_optional(_state))
+    lease_expires: float | None = attrs.field(default=None, validator=optional(number_in(0, 1e12)))
+    state: LeaseState | None = attrs.field(default=None, validator=optional(_state))
     endpoint: str | None = attrs.field(default=None, validator=_endpoint)
     #: The holder's whole public key (``ed25519:…``): a neighbour dials it with the key pinned (protocol v2).
-    holder_key: str | None = attrs.field(default=None, validator=_optional(_key_text))
+    holder_key: str | None = attrs.field(default=None, validator=optional(_key_text))
 
     @property
     def covered(self) -> bool:

@@ -20,8 +20,9 @@ from collections.abc import Callable
 import attrs
 
 from kvasir.core.identity import Identity, PublicKey
+from kvasir.core.signed import canonical_lines, seal, split_lines, unb64url
 from kvasir.errors import InputError
-from kvasir.market.auth import b64, unb64
+from kvasir.market.auth import MAX_SIGNATURE_CHARS
 
 TICKET_PREFIX = "kt1"
 DOMAIN = b"kvasir-window-ticket/v1\n"
@@ -53,21 +54,20 @@ class WindowTicket:
             raise InputError("a ticket's relay edge is up to 128 characters of [A-Za-z0-9_-]")
 
     def to_bytes(self) -> bytes:
-        return DOMAIN + (
-            f"{self.model}\n{self.start}\n{self.end}\n{self.holder.to_text()}\n{self.not_after}\n"
-            f"{self.relay_edge}\n{self.issuer.to_text()}"
-        ).encode("ascii")
+        return canonical_lines(
+            DOMAIN,
+            self.model,
+            self.start,
+            self.end,
+            self.holder.to_text(),
+            self.not_after,
+            self.relay_edge,
+            self.issuer.to_text(),
+        )
 
     @classmethod
     def from_bytes(cls, data: bytes) -> WindowTicket:
-        if not data.startswith(DOMAIN):
-            raise InputError("not a window ticket")
-        try:
-            parts = data[len(DOMAIN) :].decode("ascii").split("\n")
-        except UnicodeDecodeError:
-            raise InputError("a window ticket is ASCII") from None
-        if len(parts) != 7:
-            raise InputError("a window ticket has 7 fields")
+        parts = split_lines(data, DOMAIN, 7, "window ticket")
         model, start, end, holder, not_after, edge, issuer = parts
         if not (start.isdigit() and end.isdigit() and not_after.isdigit()) or max(map(len, parts[1:5])) > 100:
             raise InputError("a window ticket's numbers are decimal")
@@ -81,7 +81,7 @@ def issue_ticket(issuer: Identity, ticket: WindowTicket) -> str:
     if ticket.issuer != issuer.public:
         raise InputError("a ticket names its issuer's own key")
     body = ticket.to_bytes()
-    return f"{TICKET_PREFIX}.{b64(body)}.{b64(issuer.sign(body))}"
+    return f"{TICKET_PREFIX}.{seal(issuer, body)}"
 
 
 def parse_ticket(text: str | bytes, issuer: PublicKey) -> WindowTicket:
@@ -96,7 +96,8 @@ def parse_ticket(text: str | bytes, issuer: PublicKey) -> WindowTicket:
     parts = text.split(".")
     if len(parts) != 3 or parts[0] != TICKET_PREFIX:
         raise InputError(f"a window ticket looks like {TICKET_PREFIX}.<body>.<signature>")
-    body, sig = unb64(parts[1], "ticket body", MAX_TICKET_CHARS), unb64(parts[2], "ticket signature")
+    body = unb64url(parts[1], "ticket body", max_chars=MAX_TICKET_CHARS)
+    sig = unb64url(parts[2], "ticket signature", max_chars=MAX_SIGNATURE_CHARS)
     ticket = WindowTicket.from_bytes(body)
     if ticket.issuer != issuer or not issuer.verify(sig, body):
         raise InputError("the window ticket is not signed by this market")

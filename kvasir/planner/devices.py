@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -12,6 +11,7 @@ import attrs
 
 from kvasir.core.identity import PublicKey
 from kvasir.core.schema import FieldError, register_record, structure
+from kvasir.core.validators import at_least, one_of, positive
 from kvasir.errors import InputError
 
 DeviceKind = Literal["gpu", "cpu", "npu", "phone"]
@@ -26,26 +26,9 @@ DEVICE_KINDS: tuple[DeviceKind, ...] = ("gpu", "cpu", "npu", "phone")
 DEFAULT_HOP_OVERHEAD_MS = 1.0
 
 
-def _positive(instance: object, attribute: attrs.Attribute[float], value: float) -> None:
-    # link_latency_ms may be 0 (same host); everything else must be strictly positive.
-    low_ok = attribute.name == "link_latency_ms" and value == 0
-    if not (math.isfinite(value) and (value > 0 or low_ok)):
-        raise FieldError(attribute.name, f"must be a positive number, not {value!r}")
-
-
-def _non_negative(_: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if not (math.isfinite(value) and value >= 0):
-        raise FieldError(attribute.name, f"must be a number >= 0, not {value!r}")
-
-
 def _name(_: object, __: attrs.Attribute[str], value: str) -> None:
     if not isinstance(value, str) or not value:
         raise FieldError("name", "must be a non-empty string")
-
-
-def _kind(instance: Device, _: attrs.Attribute[str], value: str) -> None:
-    if value not in DEVICE_KINDS:
-        raise FieldError("kind", f"must be one of {', '.join(DEVICE_KINDS)}")
 
 
 def _key(_: object, __: attrs.Attribute[str | None], value: str | None) -> None:
@@ -62,15 +45,15 @@ class Device:
     """One machine that can run a window: its memory budget, memory bandwidth and network link."""
 
     name: str = attrs.field(validator=_name)
-    kind: DeviceKind = attrs.field(validator=_kind)
-    memory_gb: float = attrs.field(validator=_positive)  # what Kvasir may use, not the RAM on the box
-    mem_bandwidth_gbs: float = attrs.field(validator=_positive)  # effective, as decode sees it
-    link_latency_ms: float = attrs.field(validator=_positive)  # one way, this device to the network
-    link_bandwidth_mbps: float = attrs.field(validator=_positive)
+    kind: DeviceKind = attrs.field(validator=one_of(*DEVICE_KINDS))
+    memory_gb: float = attrs.field(validator=positive())  # what Kvasir may use, not the RAM on the box
+    mem_bandwidth_gbs: float = attrs.field(validator=positive())  # effective, as decode sees it
+    link_latency_ms: float = attrs.field(validator=positive(zero=True))  # one way; 0: the same host
+    link_bandwidth_mbps: float = attrs.field(validator=positive())
     #: The device's node key (`kvasir id`), copied into the manifest's rank; None leaves the slot to fill.
     key: str | None = attrs.field(default=None, validator=_key)
     #: What this device's node adds to each frame it receives (DEFAULT_HOP_OVERHEAD_MS).
-    hop_overhead_ms: float = attrs.field(default=DEFAULT_HOP_OVERHEAD_MS, validator=_non_negative)
+    hop_overhead_ms: float = attrs.field(default=DEFAULT_HOP_OVERHEAD_MS, validator=at_least(0))
 
     @property
     def memory_bytes(self) -> int:

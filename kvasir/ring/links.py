@@ -47,19 +47,6 @@ class LinkStats:
     #: Authenticated by key and encrypted (protocol v2).
     secure: bool = False
 
-    def to_json(self) -> dict[str, object]:
-        return {
-            "kind": self.kind,
-            "peer": self.peer,
-            "frames_out": self.frames_out,
-            "bytes_out": self.bytes_out,
-            "frames_in": self.frames_in,
-            "bytes_in": self.bytes_in,
-            "rtt_ms": None if self.rtt is None else round(self.rtt * 1e3, 3),
-            "up_s": round(time.monotonic() - self.connected_at, 1),
-            "secure": self.secure,
-        }
-
 
 class Link(Protocol):
     stats: LinkStats

@@ -38,6 +38,7 @@ import tomli_w
 
 from kvasir.core.identity import PublicKey
 from kvasir.core.schema import FieldError, register_record, structure, unstructure
+from kvasir.core.validators import int_in
 from kvasir.errors import InputError, WindowError
 from kvasir.util.addr import format_hostport, parse_hostport
 from kvasir.util.files import atomic_output
@@ -190,11 +191,6 @@ def _sha256(_: object, __: attrs.Attribute[str], value: str) -> None:
         raise FieldError("sha256", "must be a non-empty string of at most 128 characters")
 
 
-def _positive(_: object, attribute: attrs.Attribute[int], value: int) -> None:
-    if value <= 0:
-        raise FieldError(attribute.name, "must be a positive integer")
-
-
 def _link(_: object, __: attrs.Attribute[str], value: str) -> None:
     if value not in LINK_KINDS:
         raise FieldError("link", f"must be {' or '.join(map(repr, LINK_KINDS))}, not {value!r}")
@@ -203,7 +199,7 @@ def _link(_: object, __: attrs.Attribute[str], value: str) -> None:
 @attrs.frozen
 class _ModelTable:
     sha256: str = attrs.field(validator=_sha256)
-    layers: int = attrs.field(validator=_positive)
+    layers: int = attrs.field(validator=int_in(1, reason="must be a positive integer"))
     name: str = "model"
     secret: str | None = None
     relay: str | None = None

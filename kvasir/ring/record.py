@@ -36,7 +36,7 @@ import attrs
 from kvasir.core.identity import Identity
 from kvasir.core.sampling import SamplingParams
 from kvasir.errors import KvasirError
-from kvasir.verify.audit import Boundary, WindowLog, write_json
+from kvasir.verify.audit import LoggedInput, WindowLog, write_json
 from kvasir.verify.commit import NO_TOKEN, TOKENS, Chain, Recorder, tokens_payload
 from kvasir.verify.select import PENDING, RECEIPTS, log_name
 from kvasir.wire import frames
@@ -52,7 +52,7 @@ class OpenRecord:
 
     def __init__(self, recorder: Recorder) -> None:
         self.recorder = recorder
-        self.inputs: list[Boundary] = []
+        self.inputs: list[LoggedInput] = []
         #: The predecessor's output chain as this node received it: what a FLAG_CHAIN head must equal.
         self.received = Chain(recorder.request, "out")
 
@@ -118,7 +118,7 @@ class NodeRecorder:
         o = self._open.get(request)
         if o is not None:
             o.recorder.on_input(pos, n_tokens, payload, dtype)
-            o.inputs.append(Boundary(pos, n_tokens, dtype, payload))
+            o.inputs.append(LoggedInput(pos, n_tokens, dtype, payload))
 
     def take(self, frame: frames.Boundary) -> str | None:
         """Record an input boundary; when it carries a chain head (FLAG_CHAIN) and this request is recorded here,
@@ -128,7 +128,7 @@ class NodeRecorder:
             return None
         pos = frame.position  # a verify row's own position (its batch's, plus its row)
         o.recorder.on_input(pos, frame.n_tokens, frame.payload, frame.dtype.value)
-        o.inputs.append(Boundary(pos, frame.n_tokens, frame.dtype.value, frame.payload))
+        o.inputs.append(LoggedInput(pos, frame.n_tokens, frame.dtype.value, frame.payload))
         head = o.received.add(o.recorder.inputs.steps[-1])
         if not frame.chain:
             return None

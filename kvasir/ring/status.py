@@ -1,49 +1,37 @@
 """A node's status: one typed record that the control socket serialises and the TUI parses (the same schema).
 
 ``to_wire()`` gives the JSON object of the control socket's ``status`` message (docs/protocol.md § Control socket);
-``from_wire()`` reads one back. Reading is lenient about absent fields (older nodes, recorded sessions), strict about
-types: a field of the wrong type raises ValueError (or TypeError), which the TUI shows as a bad message.
+``from_wire()`` reads one back through the schema converter. Reading is lenient only about absent fields (older
+nodes, recorded sessions: they take their defaults), strict about types: ``"ready": "false"`` or ``"rank": 3.9`` is a
+:class:`~kvasir.core.schema.SchemaError` naming the field, which the TUI counts as a bad message.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
 
+from kvasir.core.schema import (
+    Json,
+    converter,
+    record_hooks,
+    register_hooks,
+    register_record,
+    require_object,
+    structure,
+    unstructure,
+)
 from kvasir.ring.links import LinkStats
-
-Json = dict[str, Any]
-
-
-def _int(obj: Mapping[str, Any], key: str, default: int = 0) -> int:
-    v = obj.get(key, default)
-    return default if v is None else int(v)
-
-
-def _float_or_none(v: Any) -> float | None:
-    return None if v is None else float(v)
-
-
-def _pair(v: Any) -> tuple[int, int]:
-    a, b = v
-    return int(a), int(b)
-
-
-def _obj(v: Any) -> Mapping[str, Any]:
-    if v is None:
-        return {}
-    if not isinstance(v, Mapping):
-        raise ValueError(f"expected a JSON object, got {type(v).__name__}")
-    return v
 
 
 @attrs.frozen
 class LinkStatus:
     """One link: its state label, and its counters while it is up (``kind`` is None while it is down)."""
 
-    state: str
+    state: str = "unknown"
     kind: str | None = None
     peer: str | None = None
     frames_out: int = 0
@@ -59,45 +47,30 @@ class LinkStatus:
     def of(cls, state: str, stats: LinkStats | None) -> LinkStatus:
         if stats is None:
             return cls(state)
-        w = stats.to_json()
-        return cls.from_wire({"state": state, **w})
+        return cls(
+            state=state,
+            kind=stats.kind,
+            peer=stats.peer,
+            frames_out=stats.frames_out,
+            bytes_out=stats.bytes_out,
+            frames_in=stats.frames_in,
+            bytes_in=stats.bytes_in,
+            rtt_ms=None if stats.rtt is None else round(stats.rtt * 1e3, 3),
+            up_s=round(time.monotonic() - stats.connected_at, 1),
+            secure=stats.secure,
+        )
 
     @property
     def up(self) -> bool:
         return self.kind is not None
 
     def to_wire(self) -> Json:
-        if self.kind is None:
-            return {"state": self.state}
-        return {
-            "state": self.state,
-            "kind": self.kind,
-            "peer": self.peer,
-            "frames_out": self.frames_out,
-            "bytes_out": self.bytes_out,
-            "frames_in": self.frames_in,
-            "bytes_in": self.bytes_in,
-            "rtt_ms": self.rtt_ms,
-            "up_s": self.up_s,
-            "secure": self.secure,
-        }
+        out: Json = unstructure(self)
+        return out
 
     @classmethod
-    def from_wire(cls, obj: Mapping[str, Any]) -> LinkStatus:
-        obj = _obj(obj)
-        kind = obj.get("kind")
-        return cls(
-            state=str(obj.get("state", "unknown")),
-            kind=None if kind is None else str(kind),
-            peer=None if obj.get("peer") is None else str(obj["peer"]),
-            frames_out=_int(obj, "frames_out"),
-            bytes_out=_int(obj, "bytes_out"),
-            frames_in=_int(obj, "frames_in"),
-            bytes_in=_int(obj, "bytes_in"),
-            rtt_ms=_float_or_none(obj.get("rtt_ms")),
-            up_s=_float_or_none(obj.get("up_s")),
-            secure=obj.get("secure") is True,
-        )
+    def from_wire(cls, obj: object, where: str = "link") -> LinkStatus:
+        return structure(obj, cls, where=where)
 
 
 @attrs.frozen
@@ -106,16 +79,16 @@ class RankStatus:
 
     rank: int
     layers: tuple[int, int]
-    address: str
+    address: str = ""
     link: str = "direct"
 
     def to_wire(self) -> Json:
-        return {"rank": self.rank, "layers": list(self.layers), "address": self.address, "link": self.link}
+        out: Json = unstructure(self)
+        return out
 
     @classmethod
-    def from_wire(cls, obj: Mapping[str, Any]) -> RankStatus:
-        obj = _obj(obj)
-        return cls(int(obj["rank"]), _pair(obj["layers"]), str(obj.get("address", "")), str(obj.get("link", "direct")))
+    def from_wire(cls, obj: object, where: str = "rank") -> RankStatus:
+        return structure(obj, cls, where=where)
 
 
 @attrs.frozen
@@ -138,12 +111,12 @@ class RequestCounters:
     eager_steps: int = 0
 
     def to_wire(self) -> Json:
-        return attrs.asdict(self)
+        out: Json = unstructure(self)
+        return out
 
     @classmethod
-    def from_wire(cls, obj: Mapping[str, Any]) -> RequestCounters:
-        obj = _obj(obj)
-        return cls(**{f.name: _int(obj, f.name) for f in attrs.fields(cls)})
+    def from_wire(cls, obj: object, where: str = "requests") -> RequestCounters:
+        return structure(obj, cls, where=where)
 
 
 @attrs.frozen
@@ -166,31 +139,12 @@ class FailoverStatus:
     log_bytes: int = 0
 
     def to_wire(self) -> Json:
-        return {
-            "replays": self.replays,
-            "requests": self.requests,
-            "frames": self.frames,
-            "bytes": self.bytes,
-            "duplicates": self.duplicates,
-            "last_stall_s": self.last_stall_s,
-            "last_window": None if self.last_window is None else list(self.last_window),
-            "log_bytes": self.log_bytes,
-        }
+        out: Json = unstructure(self)
+        return out
 
     @classmethod
-    def from_wire(cls, obj: Mapping[str, Any]) -> FailoverStatus:
-        obj = _obj(obj)
-        window = obj.get("last_window")
-        return cls(
-            replays=_int(obj, "replays"),
-            requests=_int(obj, "requests"),
-            frames=_int(obj, "frames"),
-            bytes=_int(obj, "bytes"),
-            duplicates=_int(obj, "duplicates"),
-            last_stall_s=_float_or_none(obj.get("last_stall_s")),
-            last_window=None if window is None else _pair(window),
-            log_bytes=_int(obj, "log_bytes"),
-        )
+    def from_wire(cls, obj: object, where: str = "failover") -> FailoverStatus:
+        return structure(obj, cls, where=where)
 
 
 @attrs.frozen
@@ -199,30 +153,17 @@ class MarketWindow:
 
     rank: int
     layers: tuple[int, int]
-    holder: str | None
-    reward: float | None
-    state: str | None
+    holder: str | None = None
+    reward: float | None = None
+    state: str | None = None
 
     def to_wire(self) -> Json:
-        return {
-            "rank": self.rank,
-            "layers": list(self.layers),
-            "holder": self.holder,
-            "reward": self.reward,
-            "state": self.state,
-        }
+        out: Json = unstructure(self)
+        return out
 
     @classmethod
-    def from_wire(cls, obj: Mapping[str, Any]) -> MarketWindow:
-        obj = _obj(obj)
-        holder = obj.get("holder")
-        return cls(
-            int(obj["rank"]),
-            _pair(obj["layers"]),
-            None if holder is None else str(holder),
-            _float_or_none(obj.get("reward")),
-            None if obj.get("state") is None else str(obj["state"]),
-        )
+    def from_wire(cls, obj: object, where: str = "market window") -> MarketWindow:
+        return structure(obj, cls, where=where)
 
 
 @attrs.frozen
@@ -243,8 +184,8 @@ class NodeStatus:
     ready: bool = False
     uptime_s: float = 0.0
     ranks: tuple[RankStatus, ...] = ()
-    predecessor: LinkStatus = LinkStatus("unknown")
-    successor: LinkStatus = LinkStatus("unknown")
+    predecessor: LinkStatus = LinkStatus()
+    successor: LinkStatus = LinkStatus()
     requests: RequestCounters = RequestCounters()
     rss_bytes: int | None = None
     #: The market's coverage map of this ring; None for a node started from a manifest.
@@ -257,67 +198,148 @@ class NodeStatus:
         return self.requests.tokens * (self.window[1] - self.window[0])
 
     def to_wire(self) -> Json:
-        return {
-            "node_id": self.node_id,
-            "rank": self.rank,
-            "ring_size": self.ring_size,
-            "model": {"name": self.model_name, "sha256": self.model_sha256, "layers": self.n_layers},
-            "window": list(self.window),
-            "backend": self.backend,
-            "threads": self.threads,
-            "busy_s": self.busy_s,
-            "handoff_s": self.handoff_s,
-            "send_s": self.send_s,
-            "ready": self.ready,
-            "uptime_s": self.uptime_s,
-            "ranks": [r.to_wire() for r in self.ranks],
-            "links": {"predecessor": self.predecessor.to_wire(), "successor": self.successor.to_wire()},
-            "requests": self.requests.to_wire(),
-            "contribution": {"tokens": self.requests.tokens, "layer_tokens": self.layer_tokens},
-            "memory": {} if self.rss_bytes is None else {"rss_bytes": self.rss_bytes},
-            "market": None if self.market is None else [w.to_wire() for w in self.market],
-            "failover": self.failover.to_wire(),
-        }
+        out: Json = unstructure(self)
+        return out
 
     @classmethod
-    def from_wire(cls, obj: Mapping[str, Any]) -> NodeStatus:
-        obj = _obj(obj)
-        model = _obj(obj.get("model"))
-        links = _obj(obj.get("links"))
-        market = obj.get("market")
-        threads = obj.get("threads")
-        rss = _obj(obj.get("memory")).get("rss_bytes")
-        ranks: Sequence[Any] = obj.get("ranks") or ()
-        return cls(
-            node_id=str(obj.get("node_id", "")),
-            rank=int(obj["rank"]),
-            ring_size=_int(obj, "ring_size"),
-            model_name=str(model.get("name", "")),
-            model_sha256=str(model.get("sha256", "")),
-            n_layers=_int(model, "layers"),
-            window=_pair(obj["window"]),
-            backend=str(obj.get("backend", "?")),
-            threads=None if threads is None else int(threads),
-            busy_s=float(obj.get("busy_s") or 0.0),
-            handoff_s=float(obj.get("handoff_s") or 0.0),
-            send_s=float(obj.get("send_s") or 0.0),
-            ready=bool(obj.get("ready", False)),
-            uptime_s=float(obj.get("uptime_s") or 0.0),
-            ranks=tuple(RankStatus.from_wire(r) for r in ranks),
-            predecessor=LinkStatus.from_wire(links.get("predecessor") or {}),
-            successor=LinkStatus.from_wire(links.get("successor") or {}),
-            requests=RequestCounters.from_wire(obj.get("requests") or {}),
-            rss_bytes=None if rss is None else int(rss),
-            market=None if market is None else tuple(MarketWindow.from_wire(w) for w in market),
-            failover=FailoverStatus.from_wire(obj.get("failover") or {}),
+    def from_wire(cls, obj: object, where: str = "status") -> NodeStatus:
+        """The status in ``obj``; SchemaError (an InputError) naming the field when it does not fit."""
+        return structure(obj, cls, where=where)
+
+
+# ---------------------------------------------------------------------------------------------- the wire shape
+# The status object nests what NodeStatus keeps flat (``model``, ``links``, ``memory``) and adds ``contribution``,
+# which a reader derives again; these records are that shape, field order = key order.
+
+
+@attrs.frozen
+class _ModelWire:
+    name: str = ""
+    sha256: str = ""
+    layers: int = 0
+
+
+@attrs.frozen
+class _LinksWire:
+    predecessor: LinkStatus = LinkStatus()
+    successor: LinkStatus = LinkStatus()
+
+
+@attrs.frozen
+class _ContributionWire:
+    tokens: int = 0
+    layer_tokens: int = 0
+
+
+@attrs.frozen
+class _MemoryWire:
+    rss_bytes: int | None = None
+
+
+@attrs.frozen(kw_only=True)
+class _StatusWire:
+    node_id: str = ""
+    rank: int
+    ring_size: int = 0
+    model: _ModelWire = _ModelWire()
+    window: tuple[int, int]
+    backend: str = "?"
+    threads: int | None = None
+    busy_s: float = 0.0
+    handoff_s: float = 0.0
+    send_s: float = 0.0
+    ready: bool = False
+    uptime_s: float = 0.0
+    ranks: tuple[RankStatus, ...] = ()
+    links: _LinksWire = _LinksWire()
+    requests: RequestCounters = RequestCounters()
+    contribution: _ContributionWire = _ContributionWire()
+    memory: _MemoryWire = _MemoryWire()
+    market: tuple[MarketWindow, ...] | None = None
+    failover: FailoverStatus = FailoverStatus()
+
+
+def _status_from_wire(data: object, _: type) -> NodeStatus:
+    w = converter.structure(require_object(data), _StatusWire)
+    return NodeStatus(
+        node_id=w.node_id,
+        rank=w.rank,
+        ring_size=w.ring_size,
+        model_name=w.model.name,
+        model_sha256=w.model.sha256,
+        n_layers=w.model.layers,
+        window=w.window,
+        backend=w.backend,
+        threads=w.threads,
+        busy_s=w.busy_s,
+        handoff_s=w.handoff_s,
+        send_s=w.send_s,
+        ready=w.ready,
+        uptime_s=w.uptime_s,
+        ranks=w.ranks,
+        predecessor=w.links.predecessor,
+        successor=w.links.successor,
+        requests=w.requests,
+        rss_bytes=w.memory.rss_bytes,
+        market=w.market,
+        failover=w.failover,
+    )
+
+
+def _status_to_wire(s: NodeStatus) -> Json:
+    out: Json = unstructure(
+        _StatusWire(
+            node_id=s.node_id,
+            rank=s.rank,
+            ring_size=s.ring_size,
+            model=_ModelWire(s.model_name, s.model_sha256, s.n_layers),
+            window=s.window,
+            backend=s.backend,
+            threads=s.threads,
+            busy_s=s.busy_s,
+            handoff_s=s.handoff_s,
+            send_s=s.send_s,
+            ready=s.ready,
+            uptime_s=s.uptime_s,
+            ranks=s.ranks,
+            links=_LinksWire(s.predecessor, s.successor),
+            requests=s.requests,
+            contribution=_ContributionWire(s.requests.tokens, s.layer_tokens),
+            memory=_MemoryWire(s.rss_bytes),
+            market=s.market,
+            failover=s.failover,
         )
+    )
+    return out
 
 
-def speculation_line(req: Mapping[str, Any]) -> str:
-    """The last rank's speculation counters (docs/speculation.md): verify batches, drafts accepted, eager steps."""
-    drafted, accepted = int(req.get("drafted") or 0), int(req.get("accepted") or 0)
-    share = f" ({accepted / drafted:.0%})" if drafted else ""
+_link_from_wire, _link_fields = record_hooks(LinkStatus)
+
+
+def _link_to_wire(link: LinkStatus) -> Json:
+    # A link that is down travels as its state label only.
+    return {"state": link.state} if link.kind is None else _link_fields(link)
+
+
+register_hooks(LinkStatus, _link_from_wire, _link_to_wire)
+register_record(RankStatus)
+register_record(RequestCounters)
+register_record(FailoverStatus)
+register_record(MarketWindow)
+register_record(_ModelWire)
+register_record(_LinksWire)
+register_record(_ContributionWire)
+register_record(_MemoryWire, omit_if_none=("rss_bytes",))
+register_record(_StatusWire)
+register_hooks(NodeStatus, _status_from_wire, _status_to_wire)
+
+
+def speculation_line(req: Mapping[str, Any] | RequestCounters) -> str:
+    """The last rank's speculation counters (docs/speculation.md): verify batches, drafts accepted, eager steps.
+    ``req``: the counters, or a status's ``requests`` object (read strictly: SchemaError on a wrong type)."""
+    c = req if isinstance(req, RequestCounters) else RequestCounters.from_wire(req)
+    share = f" ({c.accepted / c.drafted:.0%})" if c.drafted else ""
     return (
-        f"{req.get('verify_batches', 0)} verify batches · {accepted}/{drafted} drafts accepted{share}"
-        f" · {req.get('eager_steps', 0)} steps drafted eagerly"
+        f"{c.verify_batches} verify batches · {c.accepted}/{c.drafted} drafts accepted{share}"
+        f" · {c.eager_steps} steps drafted eagerly"
     )

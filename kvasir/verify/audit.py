@@ -19,7 +19,17 @@ import attrs
 import numpy as np
 
 from kvasir.core.sampling import SamplingParams
-from kvasir.core.schema import Json
+from kvasir.core.schema import (
+    FieldError,
+    Json,
+    record_hooks,
+    register_hooks,
+    register_record,
+    require_object,
+    structure,
+    unstructure,
+)
+from kvasir.core.signed import canonical_json
 from kvasir.errors import InputError, ProtocolError
 from kvasir.stage.engine import Stage, StageConfig
 from kvasir.util.files import atomic_output
@@ -30,12 +40,10 @@ from kvasir.verify.commit import (
     TOKENS,
     VerificationError,
     WindowReceipt,
-    b64,
     first_mismatch,
     sample_payload,
     skip_hash,
     step_hash,
-    unb64,
 )
 from kvasir.verify.kernel import stage_kernel_class
 from kvasir.wire.boundary import BoundaryDType, decode_boundary, encode_boundary
@@ -44,8 +52,13 @@ PROOF_DOMAIN = "kvasir-fraud-proof/v1"
 
 
 @attrs.frozen
-class Boundary:
-    """One logged input of a window: a boundary frame's payload (rank 0: token ids) at its position."""
+class LoggedInput:
+    """One logged input of a window: a boundary frame's payload (rank 0: token ids) at its position.
+
+    On the wire (window logs, fraud proofs) ``{"pos", "n_tokens", "dtype", "payload"}`` with the payload in base64url;
+    read through the schema converter, which also checks that the payload fits the rows and dtype
+    (:func:`_check_logged`): a market parses these from untrusted POSTs.
+    """
 
     pos: int
     n_tokens: int
@@ -57,38 +70,47 @@ class Boundary:
         return step_hash(self.pos, self.n_tokens, self.dtype, self.payload)
 
     @classmethod
-    def of_tokens(cls, pos: int, tokens: Sequence[int]) -> Boundary:
+    def of_tokens(cls, pos: int, tokens: Sequence[int]) -> LoggedInput:
         return cls(pos, len(tokens), TOKENS, struct.pack(f"<{len(tokens)}i", *tokens))
 
     @classmethod
-    def of_hidden(cls, pos: int, hidden: np.ndarray, dtype: BoundaryDType = BoundaryDType.F32) -> Boundary:
+    def of_hidden(cls, pos: int, hidden: np.ndarray, dtype: BoundaryDType = BoundaryDType.F32) -> LoggedInput:
         return cls(pos, int(hidden.shape[0]), int(dtype), encode_boundary(hidden, dtype))
 
     def tokens(self) -> list[int]:
         return list(struct.unpack(f"<{self.n_tokens}i", self.payload))
 
     def to_wire(self) -> Json:
-        return {"pos": self.pos, "n_tokens": self.n_tokens, "dtype": self.dtype, "payload": b64(self.payload)}
+        out: Json = unstructure(self)
+        return out
 
     @classmethod
-    def from_wire(cls, data: Any, where: str = "input") -> Boundary:
-        if not isinstance(data, dict) or not all(type(data.get(k)) is int for k in ("pos", "n_tokens", "dtype")):
-            raise InputError(f"{where}: needs integer pos, n_tokens and dtype")
-        payload = data.get("payload")
-        if not isinstance(payload, str):
-            raise InputError(f"{where}: payload must be base64url text")
-        pos, n, dtype, raw = data["pos"], data["n_tokens"], data["dtype"], unb64(payload, f"{where}: payload")
-        if not (0 <= pos < 2**32 and 0 < n < 2**32):
-            raise InputError(f"{where}: needs pos in [0, 2^32) and n_tokens in [1, 2^32)")
-        if dtype == TOKENS:
-            if len(raw) != 4 * n:
-                raise InputError(f"{where}: {n} token ids take {4 * n} bytes, not {len(raw)}")
-        elif dtype in tuple(BoundaryDType):
-            if len(raw) % (n * BoundaryDType(dtype).itemsize):
-                raise InputError(f"{where}: {len(raw)} bytes are not {n} rows of {BoundaryDType(dtype).name}")
-        else:
-            raise InputError(f"{where}: dtype {dtype} is neither a boundary dtype nor token ids ({TOKENS})")
-        return cls(pos, n, dtype, raw)
+    def from_wire(cls, data: Any, where: str = "input") -> LoggedInput:
+        return structure(data, cls, where=where)
+
+
+_logged_fields, _logged_to_wire = record_hooks(LoggedInput)
+
+
+def _check_logged(data: object, tp: type) -> LoggedInput:
+    b = _logged_fields(data, tp)
+    pos, n, dtype, raw = b.pos, b.n_tokens, b.dtype, b.payload
+    if not 0 <= pos < 2**32:
+        raise FieldError("pos", "must be in [0, 2^32)")
+    if not 0 < n < 2**32:
+        raise FieldError("n_tokens", "must be in [1, 2^32)")
+    if dtype == TOKENS:
+        if len(raw) != 4 * n:
+            raise FieldError("payload", f"of {n} token ids takes {4 * n} bytes, not {len(raw)}")
+    elif dtype in tuple(BoundaryDType):
+        if len(raw) % (n * BoundaryDType(dtype).itemsize):
+            raise FieldError("payload", f"of {len(raw)} bytes is not {n} rows of {BoundaryDType(dtype).name}")
+    else:
+        raise FieldError("dtype", f"{dtype} is neither a boundary dtype nor token ids ({TOKENS})")
+    return b
+
+
+register_hooks(LoggedInput, _check_logged, _logged_to_wire)
 
 
 @attrs.frozen
@@ -102,9 +124,9 @@ class StepOutput:
     token: int | None
     hash: str
 
-    def as_input(self) -> Boundary:
+    def as_input(self) -> LoggedInput:
         """The successor's logged input for this step (non-last ranks)."""
-        return Boundary(self.pos, self.n_tokens, self.dtype, self.payload)
+        return LoggedInput(self.pos, self.n_tokens, self.dtype, self.payload)
 
 
 class WindowRunner:
@@ -136,7 +158,7 @@ class WindowRunner:
             for t in history:
                 self._sampler.accept(t)
 
-    def step(self, b: Boundary, *, sample: bool = True) -> StepOutput:
+    def step(self, b: LoggedInput, *, sample: bool = True) -> StepOutput:
         stage, info = self.stage, self.stage.info
         if b.pos > self._end:  # no window computes past the positions its cache holds: nothing matches this step
             missing = f"nothing: position {b.pos} leaves a hole after the {self._end} positions computed before it"
@@ -164,7 +186,7 @@ class WindowRunner:
         h = step_hash(b.pos, b.n_tokens, int(dtype), payload)
         return StepOutput(b.pos, b.n_tokens, int(dtype), payload, None, h)
 
-    def skip(self, b: Boundary) -> StepOutput:
+    def skip(self, b: LoggedInput) -> StepOutput:
         """A step the last rank took but did not compute (a stale verify row): no compute, no sample."""
         return StepOutput(b.pos, b.n_tokens, SKIPPED, b"", NO_TOKEN, skip_hash(b.pos, b.n_tokens))
 
@@ -183,7 +205,7 @@ class WindowRunner:
 
 def execute(
     stage: Stage,
-    inputs: Sequence[Boundary],
+    inputs: Sequence[LoggedInput],
     *,
     out_dtype: BoundaryDType = BoundaryDType.F32,
     sampling: SamplingParams | None = None,
@@ -243,14 +265,14 @@ class AuditResult:
     skipped: int = 0
 
 
-def load_stage(path: Path, inputs: Sequence[Boundary]) -> Stage:
+def load_stage(path: Path, inputs: Sequence[LoggedInput]) -> Stage:
     """A stage sized for one request's re-execution (n_ctx, n_batch and one sequence: none of them changes bits)."""
     n_ctx = max((b.pos + b.n_tokens for b in inputs), default=1)
     n_batch = max(512, *(b.n_tokens for b in inputs)) if inputs else 512
     return Stage.load(StageConfig(path, n_ctx=max(256, n_ctx), n_seq_max=1, n_batch=n_batch, n_threads=None))
 
 
-def check_inputs(receipt: WindowReceipt, inputs: Sequence[Boundary]) -> None:
+def check_inputs(receipt: WindowReceipt, inputs: Sequence[LoggedInput]) -> None:
     """VerificationError unless ``inputs`` are the boundaries the receipt commits to, step for step."""
     if len(inputs) > len(receipt.input_hashes):
         raise VerificationError(f"{len(inputs)} logged inputs for a receipt of {len(receipt.input_hashes)} steps")
@@ -276,7 +298,7 @@ def _check_stage(stage: Stage, receipt: WindowReceipt) -> None:
         raise VerificationError(f"this auditor's kernel class {mine} is not the receipt's {receipt.kernel_class}")
 
 
-def audit_window(stage: Stage | Path, inputs: Sequence[Boundary], receipt: WindowReceipt) -> AuditResult:
+def audit_window(stage: Stage | Path, inputs: Sequence[LoggedInput], receipt: WindowReceipt) -> AuditResult:
     """Re-execute the receipt's window from the logged ``inputs`` (all steps, or the first k) and compare hashes.
 
     Raises VerificationError when the receipt's signature fails, the inputs are not the committed ones, or this
@@ -318,7 +340,7 @@ def audit_window(stage: Stage | Path, inputs: Sequence[Boundary], receipt: Windo
     )
 
 
-def check_tokens(stage: Stage | Path, inputs: Sequence[Boundary], receipt: WindowReceipt) -> int | None:
+def check_tokens(stage: Stage | Path, inputs: Sequence[LoggedInput], receipt: WindowReceipt) -> int | None:
     """Token receipt: re-sample every step of a last-rank receipt from its logged final boundaries with its sampler
     settings and seed; the first step whose signed token differs, or None."""
     if not receipt.last:
@@ -338,39 +360,40 @@ class FraudProof:
     """
 
     suspect: WindowReceipt
-    inputs: tuple[Boundary, ...]
+    inputs: tuple[LoggedInput, ...]
     step: int
     predecessor: WindowReceipt | None = None
 
     def to_wire(self) -> Json:
-        out: Json = {
-            "kind": PROOF_DOMAIN,
-            "suspect": self.suspect.to_wire(),
-            "step": self.step,
-            "inputs": [b.to_wire() for b in self.inputs],
-        }
-        if self.predecessor is not None:
-            out["predecessor"] = self.predecessor.to_wire()
+        out: Json = unstructure(self)
         return out
 
     @classmethod
     def from_wire(cls, data: Any, where: str = "proof") -> FraudProof:
-        if not isinstance(data, dict) or data.get("kind") != PROOF_DOMAIN:
-            raise InputError(f"{where}: not a {PROOF_DOMAIN} document")
-        inputs = data.get("inputs")
-        if not isinstance(inputs, list) or type(data.get("step")) is not int:
-            raise InputError(f"{where}: needs a list of inputs and an integer step")
-        pred = data.get("predecessor")
-        return cls(
-            suspect=WindowReceipt.from_wire(data.get("suspect"), f"{where}: suspect"),
-            inputs=tuple(Boundary.from_wire(b, f"{where}: inputs[{i}]") for i, b in enumerate(inputs)),
-            step=data["step"],
-            predecessor=None if pred is None else WindowReceipt.from_wire(pred, f"{where}: predecessor"),
-        )
+        return structure(data, cls, where=where)
+
+
+_proof_fields, _proof_wire = record_hooks(
+    FraudProof, omit_if_none=("predecessor",), key_order=("suspect", "step", "inputs", "predecessor")
+)
+
+
+def _proof_from_wire(data: object, tp: type) -> FraudProof:
+    data = require_object(data)
+    if data.get("kind") != PROOF_DOMAIN:
+        raise FieldError("kind", f"must be {PROOF_DOMAIN!r}: this is not a fraud proof")
+    return _proof_fields({k: v for k, v in data.items() if k != "kind"}, tp)
+
+
+def _proof_to_wire(proof: FraudProof) -> Json:
+    return {"kind": PROOF_DOMAIN, **_proof_wire(proof)}
+
+
+register_hooks(FraudProof, _proof_from_wire, _proof_to_wire)
 
 
 def make_proof(
-    receipt: WindowReceipt, inputs: Sequence[Boundary], result: AuditResult, predecessor: WindowReceipt | None = None
+    receipt: WindowReceipt, inputs: Sequence[LoggedInput], result: AuditResult, predecessor: WindowReceipt | None = None
 ) -> FraudProof:
     if result.ok or result.step is None:
         raise InputError("an audit that found the outputs equal proves nothing")
@@ -398,8 +421,7 @@ def check_proof(proof: FraudProof) -> None:
 
 def proof_id(proof: FraudProof) -> str:
     """A proof's identity: sha256 over its canonical JSON (what a market writes down with a withdrawal)."""
-    body = json.dumps(proof.to_wire(), sort_keys=True, separators=(",", ":")).encode()
-    return hashlib.sha256(body).hexdigest()
+    return hashlib.sha256(canonical_json(b"", proof.to_wire(), drop=None)).hexdigest()
 
 
 def verify_proof(proof: FraudProof, stage: Stage | Path) -> AuditResult:
@@ -432,26 +454,19 @@ class WindowLog:
     and, when it has it, the predecessor's signed receipt. The file ``kvasir audit run`` reads."""
 
     receipt: WindowReceipt
-    inputs: tuple[Boundary, ...]
+    inputs: tuple[LoggedInput, ...]
     predecessor: WindowReceipt | None = None
 
     def to_wire(self) -> Json:
-        out: Json = {"receipt": self.receipt.to_wire(), "inputs": [b.to_wire() for b in self.inputs]}
-        if self.predecessor is not None:
-            out["predecessor"] = self.predecessor.to_wire()
+        out: Json = unstructure(self)
         return out
 
     @classmethod
     def from_wire(cls, data: Any, where: str = "log") -> WindowLog:
-        inputs = data.get("inputs") if isinstance(data, dict) else None
-        if not isinstance(inputs, list):
-            raise InputError(f"{where}: needs a receipt and a list of inputs")
-        pred = data.get("predecessor")
-        return cls(
-            WindowReceipt.from_wire(data.get("receipt"), f"{where}: receipt"),
-            tuple(Boundary.from_wire(b, f"{where}: inputs[{i}]") for i, b in enumerate(inputs)),
-            None if pred is None else WindowReceipt.from_wire(pred, f"{where}: predecessor"),
-        )
+        return structure(data, cls, where=where)
+
+
+register_record(WindowLog, omit_if_none=("predecessor",))
 
 
 def write_json(path: Path, data: Json) -> None:

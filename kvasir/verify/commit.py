@@ -12,10 +12,7 @@ step's input and output hash. A successor holds the predecessor's output hashes 
 
 from __future__ import annotations
 
-import base64
-import binascii
 import hashlib
-import json
 import re
 import struct
 from collections.abc import Sequence
@@ -26,6 +23,8 @@ import attrs
 from kvasir.core.identity import Identity, PublicKey
 from kvasir.core.sampling import SamplingParams
 from kvasir.core.schema import Json, register_record, structure, unstructure
+from kvasir.core.signed import canonical_json, sign, unb64url
+from kvasir.core.validators import matches, rule
 from kvasir.errors import InputError, KvasirError
 
 #: dtype code of an input that is token ids (rank 0), beside the wire's BoundaryDType codes 0-2.
@@ -92,25 +91,11 @@ def chain_head(request: int, direction: str, steps: Sequence[str]) -> str:
     return chain.head
 
 
-def _hexes(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if len(value) > MAX_STEPS or not all(isinstance(v, str) and _HEX64.fullmatch(v) for v in value):
-        raise InputError(f"{attribute.name} must list at most {MAX_STEPS} sha256 hashes in lowercase hex")
-
-
-def _hex(_: object, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if not (isinstance(value, str) and _HEX64.fullmatch(value)):
-        raise InputError(f"{attribute.name} must be a sha256 in lowercase hex")
-
-
-def b64(data: bytes) -> str:
-    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
-
-
-def unb64(text: str, what: str) -> bytes:
-    try:
-        return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
-    except (binascii.Error, ValueError, TypeError):
-        raise InputError(f"{what} is not base64url") from None
+_hexes = rule(
+    lambda v: len(v) <= MAX_STEPS and all(isinstance(h, str) and _HEX64.fullmatch(h) for h in v),
+    f"must list at most {MAX_STEPS} sha256 hashes in lowercase hex",
+)
+_hex = matches(_HEX64, "must be a sha256 in lowercase hex")
 
 
 @attrs.frozen
@@ -165,17 +150,16 @@ class WindowReceipt:
 
     def message(self) -> bytes:
         """The signed bytes: a domain and the canonical JSON of every field but the signature."""
-        body = {k: v for k, v in self.to_wire().items() if k != "signature"}
-        return RECEIPT_DOMAIN + json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+        return canonical_json(RECEIPT_DOMAIN, self.to_wire())
 
     def signed(self, identity: Identity) -> WindowReceipt:
         if identity.public != self.key:
             raise InputError("a receipt is signed by the key it names")
-        return attrs.evolve(self, signature=b64(identity.sign(self.message())))
+        return attrs.evolve(self, signature=sign(identity, self.message()))
 
     def verify(self) -> None:
         """VerificationError unless the signature is the named key's and the chain heads match the step lists."""
-        if not self.key.verify(unb64(self.signature, "receipt signature"), self.message()):
+        if not self.key.verify(unb64url(self.signature, "receipt signature"), self.message()):
             raise VerificationError(f"receipt of request {self.request}: the signature is not {self.key.fingerprint}'s")
         if chain_head(self.request, "in", self.input_hashes) != self.input_head:
             raise VerificationError(f"receipt of request {self.request}: input hashes do not make the input head")
@@ -273,5 +257,4 @@ def first_mismatch(predecessor_outputs: Sequence[str], inputs: Sequence[str]) ->
     return None
 
 
-register_record(SamplingParams)
 register_record(WindowReceipt, window=True, omit_if_none=("sampling",), omit_if_empty=("tokens", "history"))

@@ -17,7 +17,7 @@ import numpy as np
 from kvasir.core.schedule import PREFILL_CHUNK
 from kvasir.errors import KvasirError
 from kvasir.stage.engine import Stage
-from kvasir.verify.audit import Boundary, execute
+from kvasir.verify.audit import LoggedInput, execute
 from kvasir.verify.kernel import stage_kernel_class
 
 PROBE_SEED = 0x6B76_6173  # "kvas"
@@ -32,17 +32,17 @@ class AdmissionRefused(KvasirError):
     """A window that does not reproduce the publisher's probe hash: it must not serve."""
 
 
-def probe_inputs(stage: Stage, window: tuple[int, int] | None = None) -> list[Boundary]:
+def probe_inputs(stage: Stage, window: tuple[int, int] | None = None) -> list[LoggedInput]:
     """The probe's inputs for ``window`` (default: the stage's own), seeded by the window alone."""
     info = stage.info
     start, end = window or (info.start, info.end)
     rng = np.random.default_rng([PROBE_SEED, start, end])
-    out: list[Boundary] = []
+    out: list[LoggedInput] = []
     for pos, n in PROBE_SCHEDULE:
         if start == 0:
-            out.append(Boundary.of_tokens(pos, [int(t) for t in rng.integers(_FIRST_TOKEN, info.n_vocab, size=n)]))
+            out.append(LoggedInput.of_tokens(pos, [int(t) for t in rng.integers(_FIRST_TOKEN, info.n_vocab, size=n)]))
         else:
-            out.append(Boundary.of_hidden(pos, rng.standard_normal((n, info.n_embd), dtype=np.float32)))
+            out.append(LoggedInput.of_hidden(pos, rng.standard_normal((n, info.n_embd), dtype=np.float32)))
     return out
 
 

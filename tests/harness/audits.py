@@ -16,7 +16,7 @@ from kvasir.core.identity import Identity
 from kvasir.core.sampling import SamplingParams
 from kvasir.core.schedule import PREFILL_CHUNK
 from kvasir.stage.engine import Stage
-from kvasir.verify.audit import Boundary, StepOutput, WindowLog, WindowRunner
+from kvasir.verify.audit import LoggedInput, StepOutput, WindowLog, WindowRunner
 from kvasir.verify.commit import NO_TOKEN, Recorder
 from kvasir.verify.kernel import stage_kernel_class
 
@@ -55,12 +55,12 @@ def serve_request(
         Recorder(request, model_sha256, w, stage_kernel_class(s), sampling=sampling if s.info.last else None)
         for s, w in zip(stages, wins, strict=True)
     ]
-    inputs: list[list[Boundary]] = [[] for _ in stages]
+    inputs: list[list[LoggedInput]] = [[] for _ in stages]
     runners = [WindowRunner(s, sampling=sampling) for s in stages]
-    steps: list[tuple[Boundary, bool]] = []
+    steps: list[tuple[LoggedInput, bool]] = []
     for i in range(0, len(prompt), PREFILL_CHUNK):
         chunk = list(prompt[i : i + PREFILL_CHUNK])
-        steps.append((Boundary.of_tokens(i, chunk), i + len(chunk) == len(prompt)))
+        steps.append((LoggedInput.of_tokens(i, chunk), i + len(chunk) == len(prompt)))
     n_prefill = len(steps)
     compute_s, hash_s = [0.0] * len(stages), [0.0] * len(stages)
     tokens: list[int] = []
@@ -84,7 +84,7 @@ def serve_request(
                     if sent.token is not None and sent.token != NO_TOKEN:
                         tokens.append(sent.token)
                         if len(steps) - n_prefill < n_decode:
-                            steps.append((Boundary.of_tokens(sent.pos + sent.n_tokens, [sent.token]), True))
+                            steps.append((LoggedInput.of_tokens(sent.pos + sent.n_tokens, [sent.token]), True))
                 else:
                     rec.on_output(signed.pos, signed.n_tokens, signed.payload, signed.dtype)
                     b = sent.as_input()

@@ -102,4 +102,4 @@ async def publish_signed(
     if market_key != operator.public and not auth.signature_ok(
         operator.public, auth.delegation_message(market_key), info.get("delegation")
     ):
-        await market.put_delegation(auth.b64(operator.sign(auth.delegation_message(market_key))))
+        await market.put_delegation(auth.sign_delegation(operator, market_key))

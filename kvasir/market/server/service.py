@@ -79,7 +79,7 @@ class MarketService:
         self.nonces = auth.NonceCache()
         self.delegation: str | None = store.get_meta("delegation")
         if self.operator == identity.public:
-            self.delegation = auth.b64(identity.sign(auth.delegation_message(identity.public)))
+            self.delegation = auth.sign_delegation(identity, identity.public)
 
     def _signed(self, request: HttpRequest, *, operator: bool = False, node_id: str | None = None) -> auth.Signed:
         """The request's signer (401 unsigned, stale, replayed or forged); 403 unless it is the operator (or the
