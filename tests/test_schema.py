@@ -359,6 +359,7 @@ EXEMPT: dict[str, str] = {
     "kvasir.util": "helpers (backoff state)",
     "kvasir.testing": "test and bench harnesses",
     "kvasir.local": "the `ring up` process supervisor's state",
+    "kvasir.commands.ring._Outcome": "how a `ring up` run ended (what to keep of its run directory), in-process only",
     "kvasir.core.identity": "keys: they travel as text (PublicKey.to_text), never as objects",
     "kvasir.core.speculate": "in-process drafting state and counters",
     "kvasir.core.config.Config": "the resolved configuration; its TOML goes through ConfigFile (registered)",
