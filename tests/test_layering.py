@@ -32,7 +32,6 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "kvasir.core.*",
             "kvasir.util.*",
             "kvasir.examples",
-            "examples",
         ),
     ),
     ("shard", ("kvasir.shard.*",)),
@@ -46,14 +45,12 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "services",
         (
             "kvasir.relay.*",
-            "relay.*",  # relay/ before it is installed as kvasir.relay
             "kvasir.market.*",
             "kvasir.market.server.*",
             "kvasir.market.agent.*",
             "kvasir.control.*",
             "kvasir.api.*",
             "kvasir.net.*",
-            "kvasir.httpserve",  # until it becomes kvasir.net.http
         ),
     ),
     (
@@ -61,19 +58,30 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         (
             "kvasir.commands.*",
             "kvasir.tui.*",
-            "tui.*",  # tui/ before it is installed as kvasir.tui
             "kvasir.cli",
             "kvasir.__main__",
             # `kvasir relay` (it can run a market beside the relay): a command, though it lives with the relay.
             "kvasir.relay.cli",
-            "relay.cli",
             "kvasir.relay.__main__",
-            "relay.__main__",
             "kvasir.local.*",  # process harness for `ring up`, tests and benches
             "kvasir.demo",
             "kvasir.testing.*",
         ),
     ),
+)
+
+#: Inside "services" every unit is a peer of the others; these are the only sideways imports allowed (unit ->
+#: unit). The API speaks HTTP through net; the market's halves share its records (kvasir.market.*) and the relay's
+#: grants; the server serves HTTP through net. Anything else (the API reaching into the market's store, say) fails.
+SERVICES_SIDEWAYS: frozenset[tuple[str, str]] = frozenset(
+    {
+        ("kvasir.api.*", "kvasir.net.*"),
+        ("kvasir.market.agent.*", "kvasir.market.*"),
+        ("kvasir.market.agent.*", "kvasir.relay.*"),
+        ("kvasir.market.server.*", "kvasir.market.*"),
+        ("kvasir.market.server.*", "kvasir.net.*"),
+        ("kvasir.market.server.*", "kvasir.relay.*"),
+    }
 )
 
 #: Peers in one layer that stay apart: the first must not import the second (the market's server half knows nothing
@@ -239,6 +247,27 @@ def check(
     return Report(tuple(upward), tuple(crossing), tuple(cycles), tuple(sorted(unplaced)))
 
 
+def stale_entries(repo: Path, layers: tuple[tuple[str, tuple[str, ...]], ...] = LAYERS) -> list[str]:
+    """Entries of ``layers`` that hold no module: a moved or deleted package leaves one behind."""
+    modules = module_files(source_roots(repo))
+    return [
+        entry
+        for _, entries in layers
+        for entry in entries
+        if not any(placement(module, (("", (entry,)),)) for module in modules)
+    ]
+
+
+def sideways(repo: Path, allowed: frozenset[tuple[str, str]] = SERVICES_SIDEWAYS, layer: str = "services") -> list[str]:
+    """Imports between two units of ``layer`` that ``allowed`` does not list."""
+    out = []
+    for edge in import_edges(repo, source_roots(repo)):
+        src, dst = placement(edge.src, LAYERS), placement(edge.dst, LAYERS)
+        if src and dst and src[1] == dst[1] == layer and src[2] != dst[2] and (src[2], dst[2]) not in allowed:
+            out.append(f"{edge.path}:{edge.line} {edge.src} -> {edge.dst} ({src[2]} -> {dst[2]} is not listed)")
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------- the real tree
 
 
@@ -251,6 +280,21 @@ def test_the_tree_is_read() -> None:
     edges = {(e.src, e.dst) for e in import_edges(REPO, roots)}
     assert ("kvasir.__main__", "kvasir.cli") in edges and ("kvasir.cli", "kvasir.util.cli") in edges
     assert len(module_files(roots)) > 80
+
+
+def test_every_layer_entry_names_something() -> None:
+    stale = stale_entries(REPO)
+    assert not stale, f"LAYERS entries that hold no module (remove them): {stale}"
+
+
+def test_services_import_each_other_only_along_listed_edges() -> None:
+    found = sideways(REPO)
+    assert not found, "sideways imports inside services (list them in SERVICES_SIDEWAYS if meant):\n" + "\n".join(found)
+
+
+def test_the_sideways_check_sees_an_unlisted_edge() -> None:
+    assert sideways(REPO, allowed=SERVICES_SIDEWAYS - {("kvasir.api.*", "kvasir.net.*")})
+    assert stale_entries(REPO, (("x", ("kvasir.no_such_package.*", "kvasir.cli")),)) == ["kvasir.no_such_package.*"]
 
 
 def test_every_module_has_a_layer() -> None:
