@@ -100,7 +100,7 @@ class MarketService:
         not_after = int(min(lease.expires_at, self.store.clock() + MAX_TICKET_S))
         edge = relay_edge_id(lease.model, rank)
         ticket = WindowTicket(lease.model, lease.start, lease.end, holder, not_after, self.identity.public, edge)
-        ring = market_ring_id(lease.model)
+        ring = market_ring_id(lease.model, self.identity.public)
         grants = tuple(
             sign_grant(self.identity, EdgeGrant(ring, e, role, holder, int(lease.expires_at), self.identity.public))
             for e, role in (
@@ -283,9 +283,10 @@ def _body(request: HttpRequest) -> Any:
         raise InputError("request body is nested too deeply") from None
 
 
-def market_ring_id(model: str) -> str:
-    """The ring id in a market ring's edge grants: one ring per model on a market."""
-    return hashlib.sha256(b"kvasir-market-ring/v1\n" + model.encode()).hexdigest()
+def market_ring_id(model: str, market: PublicKey) -> str:
+    """The ring id in a market ring's edge grants: one ring per model and market. The market's key is in it, so two
+    markets serving one model through one relay never name the same ring (security N14)."""
+    return hashlib.sha256(f"kvasir-market-ring/v2\n{market.to_text()}\n{model}".encode()).hexdigest()
 
 
 def relay_edge_id(model: str, rank: int) -> str:
