@@ -115,13 +115,29 @@ def make_token(holder: Identity, signed_grant: str, expires_at: int) -> str:
     return f"{TOKEN_VERSION_V2}.{signed_grant}.{expires_at}.{b64url(signature)}"
 
 
+@attrs.frozen
+class CheckedToken:
+    """A verified token: its grant, its expiry, and its identity (the relay takes each token once, and a same-key
+    connection replaces a live one only with a later expiry; security N13)."""
+
+    grant: EdgeGrant
+    expires_at: int
+    #: sha256 of what the holder signed (grant digest and expiry): one per token, whatever its signature's spelling.
+    token_id: bytes
+
+
 def verify_token(token: str, trusted: frozenset[PublicKey], edge: str, role: Role | None, now: int) -> EdgeGrant:
     """Check ``token`` for ``role`` (None: the role its grant names) on ``edge`` at Unix time ``now``.
 
-    Returns the verified grant. The caller keys the edge by ``(grant.ring, edge)`` and pins ``grant.holder`` for
-    the role. Raises :class:`EdgeTokenExpired` for a genuine but expired token or grant, :class:`EdgeTokenError`
-    for anything else.
+    Returns the verified grant. The caller keys the edge by ``(grant.issuer, grant.ring, edge)`` and pins
+    ``grant.holder`` for the role. Raises :class:`EdgeTokenExpired` for a genuine but expired token or grant,
+    :class:`EdgeTokenError` for anything else.
     """
+    return check_token(token, trusted, edge, role, now).grant
+
+
+def check_token(token: str, trusted: frozenset[PublicKey], edge: str, role: Role | None, now: int) -> CheckedToken:
+    """:func:`verify_token`, returning also the token's expiry and identity."""
     if len(token) > MAX_TOKEN_CHARS:
         raise EdgeTokenError("edge token too long")
     parts = token.split(".")
@@ -148,4 +164,4 @@ def verify_token(token: str, trusted: frozenset[PublicKey], edge: str, role: Rol
         raise EdgeTokenExpired(f"edge token expired at {expires_at}")
     if now >= grant.not_after:
         raise EdgeTokenExpired(f"edge grant expired at {grant.not_after}")
-    return grant
+    return CheckedToken(grant, expires_at, hashlib.sha256(message).digest())

@@ -3,7 +3,8 @@
 
 The ring layer does not import the relay (it sits below it), and never sees a token or secret: the owner builds the
 connector with the node's credentials. A keyed ring (every rank names its key) joins with v2 tokens: the operator's
-grant from the manifest plus the node's own signature over a 10-minute expiry, made afresh at every (re)connect. A
+grant from the manifest plus the node's own signature over a 9-minute expiry, made afresh at every (re)connect
+(each token is good for one connection). A
 keyless ring joins with v1 HMAC tokens keyed by the manifest's secret (private networks and the market path only).
 """
 
@@ -27,6 +28,24 @@ from kvasir.ring.manifest import Manifest
 
 #: Lifetime of the v1 edge tokens a node of a keyless ring signs for itself.
 TOKEN_LIFETIME_S = 24 * 3600
+#: Lifetime of a v2 token: the relay's most, less room for :class:`TokenExpiries` to step past it and for skew.
+V2_TOKEN_LIFETIME_S = MAX_TOKEN_LIFETIME - 60
+
+
+class TokenExpiries:
+    """The expiries of one node's v2 tokens: ``now + V2_TOKEN_LIFETIME_S``, but always later than the last one.
+
+    The relay admits each token once and lets a same-key connection replace a live one only with a later expiry
+    (security N13), so every (re)connect, even two in one second, needs a token of its own, newer than the last.
+    """
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self.last = 0
+
+    def next(self) -> int:
+        self.last = max(int(self.clock()) + V2_TOKEN_LIFETIME_S, self.last + 1)
+        return self.last
 
 
 class EdgeChannel:
@@ -75,7 +94,8 @@ def secret_connector(secret: bytes) -> RelayConnect:
 
 def grant_connector(identity: Identity, grants: Iterable[str], clock: Callable[[], float] = time.time) -> RelayConnect:
     """v2 (keyed rings): join with the operator's grant for the edge and role, under a fresh token signed by
-    ``identity`` that lives :data:`~kvasir.relay.grant.MAX_TOKEN_LIFETIME` seconds, sent in the Authorization header."""
+    ``identity`` (:class:`TokenExpiries`: about ten minutes, newer at every connect), in the Authorization header."""
+    expiries = TokenExpiries(clock)
     by_edge: dict[tuple[str, Role], str] = {}
     for signed in grants:
         grant = read_grant(signed)
@@ -88,7 +108,7 @@ def grant_connector(identity: Identity, grants: Iterable[str], clock: Callable[[
         signed = by_edge.get((edge_id, role))
         if signed is None:
             raise InputError(f"no edge grant for {edge_id} as {role.name.lower()} in the manifest")
-        token = make_token(identity, signed, int(clock()) + MAX_TOKEN_LIFETIME)
+        token = make_token(identity, signed, expiries.next())
         return _open_edge(url, edge_id, role, token, bearer=True)
 
     return connect
@@ -99,6 +119,7 @@ def market_grant_connector(
 ) -> RelayConnect:
     """Market rings: join the edge that the market's current grant for the role names (the market, which signs the
     grants and renews them with the lease, also names the edges), under a fresh token signed by ``identity``."""
+    expiries = TokenExpiries(clock)
 
     def connect(url: str, edge_id: str, *, upstream: bool) -> AbstractAsyncContextManager[EdgeChannel]:
         role = _role(upstream)
@@ -108,7 +129,7 @@ def market_grant_connector(
             except EdgeTokenError:
                 continue
             if grant.role == role and grant.holder == identity.public:
-                token = make_token(identity, signed, int(clock()) + MAX_TOKEN_LIFETIME)
+                token = make_token(identity, signed, expiries.next())
                 return _open_edge(url, grant.edge, role, token, bearer=True)
         raise RingError(f"the market has given this node no relay edge grant as {role.name.lower()} yet")
 

@@ -30,7 +30,8 @@ from kvasir.core.identity import PublicKey
 from kvasir.core.validators import positive
 from kvasir.relay.codes import CloseCode
 from kvasir.relay.errors import EdgeTokenError, EdgeTokenExpired, RelayConfigError
-from kvasir.relay.grant import verify_token
+from kvasir.relay.grant import check_token
+from kvasir.relay.spent import SpentTokens
 from kvasir.relay.token import MIN_SECRET_BYTES, Role, is_valid_edge_id, verify_edge_token
 from kvasir.util.addrgroup import address_group
 
@@ -158,9 +159,10 @@ class _WatchedStream(trio.abc.Stream):
 class _Admission:
     """A v2 token's verdict, reached at the HTTP upgrade: who may join which edge in which role."""
 
-    edge_key: str  # the registry key: ring and edge id, so two rings never share an edge
+    edge_key: str  # the registry key: issuer, ring and edge id, so two rings (or operators) never share an edge
     role: Role
     holder: PublicKey | None  # None: a v1 token, which names no key
+    expires_at: int = 0  # the v2 token's: a same-key connection replaces a live one only with a later one
 
 
 @attrs.define(eq=False)
@@ -169,6 +171,7 @@ class _Member:
     conn: WebSocketConnection
     stream: _WatchedStream
     holder: PublicKey | None = None  # the key a v2 token proved; a live slot yields only to the same key
+    expires_at: int = 0  # ... presenting a token that expires later than this one's
     # True while a pump is writing a message to this connection; if the edge ends then, the frame is cut short
     # and the only honest close is a hard one.
     mid_send: bool = False
@@ -203,6 +206,7 @@ class Relay:
     def __init__(self, config: RelayConfig) -> None:
         self.config = config
         self._edges: dict[str, _Edge] = {}
+        self._spent = SpentTokens()
         self._per_ip: dict[str, int] = {}
         self._connections = 0
         self._messages = 0
@@ -334,12 +338,20 @@ class Relay:
         now = int(self.config.clock())
         try:
             # The token names its role in its grant; the preamble byte must then agree.
-            grant = verify_token(token, self.config.trusted_keys, edge_id, None, now)
+            checked = check_token(token, self.config.trusted_keys, edge_id, None, now)
         except EdgeTokenExpired:
             return self._reject(CloseCode.TOKEN_EXPIRED, "edge token expired")
         except EdgeTokenError:
             return self._reject(CloseCode.BAD_TOKEN, "edge token not valid for this edge")
-        return _Admission(f"{grant.ring}/{edge_id}", grant.role, grant.holder)
+        spent = self._spent.spend(checked.token_id, checked.expires_at, now)
+        if spent is None:
+            return self._reject(CloseCode.TOO_MANY_CONNECTIONS, "too many tokens in flight; retry later")
+        if not spent:  # a replay (N13): the holder makes a new token at every connect
+            return self._reject(CloseCode.TOKEN_REUSED, "edge token already used")
+        grant = checked.grant
+        # Keyed by issuer too (N14): an operator's grant never reaches an edge of another operator's ring.
+        edge_key = f"{grant.issuer.to_text()}/{grant.ring}/{edge_id}"
+        return _Admission(edge_key, grant.role, grant.holder, checked.expires_at)
 
     def _admit_v1(self, secret: bytes, query: str, edge_id: str) -> _Admission | _Close:
         """A v1 token is bound to one role: find which, so the preamble byte can only confirm it."""
@@ -387,15 +399,18 @@ class Relay:
         edge = self._edges.get(edge_key)
         holder = admission.holder
         if edge is not None and role in edge.members:
-            if holder is None or edge.members[role].holder != holder:
+            live = edge.members[role]
+            if holder is None or live.holder != holder:
                 return self._reject(CloseCode.ROLE_TAKEN, f"{role.name.lower()} end already joined"), None
-            # The same key again: its old connection is stale (half-open, or the node restarted). The new one
-            # wins; the edge re-forms and the other end redials.
+            if admission.expires_at <= live.expires_at:  # not newer than the live one's: a replay, never the node
+                return self._reject(CloseCode.ROLE_TAKEN, f"{role.name.lower()} end held under a later token"), None
+            # The same key again with a later token: its old connection is stale (half-open, or the node restarted).
+            # The new one wins; the edge re-forms and the other end redials.
             edge.end(edge.members[role], _Close(CloseCode.ROLE_TAKEN, "replaced by a newer connection of this key"))
             edge = None
         if edge is None:
             edge = self._edges[edge_key] = _Edge(edge_key, self._edges)
-        me = _Member(role, conn, stream, holder)
+        me = _Member(role, conn, stream, holder, admission.expires_at)
         edge.members[role] = me
         if len(edge.members) == 2:
             edge.paired.set()
@@ -479,6 +494,7 @@ _HTTP_STATUS = {
     CloseCode.TOKEN_EXPIRED: 401,
     CloseCode.BAD_PATH: 404,
     CloseCode.TOO_MANY_CONNECTIONS: 429,
+    CloseCode.TOKEN_REUSED: 403,
 }
 
 

@@ -58,6 +58,7 @@ class FakeVocab:
 @attrs.define
 class FakeStageConfig:
     n_ctx: int = 64
+    n_seq_max: int = 16
 
 
 @attrs.define
@@ -646,17 +647,27 @@ async def test_one_error_mapping_in_each_services_shape(
 
 
 async def test_overloaded_server_answers_503_in_each_shape(nursery: trio.Nursery) -> None:
+    """503 only when every connection has a request under way (an idle one would make room, N12)."""
+    release = trio.Event()
+
+    async def plain_slow(http: HttpConnection, request: HttpRequest) -> None:
+        await release.wait()
+        await http.send_json(200, {"ok": True})
+
     with trio.fail_after(TIMEOUT):
+        slow = FakeBackend(pieces=["tok"] * 100, delay=0.05, stage=FakeStage(config=FakeStageConfig(n_ctx=4096)))
         for port, keys in (
-            (await start(nursery, FakeBackend(), max_connections=1), {"message", "type", "param", "code"}),
-            (await start_plain(nursery, plain_ok, max_connections=1), {"message", "code"}),
+            (await start(nursery, slow, max_connections=1), {"message", "type", "param", "code"}),
+            (await start_plain(nursery, plain_slow, max_connections=1), {"message", "code"}),
         ):
             hold = await Client.connect(port)
-            assert (await hold.call("GET", "/v1/models")).status == 200
+            await hold.send("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "stream": True})
+            await trio.sleep(0.1)  # its request is under way
             reply = await call(port, "GET", "/v1/models")
             assert reply.status == 503 and set(reply.json()["error"]) == keys
             assert reply.json()["error"]["code"] == "overloaded"
             await hold.aclose()
+        release.set()
 
 
 async def test_plain_handler_is_cancelled_when_the_client_goes(nursery: trio.Nursery) -> None:
@@ -809,11 +820,14 @@ async def test_per_client_request_cap(nursery: trio.Nursery) -> None:
 
 
 async def test_per_client_connection_cap(nursery: trio.Nursery) -> None:
+    """An address group with every connection busy is refused (429); an idle one would make room (N12)."""
     with trio.fail_after(10):
-        port = await start(nursery, FakeBackend(), max_connections_per_client=2)
+        fake = FakeBackend(pieces=["tok"] * 100, delay=0.05, stage=FakeStage(config=FakeStageConfig(n_ctx=4096)))
+        port = await start(nursery, fake, max_connections_per_client=2)
         held = [await Client.connect(port) for _ in range(2)]
-        for client in held:  # both are served
-            assert (await client.call("GET", "/v1/models")).status == 200
+        for client in held:  # both are served, and stay busy
+            await client.send("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "stream": True})
+            assert (await client.head())[0] == 200
         reply = await call(port, "GET", "/v1/models")
         assert reply.status == 429
         for client in held:
@@ -843,3 +857,145 @@ async def test_text_longer_than_the_context_is_refused_before_tokenizing(nursery
         # Just within the bound, the text is tokenized (and found to fit: one word is one token here).
         reply = await call(port, "POST", "/v1/completions", {"model": MODEL, "prompt": "x" * 256})
         assert reply.status == 200 and tokenized == ["x" * 256]
+
+
+# ---------------------------------------------------------------------------------------------------- strangers
+# Outside security review 2, findings N11, N12 and N16: each test runs the attack, then shows the honest client served.
+
+
+async def _connect_from(port: int, source: str) -> trio.SocketStream:
+    """A connection from ``source`` (any 127/8 address: loopback, so one machine plays many networks)."""
+    return await trio.open_tcp_stream("127.0.0.1", port, local_address=source)
+
+
+async def _closed_by_server(stream: trio.SocketStream, within: float) -> bool:
+    """True if the server closes ``stream`` (EOF or reset) within ``within`` seconds."""
+    with trio.move_on_after(within):
+        try:
+            while await stream.receive_some(65536):
+                pass
+        except trio.BrokenResourceError:
+            pass
+        return True
+    return False
+
+
+async def test_a_keyless_body_is_never_read(nursery: trio.Nursery) -> None:
+    """N11: the key is checked on the head; a stranger announcing 4 MiB gets 401 at once, its body unread."""
+    with trio.fail_after(TIMEOUT):
+        port = await start(nursery, FakeBackend(), ApiAccess(frozenset({KEY})))
+        head = b"POST /v1/completions HTTP/1.1\r\nhost: t\r\ncontent-length: %d\r\n\r\n" % (4 * 1024 * 1024 - 1)
+        for auth in (b"", b"authorization: Bearer wrong-key-0123456789\r\n"):
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            async with stream:
+                await stream.send_all(head.replace(b"host: t\r\n", b"host: t\r\n" + auth))
+                reply = b""
+                with trio.fail_after(2):  # before: the server waited for the 4 MiB (up to body_timeout, 60 s)
+                    while chunk := await stream.receive_some(65536):  # until the server closes
+                        reply += chunk
+                assert reply.startswith(b"HTTP/1.1 401 "), reply[:80]
+                assert b"connection: close" in reply.lower() and b"invalid_api_key" in reply
+        # The key holder's request, body and all, is answered.
+        client = await Client.connect(port)
+        await client.send(
+            "POST", "/v1/completions", {"model": MODEL, "prompt": "hi"}, [("authorization", f"Bearer {KEY}")]
+        )
+        assert (await client.receive()).status == 200
+        await client.aclose()
+
+
+async def test_idle_strangers_cannot_lock_out_key_holders(nursery: trio.Nursery) -> None:
+    """N12: idle connections from many networks fill the server; a key holder still gets in (the oldest idle
+    stranger makes room), and a request under way is never evicted."""
+    with trio.fail_after(TIMEOUT):
+        fake = FakeBackend(pieces=["tok"] * 20, delay=0.05, stage=FakeStage(config=FakeStageConfig(n_ctx=4096)))
+        port = await start(nursery, fake, ApiAccess(frozenset({KEY})), max_connections=8, max_connections_per_client=4)
+        auth = [("authorization", f"Bearer {KEY}")]
+        busy = Client(await _connect_from(port, "127.0.9.1"))
+        await busy.send(
+            "POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "stream": True, "max_tokens": 20}, auth
+        )
+        assert (await busy.head())[0] == 200
+        # 4 networks x 4 idle connections: twice the server's room, sent nothing at all.
+        idle = [await _connect_from(port, f"127.0.{net}.1") for net in (1, 2, 3, 4) for _ in range(4)]
+        await trio.sleep(0.1)
+        # The key holder from yet another network is served, on a fresh connection, several times over.
+        for _ in range(3):
+            client = Client(await _connect_from(port, "127.0.10.1"))
+            await client.send("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1}, auth)
+            reply = await client.receive()
+            assert reply.status == 200, reply
+            await client.aclose()
+        # The streaming request under way was never touched: it ends normally.
+        body = b""
+        while not isinstance(event := await busy._event(), h11.EndOfMessage):
+            body += event.data
+        assert body.count(b'"tok"') == 20 and body.endswith(b"data: [DONE]\n\n"), body
+        # The oldest idle strangers were the ones closed; the newest still wait.
+        closed = [await _closed_by_server(s, 0.05) for s in idle]
+        assert closed[:4] == [True] * 4 and closed[-1] is False
+        for s in idle:
+            await s.aclose()
+        await busy.aclose()
+
+
+async def test_address_groups_are_ipv4_slash_24(nursery: trio.Nursery) -> None:
+    """N12: a second address of the same /24 shares its group's cap: it takes an idle place of its own group rather
+    than one more place of the server's."""
+    with trio.fail_after(TIMEOUT):
+        port = await start(nursery, FakeBackend(), max_connections=3, max_connections_per_client=2)
+        first, second = await _connect_from(port, "127.0.5.1"), await _connect_from(port, "127.0.5.1")
+        neighbour = await _connect_from(port, "127.0.6.1")  # another network: one of the server's 3 places
+        await trio.sleep(0.05)
+        third = await _connect_from(port, "127.0.5.2")  # same /24 as the first two: evicts the oldest of them
+        assert await _closed_by_server(first, 2)
+        assert not await _closed_by_server(neighbour, 0.2) and not await _closed_by_server(second, 0.01)
+        client = Client(third)
+        assert (await client.call("GET", "/v1/models")).status == 200
+        for s in (first, second, neighbour, third):
+            await s.aclose()
+
+
+async def test_a_silent_connection_is_closed_soon(nursery: trio.Nursery) -> None:
+    """N12: before its first request a connection may idle only ``first_timeout`` (10 s by default, not 60 s);
+    a client that was served keeps its keep-alive connection for ``idle_timeout``."""
+    assert ApiLimits().first_timeout <= 10
+    with trio.fail_after(TIMEOUT):
+        port = await start(nursery, FakeBackend(), first_timeout=0.3, idle_timeout=30)
+        silent = await trio.open_tcp_stream("127.0.0.1", port)
+        with trio.fail_after(2):
+            assert await _closed_by_server(silent, 2)
+        await silent.aclose()
+        client = await Client.connect(port)
+        assert (await client.call("GET", "/v1/models")).status == 200
+        await trio.sleep(0.6)
+        assert (await client.call("GET", "/v1/models")).status == 200
+        await client.aclose()
+
+
+async def test_one_client_holds_at_most_half_the_sequences(nursery: trio.Nursery) -> None:
+    """N16: with 4 sequences one key may run 2 requests at once (not 8); another key still gets its answer."""
+    with trio.fail_after(TIMEOUT):
+        other = "k-fedcba9876543210"
+        fake = FakeBackend(pieces=["tok"] * 40, delay=0.05, stage=FakeStage(config=FakeStageConfig(4096, n_seq_max=4)))
+        port = await start(nursery, fake, ApiAccess(frozenset({KEY, other})))
+        body = {"model": MODEL, "prompt": "hi", "stream": True}
+        held = []
+        for _ in range(2):
+            c = await Client.connect(port)
+            await c.send("POST", "/v1/completions", body, [("authorization", f"Bearer {KEY}")])
+            assert (await c.head())[0] == 200
+            held.append(c)
+        c = await Client.connect(port)
+        await c.send("POST", "/v1/completions", body, [("authorization", f"Bearer {KEY}")])
+        reply = await c.receive()
+        assert reply.status == 429 and "at most 2 requests" in reply.json()["error"]["message"]
+        await c.aclose()
+        c = await Client.connect(port)
+        await c.send(
+            "POST", "/v1/completions", {"model": MODEL, "prompt": "hi"}, [("authorization", f"Bearer {other}")]
+        )
+        assert (await c.receive()).status == 200
+        await c.aclose()
+        for c in held:
+            await c.aclose()

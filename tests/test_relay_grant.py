@@ -9,6 +9,7 @@ import pytest
 from kvasir.core.identity import Identity
 from kvasir.relay.errors import EdgeTokenError, EdgeTokenExpired
 from kvasir.relay.grant import MAX_TOKEN_LIFETIME, EdgeGrant, make_token, sign_grant, verify_token
+from kvasir.relay.spent import SpentTokens
 from kvasir.relay.token import Role
 
 RING = hashlib.sha256(b"manifest").hexdigest()
@@ -63,3 +64,12 @@ def test_forged_foreign_and_expired_tokens_are_refused(parties: tuple[Identity, 
     for junk in ("", "v2", "v2.a.b.c.d", "v1.1.x", "v2." + "A" * 3000):
         with pytest.raises(EdgeTokenError):
             verify_token(junk, trusted, "r-e1", Role.UPSTREAM, NOW)
+
+
+def test_spent_tokens_are_remembered_until_they_expire_and_bounded() -> None:
+    spent = SpentTokens(limit=2)
+    assert spent.spend(b"a", NOW + 10, NOW) is True
+    assert spent.spend(b"a", NOW + 10, NOW + 9) is False  # a replay, however late in the token's life
+    assert spent.spend(b"b", NOW + 20, NOW) is True
+    assert spent.spend(b"c", NOW + 20, NOW) is None  # full: refused, not remembered, nothing forgotten early
+    assert spent.spend(b"c", NOW + 20, NOW + 10) is True and len(spent) == 2  # "a" expired and left

@@ -191,3 +191,52 @@ async def test_without_the_window_only_the_operator_is_believed(
         r = await m.post("/v1/fraud", proof.to_wire(), OPERATOR)
         assert r.status_code == 200 and r.json()["verdict"] == "operator", r.text
         assert _earned((await m.http.get("/v1/ledger")).json(), CHEATER) == 0
+
+
+async def test_rejected_proofs_are_judged_once_and_their_senders_slowed(
+    tiny_model: Callable[..., Path], cache_dir: Path, tmp_path: Path
+) -> None:
+    """Outside security review 2, N15: a proof the judge rejected is answered from memory (as is any proof against
+    that receipt up to its step), and a key whose proofs keep failing is refused (429) before the judge runs;
+    another holder's true proof is still judged and acted on."""
+    model = tiny_model("llama", "f32")
+    files = stage_files(model, WINDOWS, cache_dir)
+    judge_dir = tmp_path / "judge"
+    judge_dir.mkdir()
+    for f in files:
+        (judge_dir / f.name).symlink_to(f)
+    served = _serve(files, model_sha256(model, cache_dir))
+    honest, cheat = served.logs[0], served.logs[1]
+    assert len(cheat.receipt.output_hashes) >= 3  # rank 1 is honest at steps 0 and 1, cheats at step 2
+    stage_judge = StageJudge(judge_dir)
+    runs: list[int] = []
+
+    def judge(proof: FraudProof) -> bool | None:
+        runs.append(proof.step)  # the real re-execution, counted
+        return stage_judge(proof)
+
+    def against(log: Any, step: int, pred: Any = None) -> dict[str, Any]:
+        return FraudProof(log.receipt, log.inputs[: step + 1], step, pred).to_wire()
+
+    async with open_market(tmp_path, model, judge) as m:
+        await _earn(m)
+        spammer = HOLDERS[2]
+        for _ in range(4):  # before: re-executed every time (1.2-3.7 s each on the reviewer's machine)
+            r = await m.post("/v1/fraud", against(honest, 1), spammer)
+            assert (r.status_code, r.json()["error"]["code"]) == (422, "proof_rejected"), r.text
+        r = await m.post("/v1/fraud", against(honest, 0), spammer)  # a new proof id, but a step already judged
+        assert (r.status_code, r.json()["error"]["code"]) == (422, "proof_rejected"), r.text
+        assert runs == [1]
+        # New steps are judged, until this key has had 3 proofs rejected within the hour.
+        for step in (0, 1):
+            r = await m.post("/v1/fraud", against(cheat, step, honest.receipt), spammer)
+            assert (r.status_code, r.json()["error"]["code"]) == (422, "proof_rejected"), r.text
+        assert runs == [1, 0, 1]
+        r = await m.post("/v1/fraud", against(honest, 2), spammer)
+        assert (r.status_code, r.json()["error"]["code"]) == (429, "too_many_rejected_proofs"), r.text
+        assert runs == [1, 0, 1]
+        # Another holder's true proof (rank 1 at step 2) is judged at once and withdraws the cheater's credit.
+        r = await m.post("/v1/fraud", against(cheat, 2, honest.receipt), HOLDERS[0])
+        assert r.status_code == 200 and r.json()["verdict"] == "reexecuted", r.text
+        assert runs == [1, 0, 1, 2]
+        assert _earned((await m.http.get("/v1/ledger")).json(), CHEATER) == 0

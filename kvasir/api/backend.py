@@ -28,6 +28,9 @@ class ApiStageConfig(Protocol):
     @property
     def n_ctx(self) -> int: ...
 
+    @property
+    def n_seq_max(self) -> int: ...
+
 
 class ApiStage(Protocol):
     @property

@@ -59,7 +59,8 @@ class ApiAccess:
     """Who may use the API and how much: bearer keys (none: open) and per-client concurrent requests."""
 
     keys: frozenset[str] = frozenset()
-    #: Generation requests one client (its key, or without keys its address group) may have running at once.
+    #: Generation requests one client (its key, or without keys its address group) may have running at once; never
+    #: more than half the node's sequences (:meth:`ApiServer.per_client_cap`), so one client cannot take them all.
     max_requests_per_client: int = 8
 
     @classmethod
@@ -94,7 +95,14 @@ async def serve_api(
     """
     api = ApiServer(node, access or ApiAccess())
     await serve_http(
-        api.handle, host, port, limits=limits, error_shape=openai_error, name="OpenAI API", task_status=task_status
+        api.handle,
+        host,
+        port,
+        limits=limits,
+        error_shape=openai_error,
+        name="OpenAI API",
+        authorize=api.authorize,
+        task_status=task_status,
     )
 
 
@@ -127,9 +135,22 @@ class ApiServer:
         self.running: dict[str, int] = {}  # client -> generation requests in flight
         self._json_limiter = trio.CapacityLimiter(_JSON_LIMITER_TOKENS)
 
+    @property
+    def per_client_cap(self) -> int:
+        """Generation requests one client may run at once: ``max_requests_per_client``, but at most half the
+        entry node's sequences (at least one), so one key or address never holds every sequence (security N16)."""
+        return min(self.access.max_requests_per_client, max(1, self.node.stage.config.n_seq_max // 2))
+
+    def authorize(self, http: HttpConnection, head: HttpRequest) -> None:
+        """The server's check of a request's head, before its body is read (security N11): 401 and close."""
+        try:
+            self._authorize(http, head)
+        except ApiError as err:
+            raise OpenAiError(err, [("www-authenticate", "Bearer")]) from None
+
     async def handle(self, http: HttpConnection, request: HttpRequest) -> None:
         try:
-            client = self._authorize(http, request)
+            client = self._authorize(http, request)  # again (cheap): the handler needs the client's identity
             await self._route(http, request, client)
         except ApiError as err:
             headers = [("www-authenticate", "Bearer")] if err.status == 401 else []
@@ -175,10 +196,10 @@ class ApiServer:
             await http.send_json(200, model_object(model, self.created))
         else:
             kind: Kind = "completion" if path == "/v1/completions" else "chat"
-            if self.running.get(client, 0) >= self.access.max_requests_per_client:
+            if self.running.get(client, 0) >= self.per_client_cap:
                 raise ApiError(
                     429,
-                    f"at most {self.access.max_requests_per_client} requests at once per client",
+                    f"at most {self.per_client_cap} requests at once per client",
                     type="rate_limit_error",
                     code="rate_limit_exceeded",
                 )

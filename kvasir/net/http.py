@@ -10,6 +10,7 @@ HTTP service of Kvasir (the OpenAI API, the market, the model seeder) is a handl
 from __future__ import annotations
 
 import functools
+import ipaddress
 import json
 import logging
 import ssl
@@ -33,7 +34,9 @@ class ApiLimits:
     max_body_bytes: int = 4 * 1024 * 1024
     #: Largest request line plus headers (431 beyond).
     max_header_bytes: int = 64 * 1024
-    #: How long an open connection may sit idle before (or between) requests.
+    #: How long a new connection may wait before its first request's first byte (or TLS handshake).
+    first_timeout: float = 10.0
+    #: How long an open connection may sit idle between requests (keep-alive).
     idle_timeout: float = 60.0
     #: From a request's first byte to the end of its headers.
     header_timeout: float = 30.0
@@ -41,9 +44,11 @@ class ApiLimits:
     body_timeout: float = 60.0
     #: For any one write to the client (a client that stops reading is treated as gone).
     send_timeout: float = 60.0
-    #: Concurrent connections; more are answered 503 and closed.
+    #: Concurrent connections. When full, a newcomer evicts the oldest connection with no request under way
+    #: (never-authorized ones first); only when every one is busy is it answered 503 and closed.
     max_connections: int = 256
-    #: Concurrent connections from one client address (IPv6: one /64); more are answered 429 and closed.
+    #: Concurrent connections from one address group (IPv4 /24, IPv6 /64), evicting within the group likewise;
+    #: refused ones (429) never count toward ``max_connections``.
     max_connections_per_client: int = 32
     #: How long a closing connection keeps draining unread request bytes so the client sees our reply.
     linger: float = 1.0
@@ -82,8 +87,15 @@ class HttpConnection:
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_header_bytes)
         self.peer_closed = False
         self.peer = client_group(stream)
+        self._served = False  # a request was answered: later ones may wait the longer keep-alive idle_timeout
         self._watch_buffered = 0
         self._event_stream = False
+        #: Cancelled to evict this connection (the server's admission, when full).
+        self.scope = trio.CancelScope()
+        #: Its head was accepted (by the authorize hook, if any) at least once: a known client, evicted last.
+        self.trusted = False
+        #: A request is being read past its head or handled: never evicted.
+        self.busy = False
 
     # ------------------------------------------------------------------------------------------ reading
 
@@ -104,13 +116,16 @@ class HttpConnection:
                 continue
             return event
 
-    async def read_request(self) -> HttpRequest | None:
+    async def read_request(self, authorize: Authorize | None = None) -> HttpRequest | None:
         """The next request, or None when the client closed or idled out between requests.
 
-        Raises h11.RemoteProtocolError (malformed), RequestTimeout, RequestTooLarge or ClientGone.
+        ``authorize`` sees the request's head (its ``body`` empty) before any of the body is read and may raise
+        :class:`HttpError` (a 401): then the body is never read. Raises h11.RemoteProtocolError (malformed),
+        RequestTimeout, RequestTooLarge, ClientGone, or the HttpError of ``authorize``.
         """
         started = bool(self.h11.trailing_data[0])
-        deadline = trio.current_time() + (self.limits.header_timeout if started else self.limits.idle_timeout)
+        idle = self.limits.idle_timeout if self._served else min(self.limits.idle_timeout, self.limits.first_timeout)
+        deadline = trio.current_time() + (self.limits.header_timeout if started else idle)
         while True:
             event = self.h11.next_event()
             if event is not h11.NEED_DATA:
@@ -137,8 +152,11 @@ class HttpConnection:
         length = next((int(v) for k, v in headers if k == "content-length"), None)
         if length is not None and length > self.limits.max_body_bytes:
             raise RequestTooLarge(f"request body of {length} bytes exceeds {self.limits.max_body_bytes}")
-        body = await self._read_body()
-        return HttpRequest(method, target, headers, body)
+        head = HttpRequest(method, target, headers, b"")
+        if authorize is not None:
+            authorize(self, head)  # before the body: a stranger cannot make us buffer megabytes (security N11)
+        self.trusted = self.busy = True
+        return attrs.evolve(head, body=await self._read_body())
 
     async def _read_body(self) -> bytes:
         if self.h11.client_is_waiting_for_100_continue:
@@ -238,6 +256,7 @@ class HttpConnection:
         if self.peer_closed or self.h11.our_state is not h11.DONE or self.h11.their_state is not h11.DONE:
             return False
         self.h11.start_next_cycle()
+        self._served = True
         self._watch_buffered = 0
         self._event_stream = False
         return True
@@ -297,6 +316,8 @@ class HttpError(Exception):
 
 
 Handler = Callable[[HttpConnection, HttpRequest], Awaitable[None]]
+#: Checks a request's head (method, target, headers; ``body`` empty) before its body is read; raises HttpError.
+Authorize = Callable[[HttpConnection, HttpRequest], None]
 #: Turns an error the server makes itself (malformed, oversized, slow, overloaded, internal) into the service's shape.
 ErrorShape = Callable[[HttpError], HttpError]
 
@@ -323,9 +344,13 @@ async def serve_http(
     error_shape: ErrorShape = _same,
     name: str = "HTTP",
     tls: ssl.SSLContext | None = None,
+    authorize: Authorize | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``handler`` on ``host:port`` (0: any free port) until cancelled; ``started(bound_port)``.
+
+    ``authorize``: checks each request's head before its body is read (an API's bearer key); its HttpError is sent
+    and the connection closed. A connection it has passed is a known client, evicted last when the server is full.
 
     ``tls`` (kvasir.util.tls.server_context): serve HTTPS. The handshake runs on the connection's first read, so
     it is bounded by the same idle and header timeouts as a request; a failed one costs that connection only.
@@ -334,7 +359,7 @@ async def serve_http(
     cancels it if the client disconnects. Malformed, oversized or slow requests are answered here, and any other
     exception becomes a 500 without taking the server down.
     """
-    server = _Server(handler, limits or ApiLimits(), error_shape)
+    server = _Server(handler, limits or ApiLimits(), error_shape, authorize)
     listeners: list[trio.abc.Listener[Any]]
     try:
         tcp = await trio.open_tcp_listeners(port, host=host)
@@ -350,47 +375,91 @@ async def serve_http(
 
 
 class _Server:
-    def __init__(self, handler: Handler, limits: ApiLimits, error_shape: ErrorShape) -> None:
+    """Admission and the request loop. Connections are kept in arrival order; when the server or one address group
+    is full, the newcomer takes the place of the oldest connection that is not *busy* (no request being read past
+    its head or handled): first one that was never authorized, then an idle keep-alive one. So idle or slow
+    strangers can never lock out a client whose request is under way or who arrives with a valid key (security
+    N12); only when every connection is busy is the newcomer refused (503, or 429 per address group)."""
+
+    def __init__(
+        self, handler: Handler, limits: ApiLimits, error_shape: ErrorShape, authorize: Authorize | None = None
+    ) -> None:
         self.handler = handler
         self.limits = limits
         self.error_shape = error_shape
-        self.connections = 0
+        self.authorize = authorize
+        self.live: dict[HttpConnection, None] = {}  # admitted connections, oldest first
         self.per_client: dict[str, int] = {}
+
+    @property
+    def connections(self) -> int:
+        return len(self.live)
+
+    def _victim(self, group: str | None) -> HttpConnection | None:
+        """The connection to evict for a newcomer (of ``group``, None: any): oldest never-authorized first."""
+        idle = [c for c in self.live if not c.busy and (group is None or c.peer == group)]
+        return next((c for c in idle if not c.trusted), idle[0] if idle else None)
+
+    def _admit(self, http: HttpConnection) -> HttpError | None:
+        """Make room for ``http`` (evicting if need be) and count it; or the error that refuses it, uncounted."""
+        if self.per_client.get(http.peer, 0) >= self.limits.max_connections_per_client:
+            victim = self._victim(http.peer)
+            if victim is None:
+                return HttpError(429, "rate_limited", "too many connections from this address")
+            self._release(victim, evict=True)
+        if len(self.live) >= self.limits.max_connections:
+            victim = self._victim(None)
+            if victim is None:
+                return HttpError(503, "overloaded", "too many connections")
+            self._release(victim, evict=True)
+        self.live[http] = None
+        self.per_client[http.peer] = self.per_client.get(http.peer, 0) + 1
+        return None
+
+    def _release(self, http: HttpConnection, *, evict: bool = False) -> None:
+        if http not in self.live:
+            return
+        del self.live[http]
+        self.per_client[http.peer] -= 1
+        if not self.per_client[http.peer]:
+            del self.per_client[http.peer]
+        if evict:
+            log.debug("evicting an idle connection from %s to admit a newer one", http.peer)
+            http.scope.cancel()
 
     async def serve(self, stream: trio.abc.Stream) -> None:
         """One client connection; never raises (a failing connection must not take the server down)."""
         http = HttpConnection(stream, self.limits)
-        self.connections += 1
-        self.per_client[http.peer] = self.per_client.get(http.peer, 0) + 1
+        refusal = self._admit(http)
         try:
-            if self.connections > self.limits.max_connections:
-                await self._send_error(http, HttpError(503, "overloaded", "too many connections"), close=True)
+            if refusal is not None:  # never counted: refused ones cannot fill the server for others
+                with trio.move_on_after(self.limits.linger):
+                    await self._send_error(http, refusal, close=True)
                 return
-            if self.per_client[http.peer] > self.limits.max_connections_per_client:
-                error = HttpError(429, "rate_limited", "too many connections from this address")
-                await self._send_error(http, error, close=True)
-                return
-            while True:
-                try:
-                    request = await http.read_request()
-                except (h11.RemoteProtocolError, RequestTooLarge, RequestTimeout) as exc:
-                    await self._send_error(http, request_error(exc), close=True)
-                    return
-                if request is None:
-                    return
-                await self._handle(http, request)
-                if not http.next_cycle():
-                    return
+            with http.scope:
+                while True:
+                    try:
+                        request = await http.read_request(self.authorize)
+                    except (h11.RemoteProtocolError, RequestTooLarge, RequestTimeout) as exc:
+                        await self._send_error(http, request_error(exc), close=True)
+                        return
+                    except HttpError as err:  # refused on its head (401): the body is never read
+                        await self._send_error(http, err, close=True)
+                        return
+                    if request is None:
+                        return
+                    await self._handle(http, request)
+                    http.busy = False
+                    if not http.next_cycle():
+                        return
         except ClientGone:
             pass
         except Exception:
             log.exception("HTTP connection failed")
         finally:
-            self.connections -= 1
-            self.per_client[http.peer] -= 1
-            if not self.per_client[http.peer]:
-                del self.per_client[http.peer]
-            await http.close()
+            self._release(http)
+            with trio.CancelScope(shield=True):
+                await http.close()
 
     async def _handle(self, http: HttpConnection, request: HttpRequest) -> None:
         """Answer one request, watching for the client going away meanwhile."""
@@ -421,9 +490,14 @@ class _Server:
 
 
 def client_group(stream: trio.abc.Stream) -> str:
-    """The peer's address group (:func:`~kvasir.util.addrgroup.address_group`), "?" when it has none."""
+    """The peer's address group for per-client caps: an IPv4 /24 (one attacker easily holds a few addresses of one
+    network, security N12) or an IPv6 /64 (:func:`~kvasir.util.addrgroup.address_group`); "?" when it has none."""
     inner: Any = getattr(stream, "transport_stream", stream)
     try:
-        return address_group(str(inner.socket.getpeername()[0]))
+        group = address_group(str(inner.socket.getpeername()[0]))
     except (AttributeError, OSError, IndexError):
         return "?"
+    try:
+        return str(ipaddress.IPv4Network((ipaddress.IPv4Address(group), 24), strict=False))
+    except ValueError:  # an IPv6 /64 (or a group already wider than one address)
+        return group

@@ -42,6 +42,7 @@ from kvasir.market.records import (
 )
 from kvasir.market.server.backend import MarketBackend
 from kvasir.market.server.fraud import ProofJudge
+from kvasir.market.server.proofmemo import ProofMemo
 from kvasir.market.tickets import MAX_TICKET_S, WindowTicket, issue_ticket
 from kvasir.net.http import ApiLimits, HttpConnection, HttpError, HttpRequest, serve_http
 from kvasir.relay.grant import EdgeGrant, sign_grant
@@ -73,6 +74,7 @@ class MarketService:
         self.judge = judge
         #: Re-executing a proof loads a window and runs llama.cpp: one at a time, beside the store's threads.
         self.judge_limiter = trio.CapacityLimiter(1)
+        self.proofs = ProofMemo()  # rejected proofs and their submitters: none is re-executed twice (N15)
         self.identity = identity
         self.operator = operator or identity.public
         self.limiter = trio.CapacityLimiter(store.concurrency)
@@ -100,7 +102,7 @@ class MarketService:
         not_after = int(min(lease.expires_at, self.store.clock() + MAX_TICKET_S))
         edge = relay_edge_id(lease.model, rank)
         ticket = WindowTicket(lease.model, lease.start, lease.end, holder, not_after, self.identity.public, edge)
-        ring = market_ring_id(lease.model)
+        ring = market_ring_id(lease.model, self.identity.public)
         grants = tuple(
             sign_grant(self.identity, EdgeGrant(ring, e, role, holder, int(lease.expires_at), self.identity.public))
             for e, role in (
@@ -246,14 +248,27 @@ class MarketService:
         ):
             raise MarketError(403, "not_allowed", "fraud proofs come from the operator or another holder of the model")
         verdict = None
+        pid = proof_id(proof)
         if self.judge is not None:
-            verdict = await trio.to_thread.run_sync(self.judge, proof, limiter=self.judge_limiter)
+            async with self.judge_limiter:  # the memo is read in turn: copies queued behind a rejection are not rerun
+                if self.proofs.rejected(proof, pid):
+                    raise MarketError(422, "proof_rejected", f"already judged: node {suspect} computed these steps")
+                wait = 0.0 if operator else self.proofs.retry_after(signed.node_id, self.store.clock())
+                if wait > 0:
+                    raise MarketError(
+                        429,
+                        "too_many_rejected_proofs",
+                        f"this key's recent proofs were rejected; the market judges its next one in {wait:.0f} s",
+                    )
+                verdict = await trio.to_thread.run_sync(self.judge, proof)
+                if verdict is False:
+                    self.proofs.reject(proof, pid, signed.node_id, self.store.clock())
         if verdict is False:
             raise MarketError(422, "proof_rejected", f"re-executed: node {suspect}'s window computes what it signed")
         if verdict is None and not operator:
             raise MarketError(422, "cannot_judge", "this market cannot re-execute that window; the operator can submit")
         record = FraudRecord(
-            proof_id=proof_id(proof),
+            proof_id=pid,
             node_id=suspect,
             model=s.model_sha256,
             start=s.start,
@@ -283,9 +298,10 @@ def _body(request: HttpRequest) -> Any:
         raise InputError("request body is nested too deeply") from None
 
 
-def market_ring_id(model: str) -> str:
-    """The ring id in a market ring's edge grants: one ring per model on a market."""
-    return hashlib.sha256(b"kvasir-market-ring/v1\n" + model.encode()).hexdigest()
+def market_ring_id(model: str, market: PublicKey) -> str:
+    """The ring id in a market ring's edge grants: one ring per model and market. The market's key is in it, so two
+    markets serving one model through one relay never name the same ring (security N14)."""
+    return hashlib.sha256(f"kvasir-market-ring/v2\n{market.to_text()}\n{model}".encode()).hexdigest()
 
 
 def relay_edge_id(model: str, rank: int) -> str:
