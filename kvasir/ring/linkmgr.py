@@ -33,10 +33,6 @@ from kvasir.ring.edges import RingEdges
 from kvasir.ring.links import Link, StreamLink, handshake, link_error
 from kvasir.ring.manifest import Manifest
 from kvasir.ring.opener import (
-    MAX_PENDING_HANDSHAKES,
-    MAX_PENDING_PER_ADDRESS,
-    PREAUTH_FRAME_BYTES,
-    SECURE_HANDSHAKE_TIMEOUT,
     LinkOpener,
     StreamHandler,
     SuccessorUnreachable,
@@ -50,10 +46,6 @@ from kvasir.wire import MAX_FRAME_BYTES, Error, Frame, Hello, Keepalive, Side
 
 __all__ = [
     "LINK_ERRORS",
-    "MAX_PENDING_HANDSHAKES",
-    "MAX_PENDING_PER_ADDRESS",
-    "PREAUTH_FRAME_BYTES",
-    "SECURE_HANDSHAKE_TIMEOUT",
     "LinkManager",
     "LinkWatcher",
     "StreamHandler",

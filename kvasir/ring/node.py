@@ -118,11 +118,12 @@ async def open_node(
 class Node:
     """Use :func:`open_node`; the nursery runs the node's prefill tasks.
 
-    What it is made of, each told only what it needs (none calls back into the node): ``requests`` (the table),
-    ``links`` (the link manager, which hands each frame from the predecessor to :meth:`_on_frame` and tells the
-    failover of its links), the failover (replay logs and lost-link timers), ``outbox`` (what goes to the
-    successor, and the one place where an exception becomes an ERROR code), ``lastrank`` (the last rank's sampling;
-    None elsewhere), ``batcher`` (``--batch N``) and the observer (``recorder``, or nothing).
+    What it is made of, each given what it uses when it is made: ``requests`` (the table), ``links`` (the link
+    manager: it hands each frame from the predecessor to :meth:`_on_frame` and tells the failover of its links), the
+    failover (replay logs and lost-link timers; it fails a request through :meth:`_fail`), ``outbox`` (what goes to
+    the successor, and the one place where an exception becomes an ERROR code), ``window`` (the window's compute),
+    ``lastrank`` (the last rank's sampling; None elsewhere), ``batcher`` (``--batch N``) and the observer
+    (``recorder``, or nothing). Those two callbacks are the only calls into the node; the parts call down.
     """
 
     def __init__(
