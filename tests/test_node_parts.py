@@ -17,7 +17,15 @@ import trio
 import trio.testing
 
 from kvasir.core.stops import Ending, ending
-from kvasir.errors import InputError, InvalidRequest, KvasirError, RequestRefused, RingError, StageError
+from kvasir.errors import (
+    InputError,
+    InvalidRequest,
+    KvasirError,
+    ProtocolError,
+    RequestRefused,
+    RingError,
+    StageError,
+)
 from kvasir.ring.failover import ReplayMismatch
 from kvasir.ring.linkmgr import SuccessorLost
 from kvasir.ring.node import Node, NodeConfig, open_node
@@ -55,6 +63,7 @@ def test_every_exception_that_stops_a_request_has_one_code() -> None:
         (StageError("llama_decode failed"), ErrorCode.STAGE_FAILED),
         (InputError("only the first stage takes token ids"), ErrorCode.STAGE_FAILED),
         (KvasirError("anything else of ours"), ErrorCode.STAGE_FAILED),
+        (ProtocolError("a malformed frame"), ErrorCode.PROTOCOL),
         (ValueError("a bug"), ErrorCode.INTERNAL),
     ]
     assert [error_code(exc) for exc, _ in cases] == [code for _, code in cases]
@@ -168,3 +177,13 @@ async def test_the_last_rank_builds_each_sampler_inside_stage_run(autojump_clock
             tokens, end = await answer(entry, 5)
             assert tokens == expected_tokens(PROMPT, 5) and end.reason == "max_tokens"
     assert last.built == [True, True]
+
+
+async def test_a_malformed_frame_is_the_links_fault_not_the_requests(autojump_clock: trio.testing.MockClock) -> None:
+    """A ProtocolError goes on to the link manager (which closes the link); the request is not failed for it."""
+    async with ring() as nodes, nodes[0].request(PROMPT, GREEDY, 50) as handle:
+        with pytest.raises(ProtocolError):
+            async with nodes[0].outbox.fails(handle.request_id):
+                raise ProtocolError("a BOUNDARY of the wrong width")
+        state = nodes[0].requests.get(handle.request_id)
+        assert state is not None and not state.done

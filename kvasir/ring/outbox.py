@@ -44,6 +44,8 @@ def error_code(exc: BaseException) -> ErrorCode:
         return exc.code  # the request itself (BAD_REQUEST, CONTEXT_FULL) or this node's room (OVERLOADED)
     if isinstance(exc, RingError):
         return ErrorCode.LINK_LOST  # no link to go on with
+    if isinstance(exc, ProtocolError):
+        return ErrorCode.PROTOCOL  # a malformed frame: the link's fault, not the request's
     if isinstance(exc, KvasirError):
         return ErrorCode.STAGE_FAILED
     return ErrorCode.INTERNAL
@@ -136,9 +138,12 @@ class Outbox:
     async def fails(self, request_id: int) -> AsyncIterator[None]:
         """Whatever stops request ``request_id`` inside the block fails it with its :func:`error_code`: round the
         ring, or, without a successor link (RingError), here only (the ring hears of the loss from the failover
-        timers). A request that ended meanwhile has nothing left to fail."""
+        timers). A request that ended meanwhile has nothing left to fail. A malformed frame (ProtocolError) is the
+        link's: it goes on to the link manager, which closes the link."""
         try:
             yield
+        except ProtocolError:
+            raise
         except Exception as exc:
             code = error_code(exc)
             state = self._requests.get(request_id)
