@@ -70,9 +70,11 @@ def test_every_exception_that_stops_a_request_has_one_code() -> None:
 
 
 @asynccontextmanager
-async def ring(**stage: Any) -> AsyncIterator[list[Node]]:
+async def ring(last: FakeStage | None = None) -> AsyncIterator[list[Node]]:
+    """A ring of FakeStages (``last``: the last rank's own)."""
     net = MemoryNetwork()
-    manifest, stages = fake_ring(WINDOWS, net, **stage)
+    manifest, stages = fake_ring(WINDOWS, net)
+    stages[-1] = last or stages[-1]
     async with AsyncExitStack() as stack:
         nodes = [
             await stack.enter_async_context(
@@ -161,18 +163,8 @@ class RunTrackingStage(FakeStage):
 async def test_the_last_rank_builds_each_sampler_inside_stage_run(autojump_clock: trio.testing.MockClock) -> None:
     """Building the sampler chain feeds it the whole prompt: the last rank does it in the worker-thread call of the
     request's first sample, never on the event loop, and the answer is the same."""
-    net = MemoryNetwork()
-    manifest, stages = fake_ring(WINDOWS, net)
     last = RunTrackingStage(*WINDOWS[-1], WINDOWS[-1][1], model_sha256="f" * 64)
-    stages[-1] = last
-    async with AsyncExitStack() as stack:
-        nodes = [
-            await stack.enter_async_context(
-                open_node(NodeConfig(manifest, r, node_id=f"node{r}"), stages[r], transport=net, rng=random.Random(r))
-            )
-            for r in range(len(WINDOWS))
-        ]
-        await wait_for(lambda: all(n.ready for n in nodes), "the ring to link")
+    async with ring(last) as nodes:
         for entry in (nodes[0], nodes[2]):
             tokens, end = await answer(entry, 5)
             assert tokens == expected_tokens(PROMPT, 5) and end.reason == "max_tokens"
