@@ -432,6 +432,6 @@ class RequestTable:
                         state.request_id,
                         limit,
                     )
-                    await self.finish(
-                        state, "error", f"no progress for {limit:.0f} s at rank {self.rank}", ErrorCode.STAGE_FAILED
-                    )
+                    # Nothing came round: a frame or a node of the ring is gone (llama.cpp did not fail here).
+                    message = f"no progress for {limit:.0f} s at rank {self.rank}"
+                    await self.finish(state, "error", message, ErrorCode.LINK_LOST)
