@@ -116,3 +116,57 @@ def test_the_wheel_lists_every_package_and_installs_only_kvasir() -> None:
     listed = set(setup["packages"])
     assert listed == found, f"missing: {sorted(found - listed)}, stale: {sorted(listed - found)}"
     assert all(name == "kvasir" or name.startswith("kvasir.") for name in listed)
+
+
+#: No class grows past this many lines (a god object again), and the ring node's module stays the thin dispatcher.
+CLASS_LINE_LIMIT = 400
+NODE_MODULE = ("kvasir/ring/node.py", 450)
+#: Classes still over the limit while they are being split: ``path:Class``. A name here that is no longer over the
+#: limit fails too, so the set cannot go stale.
+OVERSIZED_EXEMPT: frozenset[str] = frozenset()
+
+
+def oversized_classes(repo: Path, folders: tuple[str, ...], limit: int) -> dict[str, int]:
+    """``path:Class`` (nested: ``Outer.Inner``) → lines, for every class in ``folders`` longer than ``limit``."""
+    import ast
+
+    found: dict[str, int] = {}
+
+    def walk(node: ast.AST, path: str, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                name = f"{prefix}{child.name}"
+                lines = (child.end_lineno or child.lineno) - child.lineno + 1
+                if lines > limit:
+                    found[f"{path}:{name}"] = lines
+                walk(child, path, f"{name}.")
+            else:
+                walk(child, path, prefix)
+
+    for folder in folders:
+        for file in sorted((repo / folder).rglob("*.py")):
+            walk(ast.parse(file.read_text(encoding="utf-8")), file.relative_to(repo).as_posix(), "")
+    return found
+
+
+def test_no_class_over_the_line_limit_and_the_node_stays_thin() -> None:
+    found = oversized_classes(REPO, ("kvasir", "relay", "tui"), CLASS_LINE_LIMIT)
+    grown = {name: n for name, n in found.items() if name not in OVERSIZED_EXEMPT}
+    assert not grown, f"classes over {CLASS_LINE_LIMIT} lines (split them by feature): {grown}"
+    stale = sorted(OVERSIZED_EXEMPT - found.keys())
+    assert not stale, f"no longer over {CLASS_LINE_LIMIT} lines: drop them from OVERSIZED_EXEMPT: {stale}"
+    path, limit = NODE_MODULE
+    lines = len((REPO / path).read_text(encoding="utf-8").splitlines())
+    assert lines <= limit, f"{path} has {lines} lines (at most {limit}): its features belong beside it"
+
+
+def test_the_class_size_check_sees_nested_and_long_classes(tmp_path: Path) -> None:
+    def body(indent: int) -> str:
+        return "\n".join(f"{' ' * indent}x{i} = {i}" for i in range(6))
+
+    (tmp_path / "pkg").mkdir()
+    big = f"class Small:\n    x = 1\n\nclass Big:\n{body(4)}\n    class Inner:\n{body(8)}\n"
+    (tmp_path / "pkg" / "m.py").write_text(big)
+    (tmp_path / "pkg" / "other.py").write_text(f"def f():\n    class Local:\n{body(8)}\n")
+    found = oversized_classes(tmp_path, ("pkg",), 5)
+    assert found == {"pkg/m.py:Big": 14, "pkg/m.py:Big.Inner": 7, "pkg/other.py:Local": 7}

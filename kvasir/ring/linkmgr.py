@@ -6,10 +6,12 @@ that goes silent (a phone that lost its network, a NAT mapping dropped, a half-o
 ``idle_timeout`` and its link closed, which frees the predecessor slot for a replacement. TCP sockets also set
 SO_KEEPALIVE so the kernel notices a dead peer under a link whose receive is not waiting (a busy node).
 
-Security (protocol v2, when the manifest names every rank's key and the node has its identity): before anything
-else each link runs the key-bound handshake of :mod:`kvasir.ring.secure` and then carries its frames inside TLS 1.3,
-over TCP or end to end through a relay edge. Before authentication a peer can make the node read only a
-handshake-sized message, and the node caps handshakes in progress, in all and per address.
+Security (protocol v2, when the manifest names every rank's key and the node has its identity): each link is opened
+by :class:`~kvasir.ring.opener.LinkOpener`, through the key-bound handshake of :mod:`kvasir.ring.secure`, and then
+carries its frames inside TLS 1.3, over TCP or end to end through a relay edge.
+
+What happens to the requests when a link ends or the successor link is made again is the
+:class:`LinkWatcher`'s (the node's :class:`~kvasir.ring.failover.Failover`).
 
 The receive timeout is safe against busy neighbours: a node computing does not read its predecessor link (that is
 the ring's backpressure), so the timeout only runs while it waits in ``receive``; its own keepalives go out from a
@@ -18,128 +20,64 @@ separate task, so its predecessor keeps hearing from it.
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import logging
 import random
-import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 import trio
 
 from kvasir.core.identity import PublicKey
 from kvasir.errors import ProtocolError, RingError
-from kvasir.ring.edges import RelayChannel, RingEdges
-from kvasir.ring.links import Link, MessageLink, StreamLink, handshake, link_error
-from kvasir.ring.manifest import Manifest, RankEntry
-from kvasir.ring.msgstream import MessageStream
-from kvasir.ring.secure import (
-    AnyPolicy,
-    Credentials,
-    KeyPolicy,
-    LinkAuthError,
-    PeerPolicy,
-    accept_secure,
-    dial_secure,
+from kvasir.ring.edges import RingEdges
+from kvasir.ring.links import Link, StreamLink, handshake, link_error
+from kvasir.ring.manifest import Manifest
+from kvasir.ring.opener import (
+    LinkOpener,
+    StreamHandler,
+    SuccessorUnreachable,
+    TcpTransport,
+    Transport,
 )
+from kvasir.ring.secure import Credentials, LinkAuthError, PeerPolicy
 from kvasir.ring.status import LinkStatus
-from kvasir.util.addrgroup import address_group
 from kvasir.util.backoff import Backoff
-from kvasir.wire import MAX_FRAME_BYTES, MIN_FRAME_LIMIT, Error, Frame, Hello, Keepalive, Side
+from kvasir.wire import MAX_FRAME_BYTES, Error, Frame, Hello, Keepalive, Side
+
+__all__ = [
+    "LINK_ERRORS",
+    "LinkManager",
+    "LinkWatcher",
+    "StreamHandler",
+    "SuccessorLost",
+    "SuccessorUnreachable",
+    "TcpTransport",
+    "Transport",
+]
 
 log = logging.getLogger("kvasir.node")
 
 #: Errors that end one link (the node goes on and waits for, or redials, the next).
 LINK_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, trio.EndOfChannel, ProtocolError, RingError)
 
-StreamHandler = Callable[[trio.abc.Stream, str], Awaitable[None]]
-
-#: The whole v2 handshake (challenge, AUTH, TLS) must finish within this.
-SECURE_HANDSHAKE_TIMEOUT = 10.0
-#: Handshakes in progress (not yet authenticated): in all, and from one address (IPv6: one /64).
-MAX_PENDING_HANDSHAKES = 16
-MAX_PENDING_PER_ADDRESS = 4
-#: Largest frame an unauthenticated v1 peer may send (a HELLO is a few hundred bytes; the header is checked first).
-PREAUTH_FRAME_BYTES = MIN_FRAME_LIMIT
 #: A peer that refused our key is not redialed sooner than this.
 REFUSED_BACKOFF_S = 5.0
-
-
-class SuccessorUnreachable(RingError):
-    """The successor has no address yet or does not answer: the node keeps dialing (not a warning)."""
 
 
 class SuccessorLost(RingError):
     """The successor link broke while a frame was being sent on it (the frame may not have arrived)."""
 
 
-class Transport(Protocol):
-    """How direct links are made; TCP in a real ring, memory streams in fast tests (kvasir.testing.fakestage)."""
+class LinkWatcher(Protocol):
+    """Told of the links' ends and returns (the node's failover)."""
 
-    async def listen(
-        self, host: str, port: int, handler: StreamHandler, *, task_status: trio.TaskStatus[int] = ...
-    ) -> None:
-        """Accept connections on ``host:port`` and run ``handler(stream, peer)`` for each; ``started(port)``."""
+    async def link_lost(self, side: Side, links: LinkManager) -> None:
+        """A live link on ``side`` ended (called shielded: it must finish even as the node stops)."""
         ...
 
-    async def connect(self, host: str, port: int) -> trio.abc.Stream:
-        """A stream to ``host:port``; OSError when nobody answers."""
+    async def successor_up(self, send: Callable[[Frame], Awaitable[None]], hello: Hello) -> None:
+        """The successor link is made: ``send`` goes over it before anything else does (the replay)."""
         ...
-
-
-#: TCP keepalive: first probe after this many idle seconds, then every interval, dead after count probes.
-TCP_KEEPIDLE_S, TCP_KEEPINTVL_S, TCP_KEEPCNT = 10, 5, 3
-
-
-def set_tcp_keepalive(stream: trio.SocketStream) -> None:
-    with contextlib.suppress(OSError):  # a peer that already reset the connection: its first read says so
-        stream.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        for name, value in (
-            ("TCP_KEEPIDLE", TCP_KEEPIDLE_S),
-            ("TCP_KEEPINTVL", TCP_KEEPINTVL_S),
-            ("TCP_KEEPCNT", TCP_KEEPCNT),
-        ):
-            opt = getattr(socket, name, None)  # Linux and Android have all three; macOS lacks TCP_KEEPIDLE
-            if opt is not None:
-                stream.setsockopt(socket.IPPROTO_TCP, opt, value)
-
-
-def _peer_name(stream: trio.SocketStream) -> str:
-    try:
-        return "{}:{}".format(*stream.socket.getpeername()[:2])
-    except OSError:
-        return "?"
-
-
-class TcpTransport:
-    async def listen(
-        self,
-        host: str,
-        port: int,
-        handler: StreamHandler,
-        *,
-        task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
-    ) -> None:
-        async def accepted(stream: trio.SocketStream) -> None:
-            set_tcp_keepalive(stream)
-            await handler(stream, _peer_name(stream))
-
-        try:
-            listeners = await trio.open_tcp_listeners(port, host=host)
-        except OSError as exc:  # name the address: "Address already in use" alone does not say which
-            taken = exc.errno == errno.EADDRINUSE
-            message = f"{host}:{port} is already in use" if taken else f"cannot listen on {host}:{port}: {exc.strerror}"
-            raise OSError(exc.errno, message) from exc
-        async with trio.open_nursery() as nursery:
-            await nursery.start(trio.serve_listeners, accepted, listeners)
-            task_status.started(listeners[0].socket.getsockname()[1])
-
-    async def connect(self, host: str, port: int) -> trio.abc.Stream:
-        stream = await trio.open_tcp_stream(host, port)
-        set_tcp_keepalive(stream)
-        return stream
 
 
 class LinkManager:
@@ -154,8 +92,7 @@ class LinkManager:
         manifest: Callable[[], Manifest],
         on_frame: Callable[[Frame], Awaitable[None]],
         on_link_error: Callable[[], None] = lambda: None,
-        on_link_lost: Callable[[Side], Awaitable[None]] | None = None,
-        on_successor_up: Callable[[Callable[[Frame], Awaitable[None]], Hello], Awaitable[None]] | None = None,
+        watcher: LinkWatcher | None = None,
         keepalive_interval: float = 1.0,
         idle_timeout: float | None = None,
         link_wait: float = 30.0,
@@ -172,18 +109,20 @@ class LinkManager:
         self._manifest = manifest
         self._on_frame = on_frame
         self._on_link_error = on_link_error
-        self._on_link_lost = on_link_lost
-        self._on_successor_up = on_successor_up
+        self._watcher = watcher
         self.keepalive_interval = keepalive_interval
         self.idle_timeout = idle_timeout if idle_timeout is not None else 3 * keepalive_interval
         self.link_wait = link_wait
-        self.transport: Transport = transport or TcpTransport()
         self._rng = rng or random.Random()
-        #: This node's key and certificate: set, every link runs protocol v2 (authenticated, encrypted).
-        self.credentials = credentials
-        self._peer_policy = peer_policy
-        self._ticket = ticket or (lambda: b"")
-        self._pending: dict[str, int] = {}  # unauthenticated handshakes per address group
+        self.opener = LinkOpener(
+            rank=self.rank,
+            edges=edges,
+            manifest=manifest,
+            transport=transport,
+            credentials=credentials,
+            peer_policy=peer_policy,
+            ticket=ticket,
+        )
         self.predecessor_key: PublicKey | None = None
         self.max_frame_bytes = MAX_FRAME_BYTES
         self.port = 0
@@ -216,7 +155,8 @@ class LinkManager:
             if self.edges.predecessor_relayed:
                 nursery.start_soon(self._keep_relay_predecessor)
             else:
-                self.port = await nursery.start(self.transport.listen, me.host, me.port, self._accept_predecessor)
+                listen = self.opener.transport.listen
+                self.port = await nursery.start(listen, me.host, me.port, self._accept_predecessor)
             nursery.start_soon(self._keep_successor)
             task_status.started(self.port)
 
@@ -255,70 +195,10 @@ class LinkManager:
     # ------------------------------------------------------------------------------------------ predecessor
 
     async def _accept_predecessor(self, stream: trio.abc.Stream, peer: str) -> None:
-        group = address_group(peer.rsplit(":", 1)[0].strip("[]"))
-        if (
-            sum(self._pending.values()) >= MAX_PENDING_HANDSHAKES
-            or self._pending.get(group, 0) >= MAX_PENDING_PER_ADDRESS
-        ):
-            log.warning("rank %d: too many handshakes in progress; closing a connection from %s", self.rank, peer)
-            await trio.aclose_forcefully(stream)
-            return
-        self._pending[group] = self._pending.get(group, 0) + 1
-        try:
-            secured = await self._secure_accepted(stream, peer)
-        finally:
-            self._pending[group] -= 1
-            if not self._pending[group]:
-                del self._pending[group]
-        if secured is not None:
-            link, key = secured
+        opened = await self.opener.accept(stream, peer)
+        if opened is not None:
+            link, key = opened
             await self._run_predecessor(link, peer, key)
-
-    def _predecessor_policy(self) -> PeerPolicy:
-        """The manifest's keys for the previous rank (its primary's and its standbys'), or (market rings) a valid
-        ticket for a neighbour window."""
-        m = self._manifest()
-        by_key = KeyPolicy(m.ranks[(self.rank - 1) % m.size].keys())
-        market = self._peer_policy() if self._peer_policy is not None else None
-        return by_key if market is None else AnyPolicy((by_key, market))
-
-    async def _secure_accepted(self, stream: trio.abc.Stream, peer: str) -> tuple[Link, PublicKey | None] | None:
-        """The predecessor's link, after the v2 handshake when this node has credentials; None if it failed."""
-        if self.credentials is None:
-            # v1: the HELLO is the first frame; until the handshake no frame may be larger than a HELLO.
-            return StreamLink(stream, peer, max_frame_bytes=PREAUTH_FRAME_BYTES), None
-        try:
-            with trio.fail_after(SECURE_HANDSHAKE_TIMEOUT):
-                tls, key, _ = await accept_secure(stream, self.credentials, self._predecessor_policy())
-        except (LinkAuthError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-            log.warning("rank %d refused a predecessor from %s: %s", self.rank, peer, exc or "handshake timed out")
-            await trio.aclose_forcefully(stream)
-            return None
-        link = StreamLink(tls, peer)
-        link.stats.secure = True
-        return link, key
-
-    async def _relay_link(self, channel: RelayChannel, edge: str, *, upstream: bool) -> tuple[Link, PublicKey | None]:
-        """A link over a relay edge: plain messages (v1), or TLS end to end inside them (v2)."""
-        peer = f"relay:{edge}"
-        if self.credentials is None:
-            return MessageLink(channel.send_message, channel.receive_message, channel.aclose, peer), None
-        stream = MessageStream(
-            channel.send_message, channel.receive_message, channel.aclose, closed_errors=(trio.EndOfChannel,)
-        )
-        with trio.fail_after(SECURE_HANDSHAKE_TIMEOUT):
-            if upstream:
-                expected = self._manifest().successor(self.rank).key
-                if expected is None:
-                    raise SuccessorUnreachable(f"waiting for rank {(self.rank + 1) % self._manifest().size}'s key")
-                tls = await dial_secure(stream, self.credentials, expected, self._ticket())
-                link = StreamLink(tls, peer, kind="relay")
-                link.stats.secure = True
-                return link, expected
-            tls, key, _ = await accept_secure(stream, self.credentials, self._predecessor_policy())
-            link = StreamLink(tls, peer, kind="relay")
-            link.stats.secure = True
-            return link, key
 
     async def _keep_relay_predecessor(self) -> None:
         """Predecessor edge through the relay: dial out as the downstream end, redial with backoff."""
@@ -330,7 +210,7 @@ class LinkManager:
                 async with self.edges.open_relay(edge, upstream=False) as channel:
                     backoff.reset()
                     self.predecessor_state = f"waiting on relay edge {edge}"
-                    link, key = await self._relay_link(channel, edge, upstream=False)
+                    link, key = await self.opener.relay_link(channel, edge, upstream=False)
                     await self._run_predecessor(link, f"relay:{edge}", key)
             except (RingError, trio.TooSlowError, trio.BrokenResourceError) as exc:  # relay gone, refused, closed
                 self.predecessor_state = f"relay edge {edge}: {exc or 'handshake timed out'}"
@@ -375,9 +255,9 @@ class LinkManager:
             if self.predecessor is link:
                 self.predecessor = None
                 self.predecessor_state = "waiting"
-                if self._on_link_lost is not None:
+                if self._watcher is not None:
                     with trio.CancelScope(shield=True):  # the node's requests must hear of it even as we stop
-                        await self._on_link_lost(Side.PREDECESSOR)
+                        await self._watcher.link_lost(Side.PREDECESSOR, self)
             await link.aclose()
 
     async def _read_predecessor(self, link: Link) -> None:
@@ -408,38 +288,6 @@ class LinkManager:
         return None
 
     # ------------------------------------------------------------------------------------------ successor
-
-    @asynccontextmanager
-    async def _open_successor(self, target: RankEntry) -> AsyncIterator[Link]:
-        if self.edges.successor_relayed:
-            async with self.edges.open_relay(self.edges.edge_out, upstream=True) as channel:
-                link, _ = await self._relay_link(channel, self.edges.edge_out, upstream=True)
-                yield link
-            return
-        if target.port == 0:
-            raise SuccessorUnreachable(f"waiting for rank {target.rank} (no address yet)")
-        try:
-            stream = await self.transport.connect(target.host, target.port)
-        except OSError as exc:
-            raise SuccessorUnreachable(
-                f"waiting for rank {target.rank} at {target.address} ({exc.strerror or exc})"
-            ) from None
-        if self.credentials is not None:
-            if target.key is None:  # a market ring whose map does not show the holder's key yet
-                await trio.aclose_forcefully(stream)
-                raise SuccessorUnreachable(f"waiting for rank {target.rank}'s key")
-            try:
-                with trio.fail_after(SECURE_HANDSHAKE_TIMEOUT):
-                    stream = await dial_secure(stream, self.credentials, target.key, self._ticket())
-            except BaseException:
-                await trio.aclose_forcefully(stream)
-                raise
-        link = StreamLink(stream, target.address)
-        link.stats.secure = self.credentials is not None
-        try:
-            yield link
-        finally:
-            await link.aclose()
 
     async def _wait_while_dormant(self) -> None:
         if self.dormant:
@@ -480,7 +328,7 @@ class LinkManager:
             with trio.CancelScope() as scope:
                 self._succ_scope = scope
                 try:
-                    async with self._open_successor(target) as link:
+                    async with self.opener.open_successor(target) as link:
                         try:
                             hello = await handshake(link, self.hello, Side.SUCCESSOR, send_first=True)
                         except (ProtocolError, trio.TooSlowError, trio.BrokenResourceError) as exc:
@@ -526,12 +374,12 @@ class LinkManager:
     async def _run_successor(self, link: Link, hello: Hello, state: str) -> bool:
         """Run the successor link until it ends; True if the successor ended it with a link-level ERROR (refused)."""
         try:
-            if self._on_successor_up is not None:
+            if self._watcher is not None:
                 # The replay goes first: frames waiting for this link (send() blocks until _succ_ready) follow it.
                 self.successor_state = f"replaying to rank {hello.rank}"
                 self._replaying = True
                 try:
-                    await self._on_successor_up(link.send, hello)
+                    await self._watcher.successor_up(link.send, hello)
                 except LINK_ERRORS:
                     # The successor may have refused the link (an ERROR, then close) while the replay went out: its
                     # ERROR is still to be read, and a refusal must not be taken for a dead holder (which would move
@@ -553,9 +401,9 @@ class LinkManager:
             self.successor = None
             if self._succ_ready.is_set():  # a replay that failed never set it: its waiters keep waiting on it
                 self._succ_ready = trio.Event()
-            if self._on_link_lost is not None:
+            if self._watcher is not None:
                 with trio.CancelScope(shield=True):
-                    await self._on_link_lost(Side.SUCCESSOR)
+                    await self._watcher.link_lost(Side.SUCCESSOR, self)
 
     async def _read_successor(self, link: Link) -> bool:
         """The successor only sends keepalives (echoes, or its own when quiet) and link-level errors backwards.

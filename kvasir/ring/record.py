@@ -1,12 +1,12 @@
 """A ring node's receipts (opt-in, ``kvasir node --record DIR``): what it received and sent for each request, hashed
 as frames pass, signed with its key when the request ends (docs/verification.md § The ring records).
 
-The node calls :meth:`NodeRecorder.take` for each input boundary it takes (rank 0: :meth:`on_tokens` for the
-prompt's chunks and the tokens coming back, as ``TOKENS``), :meth:`seal` for each boundary it sends (before the
-replay log and the link, so the bytes are the frame's) or, on the last rank, :meth:`on_sample` with the last row's
-logits and the token (NO_TOKEN on a prefill chunk that does not sample) or :meth:`on_skip` for a verify row it drops
-uncomputed, and :meth:`end` when the request ends here. A speculative verify row is a step of its own, at its own
-position (rank 0: one token each).
+A :class:`~kvasir.ring.observe.RequestObserver`: the node calls :meth:`NodeRecorder.take` for each input boundary
+it takes (rank 0: :meth:`on_tokens` for the prompt's chunks and the tokens coming back, as ``TOKENS``), :meth:`seal`
+for each boundary it sends (before the replay log and the link, so the bytes are the frame's) or, on the last rank,
+:meth:`on_sample` with the last row's logits and the token (NO_TOKEN on a prefill chunk that does not sample) or
+:meth:`on_skip` for a verify row it drops uncomputed, and :meth:`ended` when the request ends here. A speculative
+verify row is a step of its own, at its own position (rank 0: one token each).
 Replayed frames are not recorded again (the node drops them before these calls), and recording never touches what
 is computed: it reads the bytes.
 
@@ -24,11 +24,12 @@ inputs wait there for the auditor's key (:func:`kvasir.verify.select.reveal`), w
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import attrs
@@ -176,6 +177,11 @@ class NodeRecorder:
         if o is None or not o.recorder.outputs.steps:
             return None
         return o
+
+    def ended(self, request: int) -> Callable[[], None] | None:
+        """The request ended here (:class:`~kvasir.ring.observe.RequestObserver`): its :meth:`write`, or None."""
+        done = self.end(request)
+        return None if done is None else functools.partial(self.write, done)
 
     def write(self, done: OpenRecord) -> None:
         """Sign and store a record (blocking: run it in a worker thread), then trim the spool to ``keep_bytes``."""

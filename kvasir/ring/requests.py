@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import logging
+import secrets
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 import attrs
 import trio
 
-from kvasir.core.sampling import SamplingParams
+from kvasir.core.sampling import MAX_SEED, SamplingParams
 from kvasir.core.speculate import Drafter, SpeculationStats
 from kvasir.core.stops import find_stop
-from kvasir.errors import InputError, InvalidRequest, RequestRefused
+from kvasir.errors import InputError, InvalidRequest, ProtocolError, RequestRefused
 from kvasir.ring.compute import RingStage, TokenSampler
 from kvasir.ring.events import EndListeners, EventHub, RequestEnded, RequestStarted, TokenPassed
 from kvasir.ring.speculation import CacheEnd, TokenTrail, VerifyBatch
@@ -119,6 +120,7 @@ class RequestState:
     #: Tokens seen passing this node (index of the next expected one).
     seen: int = 0
     generated: int = 0
+    #: Last rank: the request's sampler chain (built in the worker thread of its first sample).
     sampler: TokenSampler | None = None
     #: Last rank only: detokenized output, for stop strings.
     text_stream: TextDecoder | None = None
@@ -176,6 +178,48 @@ def start_needs_tokens(receiver: int, entry: int, size: int, *, penalties: bool)
     return False
 
 
+def client_start(
+    prompt: Sequence[int],
+    params: SamplingParams,
+    max_tokens: int,
+    stop: Sequence[str],
+    speculate: int,
+    entry_rank: int,
+    entry_node_id: str,
+) -> StartRequest:
+    """A client's request as its START (a fresh request id); InputError (InvalidRequest past a wire limit) when the
+    client asked for something no ring serves."""
+    if not prompt:
+        raise InputError("empty prompt")
+    if max_tokens < 1:
+        raise InputError("max_tokens must be at least 1")
+    if params.temperature != 0.0 and params.seed is None:
+        # Fixed here, at the entry: a last rank rebuilt after a failure replays the same draws.
+        params = attrs.evolve(params, seed=secrets.randbelow(MAX_SEED + 1))
+    try:
+        return StartRequest(
+            request_id=secrets.randbits(63) | 1,
+            prompt=tuple(prompt),
+            max_tokens=max_tokens,
+            entry_rank=entry_rank,
+            entry_node_id=entry_node_id,
+            sampling=params,
+            stop=tuple(stop),
+            speculate=speculate,
+        )
+    except ProtocolError as exc:  # beyond a wire limit (prompt length, stop strings…): the client's input
+        raise InvalidRequest(ErrorCode.BAD_REQUEST, str(exc)) from None
+
+
+def outgoing_start(start: StartRequest, rank: int, size: int) -> StartRequest:
+    """START as the successor of rank ``rank`` gets it (pure): the prompt's token ids only while a node ahead needs
+    them (the last rank needs them for repeat penalties, and to draft from when the request speculates)."""
+    penalties = uses_penalties(start.sampling) or start.speculate > 0
+    if start_needs_tokens((rank + 1) % size, start.entry_rank, size, penalties=penalties):
+        return start
+    return start.withheld()
+
+
 def uses_penalties(params: SamplingParams) -> bool:
     """Whether the sampler's repeat penalties read the prompt (greedy ignores every other setting)."""
     return params.temperature != 0.0 and params.repeat_penalty != 1.0 and params.repeat_last_n != 0
@@ -220,6 +264,9 @@ class RequestTable:
         self.on_end = EndListeners()
         self.speculation = SpeculationStats()
 
+    def count_error(self) -> None:
+        self.errors += 1
+
     def get(self, request_id: int) -> RequestState | None:
         return self._states.get(request_id)
 
@@ -255,9 +302,8 @@ class RequestTable:
         entry: EntryStream | None,
         *,
         check_vocab: bool,
-        sampler: Callable[[], TokenSampler] | None,
     ) -> RequestState:
-        """Take a sequence for ``start``; ``sampler`` (last rank) builds its sampler chain."""
+        """Take a sequence for ``start`` (the last rank builds its sampler at its first sample, off the loop)."""
         if start.request_id in self._states:
             raise InvalidRequest(ErrorCode.BAD_REQUEST, f"request {start.request_id:x} is already in flight")
         n_ctx = self.stage.config.n_ctx
@@ -278,16 +324,6 @@ class RequestTable:
                 f"rank {self.rank} has no free sequence (all {self.stage.config.n_seq_max} in use)",
             )
         state = RequestState(start=start, seq=seq, entry=entry)
-        if sampler is not None:
-            try:
-                state.sampler = sampler()
-                for t in start.prompt:
-                    state.sampler.accept(t)
-            except BaseException:
-                if state.sampler is not None:
-                    state.sampler.close()
-                self._seqs.give(seq)
-                raise
         self._states[start.request_id] = state
         self.requests += 1
         self.hub.publish(RequestStarted(start.request_id, start.prompt_length, start.entry_rank))
@@ -373,6 +409,6 @@ class RequestTable:
                         state.request_id,
                         limit,
                     )
-                    await self.finish(
-                        state, "error", f"no progress for {limit:.0f} s at rank {self.rank}", ErrorCode.STAGE_FAILED
-                    )
+                    # Nothing came round: a frame or a node of the ring is gone (llama.cpp did not fail here).
+                    message = f"no progress for {limit:.0f} s at rank {self.rank}"
+                    await self.finish(state, "error", message, ErrorCode.LINK_LOST)

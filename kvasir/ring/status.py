@@ -343,3 +343,17 @@ def speculation_line(req: Mapping[str, Any] | RequestCounters) -> str:
         f"{c.verify_batches} verify batches · {c.accepted}/{c.drafted} drafts accepted{share}"
         f" · {c.eager_steps} steps drafted eagerly"
     )
+
+
+def rss_bytes() -> int:
+    """This process's resident memory (its peak where /proc is missing)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

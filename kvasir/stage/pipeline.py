@@ -16,7 +16,7 @@ import attrs
 from kvasir.core.sampling import SamplingParams
 from kvasir.core.schedule import PREFILL_CHUNK
 from kvasir.core.speculate import K_LIMIT, Drafter, RowSampler, SpeculationStats
-from kvasir.core.stops import find_stop
+from kvasir.core.stops import Ending, ending, find_stop
 from kvasir.errors import InputError
 from kvasir.stage.engine import FloatArray, Stage
 from kvasir.stage.vocab import TextStream
@@ -44,6 +44,47 @@ class GenerationResult:
             "decode_ms_per_token": round(self.decode_ms_per_token, 3),
             **extra,
         }
+
+
+class _Output:
+    """One generation's output as tokens are sampled: emits them (text, ``on_token``, the drafter) and says when the
+    generation ends (:func:`kvasir.core.stops.ending`, the decision the ring's last rank makes too)."""
+
+    def __init__(
+        self,
+        stage: Stage,
+        stop: Sequence[str],
+        max_tokens: int,
+        on_token: Callable[[int, str], None] | None,
+        drafter: Drafter | None = None,
+    ) -> None:
+        self._vocab, self._stream = stage.vocab, TextStream(stage.vocab)
+        self._stop, self._max, self._on_token, self._drafter = stop, max_tokens, on_token, drafter
+        self.tokens: list[int] = []
+        self.text = ""
+        self.reason = Ending.MAX_TOKENS
+
+    def take(self, token: int) -> bool:
+        """A sampled token; True when the generation ends with it."""
+        eog = self._vocab.is_eog(token)
+        if not eog:
+            self.tokens.append(token)
+            if self._drafter is not None:
+                self._drafter.emitted(token)
+            delta = self._stream.push(token)
+            self.text += delta
+            if self._on_token is not None:
+                self._on_token(token, delta)
+        end = ending(eog=eog, text=self.text, stops=self._stop, generated=len(self.tokens), max_tokens=self._max)
+        if end is not None:
+            self.reason = end
+        return end is not None
+
+    def finish(self) -> str:
+        """The final text: cut at the stop string, or with the decoder's held-back bytes."""
+        if self.reason is Ending.STOP:
+            return self.text[: find_stop(self.text, self._stop)]
+        return self.text + self._stream.flush()
 
 
 class LocalPipeline:
@@ -103,13 +144,9 @@ class LocalPipeline:
         n_ctx = min(s.config.n_ctx for s in self.stages)
         if len(prompt) + max_tokens > n_ctx:
             raise InputError(f"prompt ({len(prompt)}) + max tokens ({max_tokens}) exceed the context of {n_ctx}")
-        vocab = self.last.vocab
-        vocab.check_tokens(prompt)
+        self.last.vocab.check_tokens(prompt)
         sampler = self.last.new_sampler(params)
-        stream = TextStream(vocab)
-        out: list[int] = []
-        text = ""
-        reason = "max_tokens"
+        output = _Output(self.last, stop, max_tokens, on_token)
         try:
             for t in prompt:
                 sampler.accept(t)
@@ -119,36 +156,21 @@ class LocalPipeline:
             t1 = time.perf_counter()
             pos = len(prompt)
             steps = 0
-            while True:
-                if vocab.is_eog(token):
-                    reason = "eog"
-                    break
-                out.append(token)
-                delta = stream.push(token)
-                text += delta
-                if on_token is not None:
-                    on_token(token, delta)
-                cut = find_stop(text, stop)
-                if cut is not None:
-                    text = text[:cut]
-                    reason = "stop"
-                    break
-                if len(out) >= max_tokens:
-                    break
+            while not output.take(token):
                 self.step(seq_id, pos, [token])
                 pos += 1
                 steps += 1
                 token = self.last.sample(sampler)
             t2 = time.perf_counter()
-            text += stream.flush() if reason != "stop" else ""
+            text = output.finish()
         finally:
             sampler.close()
             self.free(seq_id)
         return GenerationResult(
-            tokens=out,
+            tokens=output.tokens,
             text=text,
             prompt_tokens=len(prompt),
-            stop_reason=reason,
+            stop_reason=output.reason.value,
             prefill_ms=(t1 - t0) * 1e3,
             decode_ms_per_token=(t2 - t1) * 1e3 / steps if steps else 0.0,
         )
@@ -178,14 +200,10 @@ class LocalPipeline:
         n_ctx = min(s.config.n_ctx for s in self.stages)
         if len(prompt) + max_tokens > n_ctx:
             raise InputError(f"prompt ({len(prompt)}) + max tokens ({max_tokens}) exceed the context of {n_ctx}")
-        vocab = self.last.vocab
-        vocab.check_tokens(prompt)
+        self.last.vocab.check_tokens(prompt)
         sampler = self.last.new_sampler(params)
-        stream = TextStream(vocab)
         drafter = Drafter.for_prompt(prompt, k_max)  # the ring's last rank drafts with the same object
-        out: list[int] = []
-        text = ""
-        reason = "max_tokens"
+        output = _Output(self.last, stop, max_tokens, on_token, drafter)
         try:
             for t in prompt:
                 sampler.accept(t)
@@ -195,31 +213,8 @@ class LocalPipeline:
             t1 = time.perf_counter()
             pos = len(prompt)  # where new[-1] is fed
             steps = 0
-            done = False
-            while True:
-                for token in new:
-                    if vocab.is_eog(token):
-                        reason = "eog"
-                        done = True
-                        break
-                    out.append(token)
-                    drafter.emitted(token)
-                    delta = stream.push(token)
-                    text += delta
-                    if on_token is not None:
-                        on_token(token, delta)
-                    cut = find_stop(text, stop)
-                    if cut is not None:
-                        text = text[:cut]
-                        reason = "stop"
-                        done = True
-                        break
-                    if len(out) >= max_tokens:
-                        done = True
-                        break
-                if done:
-                    break
-                drafts = drafter.drafts(max_tokens - len(out))
+            while not any(output.take(token) for token in new):  # any() stops at the token that ends it
+                drafts = drafter.drafts(max_tokens - len(output.tokens))
                 fed = [new[-1], *drafts]
                 if drafts:
                     rows = RowSampler(functools.partial(self.last.sample, sampler), drafts)
@@ -237,15 +232,15 @@ class LocalPipeline:
                 steps += len(new)
                 drafter.verified(len(drafts), accepted, new[0])
             t2 = time.perf_counter()
-            text += stream.flush() if reason != "stop" else ""
+            text = output.finish()
         finally:
             sampler.close()
             self.free(seq_id)
         return GenerationResult(
-            tokens=out,
+            tokens=output.tokens,
             text=text,
             prompt_tokens=len(prompt),
-            stop_reason=reason,
+            stop_reason=output.reason.value,
             prefill_ms=(t1 - t0) * 1e3,
             decode_ms_per_token=(t2 - t1) * 1e3 / steps if steps else 0.0,
             speculation=drafter.stats,
