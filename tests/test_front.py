@@ -21,17 +21,22 @@ import trio
 from kvasir.api.server import ApiAccess
 from kvasir.local.front import Entry, EntryState, Front, FrontThread, entry_order, entry_state, sse_kind
 from kvasir.local.launcher import ENTRY_KEY_FILE, free_ports
+from kvasir.ring.status import LinkStatus, NodeStatus
 from tests.ringutil import running_ring, whole_model
 
 READY, LINKING, DORMANT, DOWN = EntryState.READY, EntryState.LINKING, EntryState.DORMANT, EntryState.DOWN
 
 
 def test_entry_state_from_a_node_status() -> None:
+    def status(ready: bool, successor: str) -> NodeStatus:
+        # Through the wire shape, as the front reads it from a control socket.
+        bare = NodeStatus("n", 0, 3, "m", "", 6, (0, 2), ready=ready, successor=LinkStatus(successor))
+        return NodeStatus.from_wire(bare.to_wire())
+
     assert entry_state(None) is DOWN
-    assert entry_state({"ready": True, "successor": {"state": "up"}}) is READY
-    dormant = {"ready": False, "successor": {"state": "dormant: waiting for a predecessor to link here"}}
-    assert entry_state(dormant) is DORMANT
-    assert entry_state({"ready": False, "successor": {"state": "connecting"}}) is LINKING
+    assert entry_state(status(True, "up")) is READY
+    assert entry_state(status(False, "dormant: waiting for a predecessor to link here")) is DORMANT
+    assert entry_state(status(False, "connecting")) is LINKING
 
 
 def test_entry_order_prefers_ready_and_idle_and_never_takes_a_dormant_node() -> None:

@@ -28,7 +28,9 @@ import trio
 
 from kvasir.api.schema import ApiError
 from kvasir.api.server import ApiAccess, OpenAiError, openai_error
+from kvasir.errors import InputError
 from kvasir.net.http import RECEIVE_BYTES, ApiLimits, HttpConnection, HttpRequest, serve_http
+from kvasir.ring.status import NodeStatus
 
 log = logging.getLogger("kvasir.front")
 
@@ -65,14 +67,13 @@ class Entry:
     control: Path
 
 
-def entry_state(status: dict[str, Any] | None) -> EntryState:
-    """A node's state as an entry, from its control status (None: it did not answer)."""
+def entry_state(status: NodeStatus | None) -> EntryState:
+    """A node's state as an entry, from its control status (None: it did not answer, or not a status)."""
     if status is None:
         return EntryState.DOWN
-    if status.get("ready"):
+    if status.ready:
         return EntryState.READY
-    successor = status.get("successor")
-    if isinstance(successor, dict) and str(successor.get("state", "")).startswith("dormant"):
+    if status.successor.state.startswith("dormant"):
         return EntryState.DORMANT
     return EntryState.LINKING
 
@@ -411,8 +412,8 @@ def _no_entry() -> ApiError:
     return ApiError(503, "no node of the ring can take requests now", type="server_error", code="entry_unavailable")
 
 
-async def control_status(path: Path, wait_s: float) -> dict[str, Any] | None:
-    """A node's status from its control socket (None: no answer within ``wait_s``)."""
+async def control_status(path: Path, wait_s: float) -> NodeStatus | None:
+    """A node's status from its control socket (None: no answer within ``wait_s``, or not a status)."""
     with trio.move_on_after(wait_s):
         try:
             stream = await trio.open_unix_socket(str(path))
@@ -430,8 +431,10 @@ async def control_status(path: Path, wait_s: float) -> dict[str, Any] | None:
                 reply = json.loads(buffer.split(b"\n", 1)[0])
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, ValueError):
                 return None
-        status = reply.get("status") if isinstance(reply, dict) else None
-        return status if isinstance(status, dict) else None
+        try:
+            return NodeStatus.from_wire(reply.get("status") if isinstance(reply, dict) else None)
+        except InputError:
+            return None
     return None
 
 
