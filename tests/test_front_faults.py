@@ -123,3 +123,7 @@ def test_with_standbys_a_killed_rank_0_costs_seconds_and_its_dormant_restart_no_
         status_of_primary = json.loads(st.stdout)
         assert status_of_primary["links"]["successor"]["state"].startswith("dormant"), st.stdout
         assert status_of_primary["requests"]["requests"] == 0  # not one request entered there
+        up.proc.send_signal(signal.SIGTERM)  # the front's thread ends with the ring
+        assert up.proc.wait(timeout=30) == 0, up.stderr()
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(url + "/models", timeout=5)
