@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,7 +30,7 @@ def _complete(url: str, timeout: float = 60) -> tuple[int, str]:
 
 def _stream_cut_by(url: str, kill: Callable[[], None]) -> list[dict[str, Any]]:
     """A long stream; ``kill`` once its first token is in; every event it then got."""
-    body = {"prompt": PROMPT, "max_tokens": 200, "temperature": 0, "stream": True}
+    body = {"prompt": PROMPT, "max_tokens": 200, "temperature": 1.0, "seed": 7, "stream": True}  # 200, no EOS
     events: list[dict[str, Any]] = []
     with httpx.stream("POST", url + "/completions", json=body, timeout=60) as s:
         assert s.status_code == 200
@@ -54,6 +55,29 @@ def _served_after_kill(url: str, expected: str, seconds: float) -> list[float]:
     return latencies
 
 
+class _Client:
+    """Another client sending requests back to back from a thread until stopped: every (status, text) it got."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.answers: list[tuple[int, str]] = []
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stopped.is_set():
+            try:
+                self.answers.append(_complete(self.url))
+            except httpx.HTTPError as exc:  # a refused or cut connection: what the front is there to prevent
+                self.answers.append((0, repr(exc)))
+
+    def stop(self) -> list[tuple[int, str]]:
+        self.stopped.set()
+        self.thread.join(90)
+        return self.answers
+
+
 def _front(up: RingUp) -> str:
     match = re.search(r"OpenAI API: (http://\S+/v1)", up.stdout())
     assert match, up.stdout()
@@ -75,8 +99,10 @@ def test_a_node_killed_under_the_front_refuses_no_request(
         reference = "".join(e["choices"][0]["text"] for e in _stream_cut_by(url, lambda: None))
         pid = up.pids()[f"rank {victim}"]
         killed_at: list[float] = []
+        others: list[_Client] = []
 
         def kill() -> None:
+            others.append(_Client(url))  # its requests go to rank 1 (fewest in flight), then wherever is live
             os.kill(pid, signal.SIGKILL)
             killed_at.append(time.monotonic())
 
@@ -93,6 +119,8 @@ def test_a_node_killed_under_the_front_refuses_no_request(
         latencies = _served_after_kill(url, expected, 8)
         print(f"rank {victim} killed: first request served {first + latencies[0] - killed_at[0]:.2f} s after the kill")
         assert len(latencies) >= 2
+        answers = others[0].stop()
+        assert len(answers) >= 3 and set(answers) == {(200, expected)}, answers  # none refused, none different
         wait_for(lambda: f"rank {victim} exited with code -9" in up.stderr(), 10, "the supervisor's note")
 
 

@@ -4,7 +4,7 @@ Every node (standbys included) serves the OpenAI-compatible API on its own loopb
 run (``LocalRing.entry_key``). The front listens on the public port, checks the client's key itself (the same key
 file and rules as a node's API) and forwards each request to one live node's API, choosing by the nodes' readiness
 (:func:`entry_order`, from their control sockets, polled). A refused connection, an entry lost before any byte of
-the answer went out, or a 503 the entry answered before its first token, is retried on the next entry (until
+the answer went out, or a 503 or 429 the entry answered before its first token, is retried on the next entry (until
 ``retry_s`` after the first failure); streams pass through event by event. An entry that dies mid-stream ends its
 stream with an SSE error event; one that dies under a non-streamed request is retried, the client saw nothing yet.
 docs/architecture.md § API front says why a front and not the API on rank 0.
@@ -42,8 +42,12 @@ _HOP_HEADERS = frozenset(
 )
 #: An answer's headers the front passes on (the rest are per hop, or its own).
 _PASSED_HEADERS = frozenset({"content-type", "allow", "retry-after", "cache-control"})
-#: Error codes that say "not this entry, not now": another entry, or the same one a moment later, may serve it.
+#: Error codes in a stream that say "not this entry, not now": another entry, or the same one a moment later, may
+#: serve it.
 RETRYABLE_CODES = frozenset({"overloaded", "ring_error"})
+#: Statuses of an entry's answer that say the same: the ring busy or broken (503), or a node's cap on one client hit
+#: by the front's requests, which all come as one client (429; the front caps each real client itself).
+RETRYABLE_STATUSES = frozenset({429, 503})
 #: Largest non-streamed answer the front buffers (a whole context of text is far below).
 MAX_ANSWER_BYTES = 16 * 1024 * 1024
 
@@ -317,7 +321,7 @@ class Front:
         except _Lost as exc:
             self.states[i] = EntryState.DOWN
             return _entry_error(f"{entry.label} was lost before its answer ({exc})")
-        if head.status_code == 503:
+        if head.status_code in RETRYABLE_STATUSES:
             return error_from_body(head.status_code, body)
         passed = [(k, v) for k, v in headers if k in _PASSED_HEADERS]
         if head.status_code == 401:  # the node refused the front's key: the front's fault, not the client's
