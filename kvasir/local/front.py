@@ -188,7 +188,7 @@ class Front:
     states: list[EntryState] = attrs.field(init=False)
     inflight: list[int] = attrs.field(init=False)
     running: dict[str, int] = attrs.field(factory=dict)  # client -> generation requests in flight
-    #: Tries that failed and were retried elsewhere, and streams an entry left mid-answer (for the banner, tests).
+    #: Tries that failed and were retried elsewhere, and streams an entry left mid-answer (for logs and tests).
     retries: int = 0
     cut: int = 0
     #: The ring is being stopped: a failed try is answered as it is, not retried.
