@@ -80,8 +80,8 @@ OVERLOADED = {"error": {"message": "rank 1 has no free sequence", "type": "serve
 class Scripted:
     """An entry that reads one request and writes ``reply`` (raw bytes); ``cut``: then drops the connection."""
 
-    def __init__(self, reply: bytes, *, cut: bool = False) -> None:
-        self.reply, self.cut = reply, cut
+    def __init__(self, reply: bytes, *, cut: bool = False, delay: float = 0.0) -> None:
+        self.reply, self.cut, self.delay = reply, cut, delay
         self.requests: list[bytes] = []
 
     async def handle(self, stream: trio.SocketStream) -> None:
@@ -93,6 +93,7 @@ class Scripted:
         while len(body) < length:
             body += await stream.receive_some(65536)
         self.requests.append(head)
+        await trio.sleep(self.delay)
         await stream.send_all(self.reply)
         if self.cut:
             stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close: a reset
@@ -195,6 +196,22 @@ async def test_the_front_checks_the_clients_key_and_sends_its_own() -> None:
         assert r.status_code == 200
         (head,) = good.requests
         assert b"authorization: Bearer internal-key-0123456789" in head and b"alice" not in head
+
+
+async def test_the_front_caps_each_clients_requests_at_once() -> None:
+    slow = Scripted(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}", delay=1.0)
+    answers: list[int] = []
+
+    async def one(url: str) -> None:
+        answers.append((await _post(url, {"prompt": "x"})).status_code)
+
+    async with scripted_front([slow], ApiAccess(max_requests_per_client=2)) as (_front, url):
+        async with trio.open_nursery() as nursery:
+            for _ in range(3):
+                nursery.start_soon(one, url)
+        assert sorted(answers) == [200, 200, 429] and len(slow.requests) == 2  # the third never reached a node
+        r = await _post(url, {"prompt": "x"})  # the cap counts requests in flight only
+        assert r.status_code == 200
 
 
 # ---------------------------------------------------------------------------------------------- a real ring
