@@ -143,7 +143,7 @@ def test_with_standbys_a_killed_rank_0_costs_seconds_and_its_dormant_restart_no_
         wait_for(lambda: "rank 0 restarted" in up.stderr() or "rank 0 exited" in up.stderr(), 10, "the restart")
         # The restarted primary is dormant beside its linked standby: never chosen, so no request waits on it.
         latencies = _served_after_kill(url, expected, 10)
-        assert max(latencies) < 5, latencies
+        assert max(latencies) < 10, latencies  # one sent to the dormant primary would wait link_wait, 30 s
         sock = re.search(r"^\s+rank 0: .* control (\S+)$", up.stdout(), re.M)  # the primary's, not the standby's
         assert sock, up.stdout()
         st = up.kvasir("status", "--json", "--socket", sock.group(1))
