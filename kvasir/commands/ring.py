@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 
 import attrs
 
+from kvasir.api.server import ApiAccess
 from kvasir.commands.common import (
     add_batch_arg,
     add_model_arg,
@@ -29,11 +30,12 @@ from kvasir.control.client import ControlClient
 from kvasir.control.paths import find_socket
 from kvasir.core.sampling import SamplingParams
 from kvasir.errors import InputError, RingError
+from kvasir.local.front import Front, FrontThread
 from kvasir.local.launcher import LocalRing, Supervisor, default_threads, remove_run_dir, start_ring
 from kvasir.local.preflight import check_api_key_file, check_port_free
 from kvasir.shard.cache import default_cache_dir, even_splits, model_sha256, stage_files
 
-#: Where rank 0 serves the API (`kvasir node --api-host`'s default, which ring up keeps).
+#: Where the API front listens (loopback, as `kvasir node --api-host`'s default).
 API_HOST = "127.0.0.1"
 
 
@@ -69,7 +71,13 @@ def add_parser(sub: Any) -> None:
         prompt_help="answer this prompt, print the result and stop the ring",
         json_help="print one JSON object (like `kvasir generate --json`)",
     )
-    up.add_argument("--api-port", type=int, default=None, help="serve the OpenAI-compatible API on rank 0")
+    up.add_argument(
+        "--api-port",
+        type=int,
+        default=None,
+        help="serve the OpenAI-compatible API here; every node is an entry behind it (a node that dies costs only "
+        "the streams that entered there)",
+    )
     up.add_argument(
         "--api-key-file", type=Path, default=None, metavar="FILE", help="bearer keys the API requires (mode 0600)"
     )
@@ -167,6 +175,7 @@ class _Outcome:
 
     clean: bool = False
     supervisor: Supervisor | None = None
+    front: FrontThread | None = None
 
     @property
     def keep_logs(self) -> bool:
@@ -195,8 +204,7 @@ def _start_and_run(
         windows,
         cache,
         run_dir=run_dir,
-        api_port=args.api_port,
-        api_key_file=args.api_key_file,
+        entries=args.api_port is not None and args.prompt is None,
         threads=threads,
         ctx=args.ctx,
         seqs=args.seqs,
@@ -225,7 +233,11 @@ def _start_and_run(
         return 0 if args.prompt is None else 128 + stop.signum
     finally:
         stopper.disarm()  # a second signal must not cut the cleanup short
+        if outcome.front is not None:
+            outcome.front.front.closing = True  # the nodes' last error replies go out as they are, not retried
         ring.stop()
+        if outcome.front is not None:
+            outcome.front.stop()
 
 
 class _Stopped(BaseException):
@@ -288,6 +300,8 @@ def _run(
 ) -> int:
     ring.wait_ready()
     if args.prompt is None:
+        if args.api_port is not None:
+            outcome.front = start_front(ring, args.api_port, args.api_key_file)
         outcome.supervisor = Supervisor(ring, max_delay_s=args.max_restart_delay)
         return _serve_forever(ring, args, outcome.supervisor)
     with ControlClient(ring.sockets[0], timeout=600) as client:
@@ -343,6 +357,18 @@ def _run(
     return 0
 
 
+def start_front(ring: LocalRing, port: int, key_file: Path | None) -> FrontThread:
+    """The API front on ``port``, every node of ``ring`` an entry behind it (kvasir.local.front)."""
+    assert ring.entry_key is not None
+    access = ApiAccess() if key_file is None else ApiAccess.from_key_file(key_file)
+    thread = FrontThread(Front(ring.entries(), ring.entry_key, access, host=API_HOST), port)
+    try:
+        thread.start()
+    except OSError as exc:  # taken since the preflight check
+        raise InputError(f"--api-port: {exc.strerror or exc}") from None
+    return thread
+
+
 def _serve_forever(ring: LocalRing, args: argparse.Namespace, supervisor: Supervisor) -> NoReturn:
     """Serve until a stop signal (raised as :class:`_Stopped` in here); a node that dies is restarted, however often
     (:class:`Supervisor`): one flapping window must not take the healthy ones down."""
@@ -355,7 +381,7 @@ def _serve_forever(ring: LocalRing, args: argparse.Namespace, supervisor: Superv
     if ring.relay is not None:
         print(f"  relay: {ring.relay_url}, pid {ring.relay.pid} (every link goes through it)")
     if args.api_port is not None:
-        print(f"OpenAI API: http://127.0.0.1:{args.api_port}/v1")
+        print(f"OpenAI API: http://{API_HOST}:{args.api_port}/v1 (every node an entry)")
     try:
         found = find_socket()
     except InputError:

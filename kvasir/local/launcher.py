@@ -23,10 +23,14 @@ from kvasir.control.paths import node_socket_path
 from kvasir.core.config import without_config
 from kvasir.core.identity import PublicKey, create_identity
 from kvasir.errors import RingError
+from kvasir.local.front import Entry
 from kvasir.relay.ringlink import grant_relay_edges
 from kvasir.ring.manifest import Manifest, RankEntry, StandbyEntry
 from kvasir.shard.cache import model_sha256, stage_files
 from kvasir.util.files import atomic_output
+
+#: The internal API key's file in a run directory (``start_ring(entries=True)``).
+ENTRY_KEY_FILE = "entry-api.key"
 
 #: How long ``ring up --relay``'s edge grants last; the nodes' own tokens still live ten minutes at most.
 GRANT_LIFETIME_S = 30 * 24 * 3600
@@ -68,12 +72,20 @@ class LocalRing:
     #: With standbys (``start_ring(standby=True)``): the index in ``processes``/``sockets``/``commands`` of the
     #: first standby; standby ``i`` (from there) holds rank ``i``'s window. They start once the primaries are ready.
     standby_start: int | None = None
+    #: With ``start_ring(entries=True)``: every process's own API port on loopback (``processes`` indices,
+    #: standbys included), each behind :attr:`entry_key`; ``ring up``'s front (kvasir.local.front) forwards to them.
+    entry_ports: list[int] = attrs.field(factory=list)
+    entry_key: str | None = None
 
     def label(self, i: int) -> str:
         """What process ``i`` is: ``rank K`` or ``rank K's standby``."""
         if self.standby_start is None or i < self.standby_start:
             return f"rank {i}"
         return f"rank {i - self.standby_start}'s standby"
+
+    def entries(self) -> tuple[Entry, ...]:
+        """Every process as an entry of the API front (standbys too: the front routes to whichever is linked)."""
+        return tuple(Entry(i, self.label(i), port, self.sockets[i]) for i, port in enumerate(self.entry_ports))
 
     def log_path(self, i: int) -> Path:
         if self.standby_start is None or i < self.standby_start:
@@ -382,6 +394,7 @@ def start_ring(
     tied: bool = False,
     secure: bool = True,
     standby: bool = False,
+    entries: bool = False,
 ) -> LocalRing:
     """Cut the stage files, write the manifest, start one node process per window.
 
@@ -390,7 +403,10 @@ def start_ring(
     die with this one (:func:`spawn`). ``secure``: each node gets its own key (``rank{k}.pem`` in ``run_dir``, mode
     0600) and the manifest names them, so the links authenticate and encrypt (protocol v2). ``standby``: one
     standby node per rank (its own port and key, ``rank{k}-standby.pem``), started by :meth:`LocalRing.wait_ready`
-    once the primaries are ready and supervised like them (docs/architecture.md § Failover).
+    once the primaries are ready and supervised like them (docs/architecture.md § Failover). ``entries``: every
+    node (standbys too) serves the API on its own loopback port behind a key made for this run
+    (:attr:`LocalRing.entry_ports`, :attr:`LocalRing.entry_key`), for ``ring up``'s front; ``api_port`` is the
+    older way, the API on rank 0 only (tests and benches that talk to one node).
     """
     if standby and relay:
         raise RingError("standby nodes need direct links: drop the relay or the standbys")
@@ -398,7 +414,8 @@ def start_ring(
     sha = model_sha256(model, cache_dir)
     run_dir = run_dir or Path(tempfile.mkdtemp(prefix="kvasir-ring-"))
     n = len(windows)
-    ports = free_ports(2 * n if standby else n, host, exclude=() if api_port is None else (api_port,))
+    processes = 2 * n if standby else n
+    ports = free_ports(2 * processes if entries else processes, host, exclude=() if api_port is None else (api_port,))
     standbys = [(StandbyEntry(host, ports[n + k]),) if standby else () for k in range(n)]
     manifest = Manifest(
         model_sha256=sha,
@@ -425,6 +442,8 @@ def start_ring(
     manifest_path = run_dir / "ring.toml"
     manifest.write(manifest_path)
     ring = LocalRing(manifest, run_dir, [], [], api_port, tied=tied)
+    if entries:
+        ring.entry_ports, ring.entry_key = ports[processes:], _entry_key_file(run_dir)
     env = importable_env(without_config(os.environ))  # every setting is a flag below
     # Several nodes share this machine's cores and only one computes at a time. ggml's OpenMP workers meet at a
     # barrier after every graph op: spinning forever (OMP_WAIT_POLICY=active) starves the busy stage, sleeping at
@@ -437,6 +456,23 @@ def start_ring(
         ring.stop()
         raise
     return ring
+
+
+def _entry_key_file(run_dir: Path) -> str:
+    """A key for this run's internal API ports (:data:`ENTRY_KEY_FILE` in ``run_dir``, mode 0600): the nodes
+    require it, only the front (and whoever can read the run directory: this user) has it."""
+    key = secrets.token_urlsafe(32)
+    with atomic_output(run_dir / ENTRY_KEY_FILE) as tmp:
+        tmp.write_text(key + "\n")
+        tmp.chmod(0o600)
+    return key
+
+
+def _entry_args(ring: LocalRing, i: int) -> list[str]:
+    """Process ``i``'s internal API flags (none without ``entries``)."""
+    if not ring.entry_ports:
+        return []
+    return ["--api-port", str(ring.entry_ports[i]), "--api-key-file", str(ring.run_dir / ENTRY_KEY_FILE)]
 
 
 def _standby_identity(run_dir: Path, rank: int) -> PublicKey:
@@ -482,6 +518,7 @@ def _launch(
             cmd += ["--api-port", str(ring.api_port)]
             if api_key_file is not None:
                 cmd += ["--api-key-file", str(api_key_file)]
+        cmd += _entry_args(ring, k)
         ring.commands.append((cmd, env))
         ring.sockets.append(sock)
         ring.processes.append(spawn(cmd, env, run_dir / f"rank{k}.log", tied=tied))
@@ -490,12 +527,13 @@ def _launch(
     for k, rank in enumerate(manifest.ranks):
         if not rank.standby:
             continue
-        # Started by wait_ready once the primaries are linked; restarted by the Supervisor like them. No API: its
-        # clients would lose it with the primary it stands in for.
+        # Started by wait_ready once the primaries are linked; restarted by the Supervisor like them. No public API
+        # (its clients would lose it with the primary it stands in for); an entry of the front when entries are on.
         sock = node_socket_path(k, rank.standby[0].port) if default_control else run_dir / f"rank{k}-standby.sock"
         cmd = [*_node_command(manifest_path, k, sock, ctx, seqs, extra_args, threads), "--standby", "0"]
         if rank.key is not None:
             cmd += ["--identity", str(run_dir / f"rank{k}-standby.pem")]
+        cmd += _entry_args(ring, len(ring.commands))
         ring.commands.append((cmd, env))
         ring.sockets.append(sock)
 
