@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import attrs
 import httpx
 import pytest
 import trio
@@ -31,7 +32,7 @@ from kvasir.market.agent.enroll import _window_failed
 from kvasir.market.agent.lease import LeaseKeeper, LeaseLost
 from kvasir.market.agent.policy import Claim, OwnState, decide
 from kvasir.market.agent.ringmap import UNKNOWN_HOST, UNKNOWN_PORT, keep_known
-from kvasir.market.records import ClaimRequest
+from kvasir.market.records import ClaimRequest, CoverageEntry
 from kvasir.market.server.clock import SKEW_FILE_ENV, MarketClock, wall_clock_from_env
 from kvasir.ring.manifest import Manifest, RankEntry
 from tests.harness.marketload import publish
@@ -93,6 +94,15 @@ def test_what_counts_as_the_markets_failure_not_the_windows() -> None:
     nested: Any = BaseExceptionGroup("inner", [down])
     assert not _window_failed(BaseExceptionGroup("s", [down, nested]))
     assert _window_failed(BaseExceptionGroup("s", [down, LeaseLost("no source")]))
+
+
+def test_a_node_holding_nothing_takes_back_a_window_the_map_shows_it_holding() -> None:
+    """A claim whose reply was lost when the market died: claiming again renews it, instead of taking a second window
+    (which would leave a node that fits only that one waiting while the lost claim blocks the first)."""
+    base = CoverageEntry("a" * 64, 0, 0, 2, 1.0, 1.0, 100, "b" * 64)
+    coverage = [base, attrs.evolve(base, rank=1, start=2, end=4, reward=9.0, holder="me", state="fetching")]
+    assert decide(coverage, OwnState("me"), 1000, random.Random(0)) == Claim(coverage[1])
+    assert decide(coverage, OwnState("other"), 1000, random.Random(0)) == Claim(coverage[0])
 
 
 def _manifest(*hosts: tuple[str, int]) -> Manifest:

@@ -63,8 +63,10 @@ NOTHING_FITS = "waiting for an uncovered window that fits"
 def decide(coverage: Sequence[CoverageEntry], own: OwnState, budget_bytes: int, rng: random.Random) -> Decision:
     """The next step for a node in state ``own`` given the market's ``coverage`` map.
 
-    Holding nothing: :class:`Claim` the window :func:`~kvasir.market.agent.choice.choose_window` picks among those
-    not avoided (ties broken by ``rng``: deterministic for a given state), or :class:`Wait`.
+    Holding nothing: :class:`Claim` a window the map shows held by this very node (a claim whose reply was lost
+    when the market died, or a lease of this node's previous run: claiming it again renews that lease), else the
+    window :func:`~kvasir.market.agent.choice.choose_window` picks among those not avoided (ties broken by ``rng``:
+    deterministic for a given state), or :class:`Wait`.
 
     Holding a window: :class:`Release` when a map that lists the model no longer has the window, or shows another
     node holding it (the lease ran out and was taken); otherwise :class:`Wait` (a window shown uncovered is the
@@ -72,6 +74,9 @@ def decide(coverage: Sequence[CoverageEntry], own: OwnState, budget_bytes: int, 
     """
     if own.holding is None:
         open_ = [w for w in coverage if window_key(w) not in own.avoid]
+        mine = [w for w in open_ if w.holder == own.node_id]
+        if mine:  # never a second window while a lease of ours blocks a window another node may need
+            return Claim(min(mine, key=lambda w: (w.model, w.rank)))
         choice = choose_window(open_, budget_bytes, rng)
         return Wait(NOTHING_FITS) if choice is None else Claim(choice)
     model, start, end = own.holding
