@@ -7,6 +7,7 @@ The market is a real ``kvasir market`` process on loopback with real SQLite; its
 
 from __future__ import annotations
 
+import re
 import signal
 import socket
 import sqlite3
@@ -83,6 +84,7 @@ def test_a_market_ring_rides_out_an_outage_mid_load_a_skewed_restart_and_a_lapse
         err = {name: "\n".join(p.err) for name, p in nodes.items()}
         assert not any("choosing again" in e for e in err.values()), err  # nobody gave up (and avoided) a window
         assert any("(retrying)" in e for e in err.values()), err  # a node met the outage while setting up
+        assert any(re.search(r"its clock is \+(8|9)\d\.\d s from this host's", e) for e in err.values()), err
         got = wait_for(lambda: _try(tmp_path / "big.sock"), 60, "a ring reply")
         assert got["tokens"] == want
         print(f"live {live_after:.2f} s after the market's restart")

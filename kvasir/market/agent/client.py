@@ -9,6 +9,7 @@ is signed again once with the time that refusal carried. A reply larger than ``m
 from __future__ import annotations
 
 import json
+import logging
 import ssl
 import time
 from collections.abc import Callable
@@ -33,6 +34,10 @@ from kvasir.market.records import (
 )
 from kvasir.util.tls import client_context, tls_failure
 
+log = logging.getLogger("kvasir.market")
+
+#: A skew between the market's clock and this host's beyond this (and each change beyond it) is logged.
+SKEW_LOG_S = 5.0
 #: Largest reply read from a market (a coverage map of MAX_MODELS models fits well within it).
 MAX_REPLY_BYTES = 16 * 1024 * 1024
 
@@ -94,11 +99,24 @@ class MarketClient:
         self.mono = mono
         #: The market's time as last seen (None until a reply carried it).
         self.seen: auth.MarketTime | None = None
+        self._skew_logged = 0.0
 
     def market_time(self) -> float:
         """The client's estimate of the market's clock (``clock()`` until a reply said it)."""
         seen = self.seen
         return self.clock() if seen is None else seen.at(self.mono())
+
+    def _report_skew(self) -> None:
+        """Say (once per change of more than SKEW_LOG_S) how far the market's clock is from this host's."""
+        skew = self.skew()
+        if skew is None or abs(skew - self._skew_logged) <= SKEW_LOG_S:
+            return
+        self._skew_logged = skew
+        log.warning(
+            "market %s: its clock is %+.1f s from this host's; requests are signed in the market's time",
+            self.url,
+            skew,
+        )
 
     def skew(self) -> float | None:
         """How far the market's clock is ahead of this host's (seconds), as last seen; None before any reply."""
@@ -140,6 +158,7 @@ class MarketClient:
                 seen = auth.parse_market_time(r.headers.get(auth.H_MARKET_TIME))
                 if seen is not None:  # the market's clock when it replied: about halfway through the round trip
                     self.seen = auth.MarketTime(seen, (sent + self.mono()) / 2)
+                    self._report_skew()
                 declared = r.headers.get("content-length", "0")
                 if declared.isdigit() and int(declared) > self.max_reply_bytes:
                     raise MarketError(r.status_code, "reply_too_large", f"market {self.url}: reply of {declared} bytes")
