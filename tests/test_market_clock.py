@@ -114,9 +114,12 @@ def test_an_uncovered_window_keeps_the_neighbour_the_node_knows() -> None:
     unknown = (UNKNOWN_HOST, UNKNOWN_PORT)
     current = _manifest(("127.0.0.1", 1), ("127.0.0.1", 2), ("127.0.0.1", 3))
     lapsed = _manifest(("127.0.0.1", 1), unknown, unknown)
-    assert keep_known(lapsed, current) == current
+    assert keep_known(lapsed, current, {1, 2}) == current
     moved = _manifest(("127.0.0.1", 1), ("127.0.0.1", 9), unknown)
-    assert [r.port for r in keep_known(moved, current).ranks] == [1, 9, 3]
+    assert [r.port for r in keep_known(moved, current, {2}).ranks] == [1, 9, 3]
+    # A serving neighbour behind a relay has no address on the map, only its key: that is news, not a lapse.
+    relayed = _manifest(("127.0.0.1", 1), unknown, unknown)
+    assert keep_known(relayed, current, set()) == relayed
 
 
 # ---------------------------------------------------------------------------------------------- real processes

@@ -145,7 +145,8 @@ class Serving:
             )
             # A window the map shows uncovered keeps the neighbour the node knows: a lapsed lease (a market that
             # cannot be reached, a clock off) is no reason to drop a working link; a new holder replaces it.
-            node.update_manifest(keep_known(fresh, node.manifest))
+            lapsed = {w.rank for w in coverage if not w.serving and w.rank != window.rank}
+            node.update_manifest(keep_known(fresh, node.manifest, lapsed))
 
 
 @asynccontextmanager
