@@ -27,7 +27,7 @@ import hashlib
 import re
 import secrets
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import attrs
 
@@ -77,10 +77,9 @@ def parse_market_time(text: str | None) -> float | None:
     return float(text)
 
 
-@attrs.frozen
-class MarketTime:
+class MarketTime(NamedTuple):
     """A client's estimate of the market's clock: ``seen`` market seconds at ``mono`` on the client's monotonic
-    clock (pure: the caller passes the monotonic time in)."""
+    clock (pure: the caller passes the monotonic time in; in-process state, never on the wire)."""
 
     seen: float
     mono: float
