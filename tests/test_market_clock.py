@@ -221,15 +221,18 @@ def test_a_step_of_the_markets_clock_evicts_nobody_and_a_dead_holder_goes_within
     operator = load_or_create_identity(tmp_path / "market.pem")
     market, url = _market(tmp_path, _free_port())
     try:
-        took = trio.run(_step_then_kill, url, operator, skew)
+        took, after_death = trio.run(_step_then_kill, url, operator, skew)
     finally:
         market.stop()
     err = "\n".join(market.err)
     assert "the host's clock stepped by +40" in err and "the host's clock stepped by -340" in err, err
-    print(f"the spare held the dead holder's window {took:.2f} s after its last renewal (lease {LEASE_S} s)")
+    print(
+        f"the spare held the dead holder's window {took:.2f} s after its last renewal, {after_death:.2f} s after its"
+        f" death (lease {LEASE_S} s, poll {POLL_S} s)"
+    )
 
 
-async def _step_then_kill(url: str, operator: Identity, skew: Path) -> float:
+async def _step_then_kill(url: str, operator: Identity, skew: Path) -> tuple[float, float]:
     (model,) = await publish(url, operator, WINDOWS)
     ring = Ring(url, model)
     try:
@@ -252,9 +255,10 @@ async def _step_then_kill(url: str, operator: Identity, skew: Path) -> float:
             at, rank = ring.spare_won[0]
             assert rank == 1
             took = at - last_renewal
+            # Uncovered one lease after the last renewal; claimed at the spare's next poll.
             assert took <= LEASE_S + POLL_S + 0.5, took
             nursery.cancel_scope.cancel()
-        return took
+        return took, at - dead
     finally:
         await ring.aclose()
 
