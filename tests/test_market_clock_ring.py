@@ -78,7 +78,7 @@ def test_a_market_ring_rides_out_an_outage_mid_load_a_skewed_restart_and_a_lapse
         market()
         restarted = time.monotonic()
         for p in nodes.values():
-            _enrolled(p)
+            assert 80 < _enrolled(p)["market_skew_s"] < 100  # each node says how far off the market's clock is
         wait_for(lambda: coverage(url)["live"], LIVE_AFTER_RESTART_S, "full coverage after the restart", 0.1)
         live_after = time.monotonic() - restarted
         err = {name: "\n".join(p.err) for name, p in nodes.items()}

@@ -219,6 +219,7 @@ class Enrollment:
 
     def status(self) -> dict[str, Any]:
         w = self.window
+        skew = self.market.skew()
         return {
             "node_id": self.config.node_id,
             "state": self.state,
@@ -226,6 +227,8 @@ class Enrollment:
             "rank": w.rank if w else None,
             "endpoint": self.endpoint,
             "joined_after_s": self.progress.joined_after,
+            #: How far the market's clock is ahead of this host's (requests are signed in the market's time).
+            "market_skew_s": None if skew is None else round(skew, 1),
             "fetched": [
                 {
                     "layers": [f.start, f.end],
