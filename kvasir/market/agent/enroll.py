@@ -42,7 +42,7 @@ from kvasir.market.agent.client import MarketClient, is_transient
 from kvasir.market.agent.config import EnrollConfig, is_public_host
 from kvasir.market.agent.lease import LeaseKeeper, LeaseLost, LeaseTaken
 from kvasir.market.agent.ledger import exit_rank
-from kvasir.market.agent.policy import Claim, OwnState, WindowKey, decide, window_key
+from kvasir.market.agent.policy import Claim, OwnState, WindowKey, decide, next_look, window_key
 from kvasir.market.agent.ringmap import manifest_from_coverage
 from kvasir.market.agent.session import Agent, NodeHandler, Progress, Serving, serve_window
 from kvasir.market.agent.trust import Trust
@@ -191,6 +191,8 @@ class Enrollment:
                     self.window = choice
                     return choice
                 self.progress.state = decision.reason
+                await trio.sleep(next_look(coverage, own, cfg.budget_bytes, self.market.market_time(), cfg.poll_s))
+                continue
             except MarketError as exc:
                 if exc.status == 409:
                     log.info("node %s lost the race for a window: %s", cfg.node_id, exc)
