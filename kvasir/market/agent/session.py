@@ -212,7 +212,12 @@ async def serve_window(
                 endpoint = f"relay:{cfg.relay}" if cfg.relay else format_hostport(host, node.port)
                 node.update_manifest(attrs.evolve(manifest, ranks=with_port(manifest.ranks, window.rank, node.port)))
                 keeper.endpoint = endpoint
-                await patiently(agent, "renewing the lease as serving", keeper.renew)
+                try:
+                    await patiently(agent, "renewing the lease as serving", keeper.renew)
+                except MarketError as exc:
+                    if exc.status in (404, 409):  # another node's now, or gone: lost, not the window's fault
+                        raise LeaseTaken(f"lost window: {exc}") from None
+                    raise
                 serving = Serving(agent, window, keeper, node, endpoint, ledger, view)
                 progress.state = "serving"
                 progress.joined_after = time.monotonic() - progress.started
