@@ -91,6 +91,8 @@ def test_what_counts_as_the_markets_failure_not_the_windows() -> None:
     down = MarketError(0, "unreachable", "market: ConnectError")
     assert is_transient(down) and is_transient(MarketError(503, "busy", "x"))
     assert not is_transient(MarketError(409, "window_taken", "x")) and not is_transient(LeaseLost("no source"))
+    assert is_transient(MarketError(401, "stale_request", "x"))
+    assert not is_transient(MarketError(401, "bad_signature", "x"))
     nested: Any = BaseExceptionGroup("inner", [down])
     assert not _window_failed(BaseExceptionGroup("s", [down, nested]))
     assert _window_failed(BaseExceptionGroup("s", [down, LeaseLost("no source")]))

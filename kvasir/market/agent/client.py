@@ -47,7 +47,7 @@ def is_transient(exc: Exception) -> bool:
     failing (retry later), as opposed to an answer (404, 409, 403, a bad record)."""
     if not isinstance(exc, MarketError):
         return False
-    return exc.code == "unreachable" or exc.status in (401, 429) or exc.status >= 500
+    return exc.code in ("unreachable", "stale_request") or exc.status == 429 or exc.status >= 500
 
 
 def _error_code(raw: bytes) -> str | None:
