@@ -112,3 +112,24 @@ def test_a_market_ring_rides_out_an_outage_mid_load_a_skewed_restart_and_a_lapse
         wait_for(lambda: coverage(url)["live"], 10, "full coverage once the holders claimed again")
         assert [w["holder"] for w in coverage(url)["windows"]] == holders
         print(f"{answers} answers while the map showed every lease lapsed")
+
+        # The market's clock steps back 300 s while it runs (the review's +60 s, then −300 s, stopped the ring):
+        # nothing changes for the ring, for three leases.
+        wait_for(lambda: all(min(_up_s(s)) >= 1 for s in socks), 30, "settled links")
+        before = [_up_s(s) for s in socks]
+        leases = [w["lease_expires"] for w in coverage(url)["windows"]]
+        skew.write_text("-210")
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 6:
+            got = _try(tmp_path / "mid.sock")
+            assert got is not None and got["tokens"] == want
+            time.sleep(0.5)
+        elapsed = time.monotonic() - t0
+        after = coverage(url)
+        assert after["live"] and [w["holder"] for w in after["windows"]] == holders
+        assert all(a["lease_expires"] > b + 3 for a, b in zip(after["windows"], leases, strict=True))  # renewed
+        for sock, (pred, succ) in zip(socks, before, strict=True):
+            now_pred, now_succ = _up_s(sock)
+            assert now_pred > pred + elapsed - 0.3 and now_succ > succ + elapsed - 0.3, (sock.name, before, now_pred)
+        market_err = "\n".join(line for p in ps if p.args[0] == "market" and len(p.args) > 1 for line in p.err)
+        assert "the host's clock stepped by -300" in market_err, market_err
