@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import functools
 import ssl
+import sys
 import time
 import unicodedata
 from pathlib import Path
@@ -109,7 +110,9 @@ def add_ca_argument(p: argparse.ArgumentParser) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     from kvasir.core.identity import PublicKey
+    from kvasir.market.server.clock import MarketClock, wall_clock_from_env
     from kvasir.market.server.service import serve_market
+    from kvasir.market.server.store import MarketStore
 
     host, port = parse_hostport(args.listen, "--listen")
     tls = server_tls(args)
@@ -131,18 +134,32 @@ def run_serve(args: argparse.Namespace) -> int:
 
         judge = StageJudge(args.judge_stages)
         print(f"kvasir market: judging fraud proofs on {len(judge.stages)} stage file(s)", flush=True)
+    # Market time: the host's clock read at start, then monotonic (kvasir.market.server.clock); the wall clock
+    # it starts from may be skewed by the KVASIR_MARKET_WALL_SKEW_FILE test hook.
+    store = MarketStore(args.db, wall=wall_clock_from_env())
+    if isinstance(store.clock, MarketClock) and store.clock.behind_at_start > 1:
+        print(
+            f"kvasir market: this host's clock is {store.clock.behind_at_start:.0f} s behind the market's last time;"
+            " market time carries on from there (it never runs backwards)",
+            file=sys.stderr,
+            flush=True,
+        )
     serve = functools.partial(
         serve_market,
         args.db,
         host,
         port,
+        store=store,
         identity=identity,
         operator=operator,
         tls=tls,
         judge=judge,
         task_status=Announce(),
     )
-    trio.run(serve)
+    try:
+        trio.run(serve)
+    finally:
+        store.close()
     return 0
 
 

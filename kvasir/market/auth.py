@@ -9,6 +9,11 @@ Ed25519) over::
 The market accepts a request whose time is within :data:`REQUEST_WINDOW_S` of its clock and whose nonce it has
 not seen in that window (:class:`NonceCache`, bounded), so a captured request cannot be replayed.
 
+**Market time.** Every reply of the market carries ``x-kvasir-market-time`` (unix seconds, decimal, its clock when
+it replied). A client signs with its estimate of the market's time, not its own clock: the last value seen plus
+the monotonic time elapsed since (:class:`MarketTime`), so neither side's clock steps nor a skew between them make
+requests stale. A ``stale_request`` refusal carries the header too: the client re-learns and signs again once.
+
 **Records.** A model record carries the operator's ``signature`` (base64url Ed25519) over
 ``kvasir-model/v1\\n`` + the record's canonical JSON (sorted keys, no spaces, without ``signature``). Nodes pin the
 operator's key and check it before they fetch or load anything the record names.
@@ -22,7 +27,7 @@ import hashlib
 import re
 import secrets
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import attrs
 
@@ -38,6 +43,9 @@ REQUEST_WINDOW_S = 60
 #: Nonces remembered at once; a full cache refuses new requests (503) rather than forget a live nonce.
 MAX_NONCES = 200_000
 H_KEY, H_TIME, H_NONCE, H_SIG = "x-kvasir-key", "x-kvasir-time", "x-kvasir-nonce", "x-kvasir-signature"
+#: The reply header with the market's time (see the module's docstring).
+H_MARKET_TIME = "x-kvasir-market-time"
+_MARKET_TIME = re.compile(r"[0-9]{1,12}(\.[0-9]{1,9})?")
 _NONCE = re.compile(r"[0-9a-f]{16,64}")
 _TIME = re.compile(r"[0-9]{1,12}")
 #: Longest signature text read (an Ed25519 signature is 86 characters of base64url).
@@ -56,6 +64,28 @@ def sign_request(identity: Identity, method: str, target: str, body: bytes, now:
     when, nonce = int(now), secrets.token_hex(16)
     sig = sign(identity, request_message(method, target, when, nonce, body))
     return {H_KEY: identity.public.to_text(), H_TIME: str(when), H_NONCE: nonce, H_SIG: sig}
+
+
+def format_market_time(now: float) -> str:
+    return f"{now:.3f}"
+
+
+def parse_market_time(text: str | None) -> float | None:
+    """The market's time from a reply's header, or None (absent or malformed)."""
+    if text is None or not _MARKET_TIME.fullmatch(text):
+        return None
+    return float(text)
+
+
+class MarketTime(NamedTuple):
+    """A client's estimate of the market's clock: ``seen`` market seconds at ``mono`` on the client's monotonic
+    clock (pure: the caller passes the monotonic time in; in-process state, never on the wire)."""
+
+    seen: float
+    mono: float
+
+    def at(self, mono: float) -> float:
+        return self.seen + (mono - self.mono)
 
 
 @attrs.frozen

@@ -1,13 +1,15 @@
 """A client of the market's HTTP API (httpx, async under trio). Error replies become :class:`MarketError` (404,
 409) or :class:`InputError` (400); an unreachable market is a :class:`MarketError` with status 0.
 
-Writes are signed with the client's identity (kvasir.market.auth); a reply larger than ``max_reply_bytes`` is
-refused unread.
+Writes are signed with the client's identity (kvasir.market.auth) at its estimate of the market's time, learned
+from every reply's ``x-kvasir-market-time`` (docs/protocol.md § Market time); a write refused as ``stale_request``
+is signed again once with the time that refusal carried. A reply larger than ``max_reply_bytes`` is refused unread.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import ssl
 import time
 from collections.abc import Callable
@@ -32,8 +34,29 @@ from kvasir.market.records import (
 )
 from kvasir.util.tls import client_context, tls_failure
 
+log = logging.getLogger("kvasir.market")
+
+#: A skew between the market's clock and this host's beyond this (and each change beyond it) is logged.
+SKEW_LOG_S = 5.0
 #: Largest reply read from a market (a coverage map of MAX_MODELS models fits well within it).
 MAX_REPLY_BYTES = 16 * 1024 * 1024
+
+
+def is_transient(exc: Exception) -> bool:
+    """Whether a failed market call says nothing about the window or the lease: the market is unreachable, busy or
+    failing (retry later), as opposed to an answer (404, 409, 403, a bad record)."""
+    if not isinstance(exc, MarketError):
+        return False
+    return exc.code in ("unreachable", "stale_request") or exc.status == 429 or exc.status >= 500
+
+
+def _error_code(raw: bytes) -> str | None:
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    err = body.get("error") if isinstance(body, dict) else None
+    return str(err.get("code")) if isinstance(err, dict) else None
 
 
 def _raise_for(status: int, raw: bytes) -> Any:
@@ -65,12 +88,39 @@ class MarketClient:
         max_reply_bytes: int = MAX_REPLY_BYTES,
         clock: Callable[[], float] = time.time,
         tls: ssl.SSLContext | None = None,
+        mono: Callable[[], float] = time.monotonic,
     ) -> None:
         self.url = url.rstrip("/")
         self.identity = identity
         self.http = client or httpx.AsyncClient(timeout=timeout, verify=tls if tls is not None else client_context())
         self.max_reply_bytes = max_reply_bytes
+        #: This host's clock: what requests are signed with until the market's time is known.
         self.clock = clock
+        self.mono = mono
+        #: The market's time as last seen (None until a reply carried it).
+        self.seen: auth.MarketTime | None = None
+        self._skew_logged = 0.0
+
+    def market_time(self) -> float:
+        """The client's estimate of the market's clock (``clock()`` until a reply said it)."""
+        seen = self.seen
+        return self.clock() if seen is None else seen.at(self.mono())
+
+    def _report_skew(self) -> None:
+        """Say (once per change of more than SKEW_LOG_S) how far the market's clock is from this host's."""
+        skew = self.skew()
+        if skew is None or abs(skew - self._skew_logged) <= SKEW_LOG_S:
+            return
+        self._skew_logged = skew
+        log.warning(
+            "market %s: its clock is %+.1f s from this host's; requests are signed in the market's time",
+            self.url,
+            skew,
+        )
+
+    def skew(self) -> float | None:
+        """How far the market's clock is ahead of this host's (seconds), as last seen; None before any reply."""
+        return None if self.seen is None else self.market_time() - self.clock()
 
     async def aclose(self) -> None:
         await self.http.aclose()
@@ -84,14 +134,31 @@ class MarketClient:
     async def _call(self, method: str, path: str, body: Any = None, params: dict[str, str] | None = None) -> Any:
         content = b"" if body is None else json.dumps(body, separators=(",", ":")).encode()
         headers = {"accept-encoding": "identity"} | ({"content-type": "application/json"} if body is not None else {})
+        if method != "GET" and self.identity is None:
+            raise InputError(f"market: {method} {path} must be signed; this client has no identity")
+        before = self.seen
+        status, raw = await self._send(method, path, content, headers, params)
+        if status == 401 and self.seen != before and _error_code(raw) == "stale_request":
+            # Our estimate of the market's time was off (its clock or ours stepped, or first contact): the refusal
+            # said the market's time, so sign again once (a fresh nonce: nothing is replayed).
+            status, raw = await self._send(method, path, content, headers, params)
+        return _raise_for(status, raw)
+
+    async def _send(
+        self, method: str, path: str, content: bytes, headers: dict[str, str], params: dict[str, str] | None
+    ) -> tuple[int, bytes]:
         if method != "GET":
-            if self.identity is None:
-                raise InputError(f"market: {method} {path} must be signed; this client has no identity")
-            headers |= auth.sign_request(self.identity, method, path, content, self.clock())
+            assert self.identity is not None
+            headers = headers | auth.sign_request(self.identity, method, path, content, self.market_time())
         try:
+            sent = self.mono()
             async with self.http.stream(
                 method, self.url + path, content=content or None, params=params, headers=headers
             ) as r:
+                seen = auth.parse_market_time(r.headers.get(auth.H_MARKET_TIME))
+                if seen is not None:  # the market's clock when it replied: about halfway through the round trip
+                    self.seen = auth.MarketTime(seen, (sent + self.mono()) / 2)
+                    self._report_skew()
                 declared = r.headers.get("content-length", "0")
                 if declared.isdigit() and int(declared) > self.max_reply_bytes:
                     raise MarketError(r.status_code, "reply_too_large", f"market {self.url}: reply of {declared} bytes")
@@ -108,7 +175,7 @@ class MarketClient:
                 hint = "; pass --market-ca with the CA bundle that signed it" if unknown_ca else ""
                 raise MarketError(0, "tls", f"market {self.url}: {why}{hint}") from None
             raise MarketError(0, "unreachable", f"market {self.url}: {type(exc).__name__}: {exc}") from None
-        return _raise_for(status, bytes(raw))
+        return status, bytes(raw)
 
     async def operator(self) -> dict[str, Any]:
         """The market's keys: ``operator`` (signs records), ``market`` (signs tickets) and the delegation."""

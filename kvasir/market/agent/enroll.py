@@ -21,8 +21,10 @@ Timeouts live in the child tasks that wait (every market call is bounded by the 
 Trust (:mod:`~kvasir.market.agent.trust`): the node signs every market write with its identity (its id is the
 key's fingerprint) and loads nothing a model record names unless the record carries the pinned operator's
 signature (``market_key``; without one, the operator key the market names is trusted on first use and its
-fingerprint logged). A failure while holding a window (no source, a bad record, any KvasirError) releases the
-lease and avoids that window for a while.
+fingerprint logged). A failure of the window while holding it (no source, a bad record, a stage that would not
+load) releases the lease and avoids that window for a while. An unreachable or busy market is not the window's
+failure: the session waits for the market (:func:`~kvasir.market.agent.session.patiently`), and a window lost to
+another node is not avoided either (it may be free again when that node dies).
 """
 
 from __future__ import annotations
@@ -36,11 +38,11 @@ import trio
 
 from kvasir.core.identity import PublicKey
 from kvasir.errors import KvasirError, MarketError
-from kvasir.market.agent.client import MarketClient
+from kvasir.market.agent.client import MarketClient, is_transient
 from kvasir.market.agent.config import EnrollConfig, is_public_host
 from kvasir.market.agent.lease import LeaseKeeper, LeaseLost, LeaseTaken
 from kvasir.market.agent.ledger import exit_rank
-from kvasir.market.agent.policy import Claim, OwnState, WindowKey, decide, window_key
+from kvasir.market.agent.policy import Claim, OwnState, WindowKey, decide, next_look, window_key
 from kvasir.market.agent.ringmap import manifest_from_coverage
 from kvasir.market.agent.session import Agent, NodeHandler, Progress, Serving, serve_window
 from kvasir.market.agent.trust import Trust
@@ -144,9 +146,9 @@ class Enrollment:
                         await trio.sleep_forever()
                 except* LeaseTaken as group:
                     lost = True
-                    self._give_up(window, group)
+                    self._give_up(window, group, avoid=False)
                 except* KvasirError as group:
-                    self._give_up(window, group)
+                    self._give_up(window, group, avoid=_window_failed(group))
                 finally:
                     self.serving = self.window = None
                     if lost:  # no longer the node's: nothing to hand back
@@ -159,9 +161,10 @@ class Enrollment:
             with trio.CancelScope(shield=True):
                 await self.market.aclose()
 
-    def _give_up(self, window: CoverageEntry, group: BaseExceptionGroup[KvasirError]) -> None:
+    def _give_up(self, window: CoverageEntry, group: BaseExceptionGroup[KvasirError], *, avoid: bool) -> None:
         log.warning("node %s: %s; choosing again", self.config.node_id, reportable(group) or group)
-        self._avoid[window_key(window)] = time.monotonic() + AVOID_S
+        if avoid:
+            self._avoid[window_key(window)] = time.monotonic() + AVOID_S
 
     async def _claim_one(self) -> CoverageEntry:
         """Poll, decide, claim: until a claim succeeds."""
@@ -188,6 +191,8 @@ class Enrollment:
                     self.window = choice
                     return choice
                 self.progress.state = decision.reason
+                await trio.sleep(next_look(coverage, own, cfg.budget_bytes, self.market.market_time(), cfg.poll_s))
+                continue
             except MarketError as exc:
                 if exc.status == 409:
                     log.info("node %s lost the race for a window: %s", cfg.node_id, exc)
@@ -216,6 +221,7 @@ class Enrollment:
 
     def status(self) -> dict[str, Any]:
         w = self.window
+        skew = self.market.skew()
         return {
             "node_id": self.config.node_id,
             "state": self.state,
@@ -223,6 +229,8 @@ class Enrollment:
             "rank": w.rank if w else None,
             "endpoint": self.endpoint,
             "joined_after_s": self.progress.joined_after,
+            #: How far the market's clock is ahead of this host's (requests are signed in the market's time).
+            "market_skew_s": None if skew is None else round(skew, 1),
             "fetched": [
                 {
                     "layers": [f.start, f.end],
@@ -234,3 +242,8 @@ class Enrollment:
                 for f in self.fetches
             ],
         }
+
+
+def _window_failed(group: BaseExceptionGroup[KvasirError]) -> bool:
+    """Whether a session's failure was the window's (avoid it), not only the market's (unreachable, busy)."""
+    return group.subgroup(lambda e: not isinstance(e, BaseExceptionGroup) and not is_transient(e)) is not None

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from kvasir.market.agent.choice import choose_window
+from kvasir.market.agent.choice import choose_window, fits
 from kvasir.market.records import CoverageEntry
 
 #: A window of a model: (model sha256, start, end).
@@ -63,8 +63,10 @@ NOTHING_FITS = "waiting for an uncovered window that fits"
 def decide(coverage: Sequence[CoverageEntry], own: OwnState, budget_bytes: int, rng: random.Random) -> Decision:
     """The next step for a node in state ``own`` given the market's ``coverage`` map.
 
-    Holding nothing: :class:`Claim` the window :func:`~kvasir.market.agent.choice.choose_window` picks among those
-    not avoided (ties broken by ``rng``: deterministic for a given state), or :class:`Wait`.
+    Holding nothing: :class:`Claim` a window the map shows held by this very node (a claim whose reply was lost
+    when the market died, or a lease of this node's previous run: claiming it again renews that lease), else the
+    window :func:`~kvasir.market.agent.choice.choose_window` picks among those not avoided (ties broken by ``rng``:
+    deterministic for a given state), or :class:`Wait`.
 
     Holding a window: :class:`Release` when a map that lists the model no longer has the window, or shows another
     node holding it (the lease ran out and was taken); otherwise :class:`Wait` (a window shown uncovered is the
@@ -72,6 +74,9 @@ def decide(coverage: Sequence[CoverageEntry], own: OwnState, budget_bytes: int, 
     """
     if own.holding is None:
         open_ = [w for w in coverage if window_key(w) not in own.avoid]
+        mine = [w for w in open_ if w.holder == own.node_id]
+        if mine:  # never a second window while a lease of ours blocks a window another node may need
+            return Claim(min(mine, key=lambda w: (w.model, w.rank)))
         choice = choose_window(open_, budget_bytes, rng)
         return Wait(NOTHING_FITS) if choice is None else Claim(choice)
     model, start, end = own.holding
@@ -82,3 +87,25 @@ def decide(coverage: Sequence[CoverageEntry], own: OwnState, budget_bytes: int, 
     if held is not None and held.holder is not None and held.holder != own.node_id:
         return Release(f"window {start}:{end} is held by node {held.holder}")
     return Wait("serving")
+
+
+#: How long after a lease's stated end a waiting node looks again (the market's reply takes a moment).
+AFTER_EXPIRY_S = 0.05
+
+
+def next_look(coverage: Sequence[CoverageEntry], own: OwnState, budget_bytes: int, now: float, poll_s: float) -> float:
+    """Seconds a node holding nothing waits before it reads the map again: ``poll_s``, or less when the lease of a
+    window it could claim (fits, not avoided) ends sooner (``now`` and ``lease_expires`` in market time). So a
+    spare claims a dead holder's window as its lease ends, within one lease of the holder's last renewal, not a
+    poll later. A lease that looks over already (a clock estimate off) changes nothing: never a tight loop."""
+    ends = [
+        w.lease_expires
+        for w in coverage
+        if w.lease_expires is not None
+        and w.lease_expires > now
+        and fits(w, budget_bytes)
+        and window_key(w) not in own.avoid
+    ]
+    if not ends:
+        return poll_s
+    return min(poll_s, min(ends) - now + AFTER_EXPIRY_S)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import attrs
 
@@ -68,3 +68,18 @@ def manifest_from_coverage(
 
 def with_port(ranks: tuple[RankEntry, ...], rank: int, port: int) -> tuple[RankEntry, ...]:
     return tuple(attrs.evolve(r, port=port) if r.rank == rank else r for r in ranks)
+
+
+def keep_known(fresh: Manifest, current: Manifest, lapsed: Collection[int]) -> Manifest:
+    """``fresh`` (from the coverage map), except that the ``lapsed`` ranks (no serving holder on the map) keep the
+    address and key ``current`` has for them: a window shown uncovered only says that its lease lapsed (the holder
+    may be serving still, cut off from the market), so the node keeps its link there until the map shows a serving
+    holder again."""
+    known = {r.rank: r for r in current.ranks}
+    ranks = []
+    for r in fresh.ranks:
+        old = known.get(r.rank)
+        if r.rank in lapsed and old is not None and (old.start, old.end) == (r.start, r.end):
+            r = attrs.evolve(r, host=old.host, port=old.port, key=old.key)
+        ranks.append(r)
+    return attrs.evolve(fresh, ranks=tuple(ranks))

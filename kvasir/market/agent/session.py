@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 import attrs
 import httpx
@@ -25,12 +25,12 @@ import trio
 
 from kvasir.core.identity import PublicKey
 from kvasir.errors import KvasirError, MarketError
-from kvasir.market.agent.client import MarketClient
+from kvasir.market.agent.client import MarketClient, is_transient
 from kvasir.market.agent.config import EnrollConfig
 from kvasir.market.agent.lease import LeaseKeeper, LeaseLost, LeaseTaken
 from kvasir.market.agent.ledger import Ledger
 from kvasir.market.agent.policy import OwnState, Release, decide, window_key
-from kvasir.market.agent.ringmap import manifest_from_coverage, with_port
+from kvasir.market.agent.ringmap import keep_known, manifest_from_coverage, with_port
 from kvasir.market.agent.trust import Trust
 from kvasir.market.records import CoverageEntry
 from kvasir.market.tickets import TicketPolicy
@@ -47,6 +47,7 @@ from kvasir.util.tls import client_context
 from kvasir.verify.probe import check_probe
 
 log = logging.getLogger("kvasir.enroll")
+T = TypeVar("T")
 
 #: What runs beside a serving node, in the session's nursery, until the session ends (e.g. its control socket).
 NodeHandler = Callable[[Node], Awaitable[None]]
@@ -131,19 +132,21 @@ class Serving:
                 raise LeaseTaken(decision.reason)
             if len(coverage) != node.manifest.size:
                 continue  # the manifest changed under us: the lease keeper finds out whether we still hold a window
-            node.update_manifest(
-                manifest_from_coverage(
-                    coverage,
-                    window.rank,
-                    cfg.listen_host,
-                    node.port,
-                    name=node.manifest.model_name,
-                    relay=cfg.relay,
-                    secret=cfg.ring_secret,
-                    host_ok=cfg.host_ok,
-                    own_key=cfg.identity.public,
-                )
+            fresh = manifest_from_coverage(
+                coverage,
+                window.rank,
+                cfg.listen_host,
+                node.port,
+                name=node.manifest.model_name,
+                relay=cfg.relay,
+                secret=cfg.ring_secret,
+                host_ok=cfg.host_ok,
+                own_key=cfg.identity.public,
             )
+            # A window the map shows uncovered keeps the neighbour the node knows: a lapsed lease (a market that
+            # cannot be reached, a clock off) is no reason to drop a working link; a new holder replaces it.
+            lapsed = {w.rank for w in coverage if not w.serving and w.rank != window.rank}
+            node.update_manifest(keep_known(fresh, node.manifest, lapsed))
 
 
 @asynccontextmanager
@@ -159,14 +162,14 @@ async def serve_window(
     cfg = agent.config
     async with trio.open_nursery() as tasks:
         tasks.start_soon(keeper.keep)
-        path = await fetch_stage(agent, window, progress)
+        path = await patiently(agent, "fetching the window", lambda: fetch_stage(agent, window, progress))
         progress.state = "loading"
         stage = await trio.to_thread.run_sync(Stage.load, cfg.stage_config(path))
         view = MarketView()
         try:
-            await _admit(agent, window, stage, progress)
+            await patiently(agent, "admission", lambda: _admit(agent, window, stage, progress))
             await trio.to_thread.run_sync(lambda: stage.vocab)
-            coverage = await agent.market.coverage(window.model)
+            coverage = await patiently(agent, "reading coverage", lambda: agent.market.coverage(window.model))
             manifest = manifest_from_coverage(
                 coverage,
                 window.rank,
@@ -181,7 +184,9 @@ async def serve_window(
 
             def peer_policy() -> TicketPolicy | None:
                 issuer = agent.trust.ticket_issuer
-                return None if opened is None or issuer is None else ticket_policy(issuer, window, opened)
+                if opened is None or issuer is None:
+                    return None
+                return ticket_policy(issuer, window, opened, agent.market.market_time)
 
             node_config = NodeConfig(
                 manifest,
@@ -207,7 +212,12 @@ async def serve_window(
                 endpoint = f"relay:{cfg.relay}" if cfg.relay else format_hostport(host, node.port)
                 node.update_manifest(attrs.evolve(manifest, ranks=with_port(manifest.ranks, window.rank, node.port)))
                 keeper.endpoint = endpoint
-                await keeper.renew()
+                try:
+                    await patiently(agent, "renewing the lease as serving", keeper.renew)
+                except MarketError as exc:
+                    if exc.status in (404, 409):  # another node's now, or gone: lost, not the window's fault
+                        raise LeaseTaken(f"lost window: {exc}") from None
+                    raise
                 serving = Serving(agent, window, keeper, node, endpoint, ledger, view)
                 progress.state = "serving"
                 progress.joined_after = time.monotonic() - progress.started
@@ -228,15 +238,32 @@ async def serve_window(
             stage.close()
 
 
-def ticket_policy(issuer: PublicKey, window: CoverageEntry, node: Node) -> TicketPolicy:
-    """Who may neighbour ``window``: holders of the adjacent windows with the market's tickets."""
+async def patiently(agent: Agent, what: str, call: Callable[[], Awaitable[T]]) -> T:
+    """``call()``, tried again every poll while the market is unreachable or busy
+    (:func:`~kvasir.market.agent.client.is_transient`): a market outage is no reason to give up a window. The lease
+    keeper beside it ends the session if the window is really lost."""
+    while True:
+        try:
+            return await call()
+        except MarketError as exc:
+            if not is_transient(exc):
+                raise
+            log.warning("node %s: %s: %s (retrying)", agent.config.node_id, what, exc)
+        await trio.sleep(agent.config.poll_s)
+
+
+def ticket_policy(
+    issuer: PublicKey, window: CoverageEntry, node: Node, clock: Callable[[], float] = time.time
+) -> TicketPolicy:
+    """Who may neighbour ``window``: holders of the adjacent windows with the market's tickets, whose expiry is
+    checked against ``clock`` (the node's estimate of the market's time, which issued them)."""
     ranks = node.manifest.ranks
     near = {
         (r.start, r.end)
         for r in ranks
         if abs(r.rank - window.rank) == 1 or {r.rank, window.rank} == {0, len(ranks) - 1}
     }
-    return TicketPolicy(issuer, window.model, frozenset(near))
+    return TicketPolicy(issuer, window.model, frozenset(near), clock)
 
 
 def _relay_connect(cfg: EnrollConfig, keeper: LeaseKeeper) -> RelayConnect | None:

@@ -126,10 +126,14 @@ class MarketService:
         try:
             status, body = await self._route(request)
         except InputError as exc:
-            raise HttpError(400, "bad_request", str(exc)) from None
+            raise HttpError(400, "bad_request", str(exc), self._time_header()) from None
         except MarketError as exc:
-            raise HttpError(exc.status, exc.code, str(exc)) from None
-        await http.send_json(status, body)
+            raise HttpError(exc.status, exc.code, str(exc), self._time_header()) from None
+        await http.send_json(status, body, self._time_header())
+
+    def _time_header(self) -> list[tuple[str, str]]:
+        """The market's time on every reply: nodes sign with their estimate of it (docs/protocol.md § Market time)."""
+        return [(auth.H_MARKET_TIME, auth.format_market_time(self.store.clock()))]
 
     async def _route(self, request: HttpRequest) -> tuple[int, Any]:
         method, path = request.method, request.path

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from kvasir.errors import InputError
+from kvasir.market.server.clock import MarketClock
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS models (sha256 TEXT PRIMARY KEY, body TEXT NOT NULL, added REAL NOT NULL);
@@ -55,11 +56,14 @@ CREATE TABLE IF NOT EXISTS bans (
 
 
 class Database:
-    """One connection; the service never runs two calls at once. Time comes from ``clock`` (unix seconds) so tests
-    can move it."""
+    """One connection; the service never runs two calls at once. Time is market time
+    (:class:`~kvasir.market.server.clock.MarketClock` on ``wall``, anchored no earlier than the last write), or
+    ``clock`` (unix seconds) where tests move it by hand."""
 
-    def __init__(self, path: Path | str, *, clock: Callable[[], float] = time.time) -> None:
-        self.clock = clock
+    def __init__(
+        self, path: Path | str, *, clock: Callable[[], float] | None = None, wall: Callable[[], float] = time.time
+    ) -> None:
+        self.clock: Callable[[], float] = clock or wall
         try:
             self.db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False, timeout=10)
             self.db.execute("PRAGMA journal_mode=WAL")
@@ -68,6 +72,9 @@ class Database:
             columns = {r[1] for r in self.db.execute("PRAGMA table_info(leases)")}
             if "holder_key" not in columns:  # a database from before signed claims
                 self.db.execute("ALTER TABLE leases ADD COLUMN holder_key TEXT")
+            if clock is None:
+                alive_at = self.get_meta("alive_at")
+                self.clock = MarketClock(wall, floor=0.0 if alive_at is None else float(alive_at))
             self._resume()
         except sqlite3.Error as exc:
             raise InputError(f"{path}: cannot open the market database ({exc})") from None
@@ -76,7 +83,8 @@ class Database:
         """After a downtime, give every lease that was live when the market stopped the time it had left.
 
         Holders could not renew while the market was away; without this, a spare that polls first after a restart
-        would take a healthy holder's window and cut its streams.
+        would take a healthy holder's window and cut its streams. The shift is ``now - alive_at`` in market time,
+        so a step of the host's clock taken at the restart counts as downtime too: nobody's lease shrinks.
         """
         row = self.db.execute("SELECT value FROM meta WHERE key = 'alive_at'").fetchone()
         now = self.clock()

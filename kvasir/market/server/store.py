@@ -3,8 +3,8 @@
 The SQLite engine behind :class:`kvasir.market.server.backend.MarketBackend` (the contracts are there). Every
 method is synchronous and runs one transaction (``BEGIN IMMEDIATE`` for writes, so a claim's read and write
 are one atomic compare-and-set: two nodes never hold one window). The service calls them from worker threads
-through a limiter of one, so the single connection is never used concurrently. Time comes from ``clock`` (unix
-seconds) so tests can move it.
+through a limiter of one, so the single connection is never used concurrently. Time is market time
+(:mod:`~kvasir.market.server.clock`: immune to steps of the host's clock), or ``clock`` where tests move it.
 
 :class:`MarketStore` is the engine's face; each concern is a part on the one shared database
 (:mod:`~kvasir.market.server.sqlite`): the catalog of models and manifests (:mod:`~kvasir.market.server.catalog`),
@@ -48,10 +48,16 @@ class MarketStore:
     concurrency = 1
 
     def __init__(
-        self, path: Path | str, *, clock: Callable[[], float] = time.time, max_tokens_per_s: float = MAX_TOKENS_PER_S
+        self,
+        path: Path | str,
+        *,
+        clock: Callable[[], float] | None = None,
+        wall: Callable[[], float] = time.time,
+        max_tokens_per_s: float = MAX_TOKENS_PER_S,
     ) -> None:
-        self.base = Database(path, clock=clock)
-        self.clock = clock
+        self.base = Database(path, clock=clock, wall=wall)
+        #: Market time (kvasir.market.server.clock): the host's ``wall`` clock read at start, then monotonic.
+        self.clock = self.base.clock
         #: The connection (tests read the tables directly).
         self.db: sqlite3.Connection = self.base.db
         self.catalog = Catalog(self.base)
