@@ -31,8 +31,8 @@ if __name__ == "__main__" and sys.path[0] == str(REPO / "bench"):
     sys.path[0] = str(REPO)  # run as a script: tests.harness comes from the checkout
 
 from kvasir.control.client import ControlClient  # noqa: E402
+from kvasir.core.errors import RingError  # noqa: E402
 from kvasir.demo import demo_model_path  # noqa: E402
-from kvasir.errors import RingError  # noqa: E402
 from kvasir.local.launcher import LocalRing, start_ring  # noqa: E402
 from kvasir.shard.cache import default_cache_dir  # noqa: E402
 from tests.harness.faults import Supervised, prompt_ids, soak, stream  # noqa: E402

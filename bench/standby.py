@@ -26,8 +26,8 @@ from rich.console import Console
 from rich.table import Table
 
 from kvasir.control.client import ControlClient
+from kvasir.core.errors import RingError
 from kvasir.demo import demo_model_path
-from kvasir.errors import RingError
 from kvasir.local.launcher import LocalRing, Supervisor, start_ring
 from kvasir.shard.cache import default_cache_dir
 

@@ -1,7 +1,7 @@
 """The ``kvasir`` command line.
 
 Each subcommand lives in its own module and registers itself through ``add_parser(subparsers)`` returning nothing;
-the parser's ``run`` default is a callable ``run(args) -> int``. A :class:`~kvasir.errors.KvasirError` or an
+the parser's ``run`` default is a callable ``run(args) -> int``. A :class:`~kvasir.core.errors.KvasirError` or an
 ``OSError`` becomes one line on stderr and exit code 2, never a traceback, also out of a trio nursery; Ctrl-C exits
 130 (:func:`kvasir.util.cli.run_main`).
 """

@@ -12,7 +12,7 @@ import importlib.util
 import logging
 from pathlib import Path
 
-from kvasir.errors import InputError
+from kvasir.core.errors import InputError
 from kvasir.util.files import atomic_output
 
 log = logging.getLogger("kvasir.demo")

@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvasir.core.errors import InputError
 from kvasir.core.identity import PublicKey
-from kvasir.errors import InputError
 from kvasir.relay.errors import RelayConfigError
 from kvasir.util.addr import parse_hostport
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvasir.errors import InputError, ProtocolError, RingError
+from kvasir.core.errors import InputError, ProtocolError, RingError
 
 
 class RelayConfigError(InputError):

@@ -21,9 +21,9 @@ import re
 
 import attrs
 
+from kvasir.core.errors import InputError
 from kvasir.core.identity import Identity, PublicKey
 from kvasir.core.signed import b64url, canonical_lines, seal, split_lines, unb64url
-from kvasir.errors import InputError
 from kvasir.relay.errors import EdgeTokenError, EdgeTokenExpired
 from kvasir.relay.token import Role, is_valid_edge_id
 

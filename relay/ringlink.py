@@ -17,8 +17,8 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
 import trio
 
+from kvasir.core.errors import InputError, RingError
 from kvasir.core.identity import Identity
-from kvasir.errors import InputError, RingError
 from kvasir.relay.client import RelayLink, open_relay_link
 from kvasir.relay.errors import EdgeTokenError, RelayLinkClosed
 from kvasir.relay.grant import MAX_TOKEN_LIFETIME, EdgeGrant, make_token, read_grant, sign_grant

@@ -16,7 +16,7 @@ import pytest
 import trio
 
 from kvasir.api import ApiAccess, ApiBackend, ApiLimits, serve_api
-from kvasir.errors import InputError, RingError
+from kvasir.core.errors import InputError, RingError
 from kvasir.net.http import Handler, HttpConnection, HttpError, HttpRequest, serve_http
 from kvasir.ring.requests import ClientEvent, EndEvent, TokenEvent
 from kvasir.wire import SamplingParams

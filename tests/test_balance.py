@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvasir.core.errors import InputError, WindowError
 from kvasir.core.schema import structure
-from kvasir.errors import InputError, WindowError
 from kvasir.local import balance as local_balance
 from kvasir.local.balance import calibration_path, measured_costs, ring_costs, split_windows
 from kvasir.planner import Device, LayerProfile, ModelProfile, estimate, plan, profile_from_gguf

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvasir import demo
-from kvasir.errors import InputError
+from kvasir.core.errors import InputError
 from kvasir.shard.gguf_file import describe
 from tests.conftest import run_cli
 from tests.ringutil import ring_generate

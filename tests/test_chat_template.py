@@ -16,7 +16,7 @@ import openai
 import pytest
 from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-from kvasir.errors import InputError
+from kvasir.core.errors import InputError
 from kvasir.local.launcher import free_ports
 from kvasir.stage.chat_template import render_chat
 from kvasir.stage.engine import Stage, StageConfig

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from kvasir.errors import InputError, RingError
+from kvasir.core.errors import InputError, RingError
 from kvasir.util.cli import error_line, reportable, run_main, run_trio, serve_announced
 
 ROOT = Path(__file__).resolve().parent.parent

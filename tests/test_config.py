@@ -12,7 +12,7 @@ import pytest
 from kvasir.cli import build_parser, main
 from kvasir.commands.config import fill_from_config
 from kvasir.core.config import DEFAULTS, KEYS, env_name, load_config, without_config
-from kvasir.errors import InputError
+from kvasir.core.errors import InputError
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvasir.control.paths import node_socket_path
-from kvasir.errors import InputError
+from kvasir.core.errors import InputError
 from kvasir.shard.cache import default_cache_dir
 from kvasir.util.dirs import cache_dir, config_dir, data_dir, runtime_dir
 

@@ -17,8 +17,8 @@ import pytest
 import trio
 import trio.testing
 
+from kvasir.core.errors import RequestRefused
 from kvasir.core.identity import Identity
-from kvasir.errors import RequestRefused
 from kvasir.ring.manifest import Manifest
 from kvasir.ring.node import Node, NodeConfig, open_node
 from kvasir.ring.record import NodeRecorder

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from gguf import GGMLQuantizationType, GGUFValueType
 
-from kvasir.errors import ModelFileError
+from kvasir.core.errors import ModelFileError
 from kvasir.planner.profile import profile_from_gguf
 from kvasir.shard.gguf_file import describe
 from kvasir.shard.gguf_io import TensorSource, encode_kv, read_gguf, write_gguf

@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType, GGUFValueType
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvasir.errors import ModelFileError
+from kvasir.core.errors import ModelFileError
 from kvasir.shard.gguf_header import GGUFHeader, HeaderCursor, HeaderLimits, NeedBytes
 from kvasir.shard.gguf_io import GGUFFile, read_gguf
 

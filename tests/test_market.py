@@ -16,8 +16,8 @@ import httpx
 import pytest
 import trio
 
+from kvasir.core.errors import InputError
 from kvasir.core.identity import Identity
-from kvasir.errors import InputError
 from kvasir.market.agent.choice import choose_window
 from kvasir.market.agent.enroll import manifest_from_coverage
 from kvasir.market.records import ClaimRequest, CoverageEntry, ModelRecord

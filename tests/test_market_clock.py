@@ -24,8 +24,8 @@ import httpx
 import pytest
 import trio
 
+from kvasir.core.errors import MarketError
 from kvasir.core.identity import Identity, load_or_create_identity
-from kvasir.errors import MarketError
 from kvasir.market import auth
 from kvasir.market.agent.client import MarketClient, is_transient
 from kvasir.market.agent.enroll import _window_failed

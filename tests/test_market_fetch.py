@@ -13,7 +13,7 @@ import h11
 import pytest
 import trio
 
-from kvasir.errors import InputError, ModelFileError
+from kvasir.core.errors import InputError, ModelFileError
 from kvasir.net.http import HttpConnection, HttpRequest, serve_http
 from kvasir.net.seed import ModelSeeder, parse_range
 from kvasir.shard.cache import file_sha256, model_sha256

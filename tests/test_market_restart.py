@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import trio
 
+from kvasir.core.errors import MarketError
 from kvasir.core.identity import Identity, PublicKey, load_or_create_identity
-from kvasir.errors import MarketError
 from kvasir.market.agent.client import MarketClient
 from kvasir.market.records import ClaimRequest, CreditReport, Lease, Receipt, ReceiptBatch
 from kvasir.market.tickets import parse_ticket

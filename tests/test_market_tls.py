@@ -18,7 +18,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from kvasir.errors import InputError, MarketError
+from kvasir.core.errors import InputError, MarketError
 from kvasir.market.agent.client import MarketClient
 from kvasir.util.tls import client_context, server_context
 from tests.marketutil import Proc, procs, wait_for

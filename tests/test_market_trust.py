@@ -13,8 +13,8 @@ import httpx
 import pytest
 import trio
 
+from kvasir.core.errors import MarketError
 from kvasir.core.identity import Identity
-from kvasir.errors import MarketError
 from kvasir.market import auth
 from kvasir.market.agent.client import MarketClient
 from kvasir.market.agent.enroll import EnrollConfig, Enrollment, LeaseLost, manifest_from_coverage

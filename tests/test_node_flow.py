@@ -17,7 +17,7 @@ import trio
 import trio.testing
 
 from kvasir.control.server import serve_control
-from kvasir.errors import InvalidRequest, RequestRefused
+from kvasir.core.errors import InvalidRequest, RequestRefused
 from kvasir.ring.links import StreamLink, handshake
 from kvasir.ring.manifest import Manifest
 from kvasir.ring.node import Node, NodeConfig, open_node

@@ -16,8 +16,7 @@ import pytest
 import trio
 import trio.testing
 
-from kvasir.core.stops import Ending, ending
-from kvasir.errors import (
+from kvasir.core.errors import (
     InputError,
     InvalidRequest,
     KvasirError,
@@ -26,6 +25,7 @@ from kvasir.errors import (
     RingError,
     StageError,
 )
+from kvasir.core.stops import Ending, ending
 from kvasir.ring.failover import ReplayMismatch
 from kvasir.ring.linkmgr import SuccessorLost
 from kvasir.ring.node import Node, NodeConfig, open_node

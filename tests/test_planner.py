@@ -15,7 +15,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 import kvasir.cli
-from kvasir.errors import InputError, UnsupportedArchitecture, WindowError
+from kvasir.core.errors import InputError, UnsupportedArchitecture, WindowError
 from kvasir.planner import (
     Device,
     LayerProfile,

@@ -21,8 +21,8 @@ import trio_websocket
 from trio_websocket import ConnectionClosed
 
 import kvasir.relay.cli as relay_cli
+from kvasir.core.errors import InputError, ProtocolError, RingError
 from kvasir.core.identity import Identity, PublicKey
-from kvasir.errors import InputError, ProtocolError, RingError
 from kvasir.relay import (
     CloseCode,
     EdgeTokenError,

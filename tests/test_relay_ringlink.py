@@ -12,8 +12,8 @@ import attrs
 import pytest
 import trio
 
+from kvasir.core.errors import InputError
 from kvasir.core.identity import Identity
-from kvasir.errors import InputError
 from kvasir.relay import Relay, RelayConfig, RelayConnectError, Role, open_relay_link
 from kvasir.relay.grant import MAX_TOKEN_LIFETIME, EdgeGrant, make_token, read_grant, sign_grant
 from kvasir.relay.ringlink import grant_connector, grant_relay_edges, relay_connector

@@ -23,7 +23,7 @@ import pytest
 import trio
 
 from kvasir.commands import ring as ring_command
-from kvasir.errors import RingError
+from kvasir.core.errors import RingError
 from kvasir.local import launcher
 from kvasir.local.launcher import LocalRing, Supervisor, default_threads, restart_delay
 from kvasir.ring.linkmgr import TcpTransport

@@ -22,9 +22,9 @@ from hypothesis import strategies as st
 from kvasir.api.schema import ApiError, parse_generation
 from kvasir.control.ops import CancelOp, GenerateOp, StatusOp, WatchOp, parse_op
 from kvasir.core import validators
+from kvasir.core.errors import InputError
 from kvasir.core.sampling import MAX_REPEAT_LAST_N, MAX_SEED, SamplingError, SamplingParams
 from kvasir.core.schema import FieldError, SchemaError, is_registered, register_record, structure, unstructure
-from kvasir.errors import InputError
 from kvasir.market.records import ClaimRequest, CoverageEntry, ModelRecord
 from kvasir.ring.manifest import Manifest, RankEntry, parse_manifest
 from kvasir.ring.status import FailoverStatus, LinkStatus, MarketWindow, NodeStatus, RankStatus, RequestCounters

@@ -11,8 +11,8 @@ import pytest
 import trio
 import trio.testing
 
+from kvasir.core.errors import InputError
 from kvasir.core.identity import Identity, PublicKey, create_identity, load_identity, load_or_create_identity
-from kvasir.errors import InputError
 from kvasir.ring.secure import (
     AUTH,
     MAGIC,

@@ -11,7 +11,7 @@ import gguf
 import numpy as np
 import pytest
 
-from kvasir.errors import ShapeError, UnsupportedArchitecture, WindowError
+from kvasir.core.errors import ShapeError, UnsupportedArchitecture, WindowError
 from kvasir.shard.arch import layer_kinds
 from kvasir.shard.gguf_file import ModelInfo, describe
 from kvasir.shard.gguf_io import read_gguf

@@ -13,9 +13,9 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from kvasir.core import signed
+from kvasir.core.errors import InputError
 from kvasir.core.identity import Identity, PublicKey
 from kvasir.core.sampling import SamplingParams
-from kvasir.errors import InputError
 from kvasir.market import auth
 from kvasir.market.records import ModelRecord
 from kvasir.market.tickets import WindowTicket, issue_ticket, parse_ticket

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvasir.core.errors import InputError
 from kvasir.core.speculate import (
     Drafter,
     NgramIndex,
@@ -22,7 +23,6 @@ from kvasir.core.speculate import (
     latency_bound,
     resume_k,
 )
-from kvasir.errors import InputError
 from kvasir.ring.speculation import RingPace
 from kvasir.shard.cache import parse_splits, stage_files
 from kvasir.stage.engine import BatchItem, Stage, StageConfig

@@ -18,8 +18,8 @@ import trio
 import trio.testing
 
 from kvasir.control.client import ControlClient
+from kvasir.core.errors import InputError, RingError
 from kvasir.core.identity import Identity
-from kvasir.errors import InputError, RingError
 from kvasir.local.launcher import LocalRing
 from kvasir.ring.manifest import Manifest, RankEntry, StandbyEntry, load_manifest, parse_manifest
 from kvasir.ring.node import Node, NodeConfig, open_node

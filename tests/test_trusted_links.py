@@ -19,8 +19,8 @@ import pytest
 import trio
 
 from kvasir.control.client import ControlClient
+from kvasir.core.errors import InputError
 from kvasir.core.identity import Identity
-from kvasir.errors import InputError
 from kvasir.ring.manifest import Manifest
 from kvasir.ring.node import Node, NodeConfig, open_node
 from kvasir.ring.requests import EndEvent, TokenEvent

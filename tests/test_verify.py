@@ -16,9 +16,9 @@ import attrs
 import numpy as np
 import pytest
 
+from kvasir.core.errors import InputError
 from kvasir.core.identity import Identity
 from kvasir.core.sampling import SamplingParams
-from kvasir.errors import InputError
 from kvasir.shard.cache import default_cache_dir, model_sha256, stage_files
 from kvasir.shard.gguf_io import read_gguf
 from kvasir.stage.engine import Stage, StageConfig

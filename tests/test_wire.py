@@ -16,8 +16,8 @@ import trio.testing
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvasir.core.errors import InputError, ProtocolError, RingError, ShapeError
 from kvasir.core.sampling import SamplingError
-from kvasir.errors import InputError, ProtocolError, RingError, ShapeError
 from kvasir.wire import (
     CHAIN_BYTES,
     FLAG_CHAIN,

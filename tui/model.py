@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvasir.errors import InputError
+from kvasir.core.errors import InputError
 from kvasir.ring.events import NodeEvent, RequestEnded, RequestStarted, TokenPassed, event_from_wire
 from kvasir.ring.status import LinkStatus, NodeStatus
 

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
-from kvasir.errors import KvasirError
+from kvasir.core.errors import KvasirError
 
 #: Longest line accepted from the node (a status of a large ring is a few KiB).
 MAX_LINE = 1 << 20

@@ -36,7 +36,7 @@ from kvasir.api.schema import (
     usage,
     usage_chunk,
 )
-from kvasir.errors import InputError, KvasirError, ProtocolError, RingError
+from kvasir.core.errors import InputError, KvasirError, ProtocolError, RingError
 from kvasir.net.http import ApiLimits, HttpConnection, HttpError, HttpRequest, serve_http
 from kvasir.ring.requests import ClientEvent, EndEvent, TokenEvent
 

@@ -103,7 +103,7 @@ def run_verify_proof(args: argparse.Namespace) -> int:
 def run_select(args: argparse.Namespace) -> int:
     import os
 
-    from kvasir.errors import InputError
+    from kvasir.core.errors import InputError
     from kvasir.verify.select import KEY_BYTES, key_commitment, new_key, reveal
 
     if args.new_key is not None:

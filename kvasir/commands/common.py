@@ -9,10 +9,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvasir.core.errors import InputError
 from kvasir.core.sampling import SamplingError, SamplingParams
 from kvasir.core.speculate import DRAFT_POLICIES, K_LIMIT
 from kvasir.demo import default_model_path
-from kvasir.errors import InputError
 from kvasir.shard.cache import default_cache_dir, parse_splits
 from kvasir.shard.gguf_file import describe
 

@@ -8,8 +8,8 @@ import sys
 from typing import Any
 
 from kvasir.commands.common import add_model_arg, add_text_args, model_windows, print_json, sampling_from_args
+from kvasir.core.errors import InputError
 from kvasir.core.speculate import K_LIMIT
-from kvasir.errors import InputError
 from kvasir.shard.cache import default_cache_dir, stage_files
 from kvasir.stage.engine import Stage, StageConfig
 from kvasir.stage.pipeline import LocalPipeline

@@ -90,7 +90,7 @@ def add_tls_arguments(p: argparse.ArgumentParser, what: str) -> None:
 
 def server_tls(args: argparse.Namespace) -> ssl.SSLContext | None:
     """The server's TLS context from ``--tls-cert``/``--tls-key`` (None: plain HTTP)."""
-    from kvasir.errors import InputError
+    from kvasir.core.errors import InputError
     from kvasir.util.tls import server_context
 
     if (args.tls_cert is None) != (args.tls_key is None):
@@ -203,7 +203,7 @@ def run_status(args: argparse.Namespace) -> int:
     try:
         print_status(st, Console())
     except (KeyError, TypeError, IndexError, AttributeError) as exc:  # a reply not shaped like a market's
-        from kvasir.errors import InputError
+        from kvasir.core.errors import InputError
 
         raise InputError(f"market {args.url}: malformed status reply ({type(exc).__name__})") from None
     return 0

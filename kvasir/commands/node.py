@@ -24,9 +24,9 @@ from kvasir.commands.config import fill_from_config
 from kvasir.commands.id import add_identity_argument, default_identity_path, identity_from_args
 from kvasir.control.paths import node_socket_path
 from kvasir.control.server import serve_control
+from kvasir.core.errors import InputError
 from kvasir.core.identity import Identity, load_or_create_identity
 from kvasir.core.schedule import PREFILL_CHUNK
-from kvasir.errors import InputError
 from kvasir.relay.ringlink import relay_connector
 from kvasir.ring.manifest import Manifest, load_manifest
 from kvasir.ring.node import Node, NodeConfig, open_node

@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from kvasir.errors import InputError
+from kvasir.core.errors import InputError
 from kvasir.planner.devices import load_devices
 from kvasir.planner.estimate import DEFAULT_N_CTX, RankManifest
 from kvasir.planner.solve import OBJECTIVES, plan

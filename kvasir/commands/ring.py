@@ -28,8 +28,8 @@ from kvasir.commands.common import (
 from kvasir.commands.config import fill_from_config
 from kvasir.control.client import ControlClient
 from kvasir.control.paths import find_socket
+from kvasir.core.errors import InputError, RingError
 from kvasir.core.sampling import SamplingParams
-from kvasir.errors import InputError, RingError
 from kvasir.local.front import Front, FrontThread
 from kvasir.local.launcher import LocalRing, Supervisor, default_threads, remove_run_dir, start_ring
 from kvasir.local.preflight import check_api_key_file, check_port_free

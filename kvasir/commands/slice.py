@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from kvasir.commands.common import print_window_result
-from kvasir.errors import WindowError
+from kvasir.core.errors import WindowError
 from kvasir.shard.cache import default_cache_dir, model_sha256
 from kvasir.shard.gguf_file import describe
 from kvasir.shard.slice import check_window, slice_model

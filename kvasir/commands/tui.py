@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from kvasir.control.paths import find_socket
-from kvasir.errors import InputError
+from kvasir.core.errors import InputError
 
 if TYPE_CHECKING:
     from kvasir.tui.source import SocketSource

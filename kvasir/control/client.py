@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from kvasir.errors import InputError, RingError
+from kvasir.core.errors import InputError, RingError
 from kvasir.ring.status import NodeStatus
 
 

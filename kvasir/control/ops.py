@@ -1,7 +1,7 @@
 """The control socket's request ops (docs/protocol.md § Control socket), parsed by the schema converter.
 
 Each line a client writes is one JSON object with an ``op``; :func:`parse_op` turns it into one of the frozen ops
-below or raises :class:`~kvasir.errors.InputError` naming the op and the field. Unknown keys are ignored, as they
+below or raises :class:`~kvasir.core.errors.InputError` naming the op and the field. Unknown keys are ignored, as they
 always were. ``generate`` takes its sampling fields flat (``temperature``, ``top_p``, …) on top of
 :attr:`SamplingParams.GREEDY`, the same defaults as the CLI and the TUI.
 """
@@ -14,9 +14,9 @@ from typing import Any
 import attrs
 from cattrs.gen import make_dict_structure_fn, override
 
+from kvasir.core.errors import InputError
 from kvasir.core.sampling import SamplingParams
 from kvasir.core.schema import converter, register_hooks, register_record, require_object, structure
-from kvasir.errors import InputError
 
 OPS = ("status", "watch", "generate", "cancel")
 

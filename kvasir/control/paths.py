@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvasir.errors import InputError
+from kvasir.core.errors import InputError
 from kvasir.util.dirs import runtime_dir
 
 

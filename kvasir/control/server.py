@@ -18,7 +18,7 @@ from typing import Any
 import trio
 
 from kvasir.control.ops import GenerateOp, StatusOp, WatchOp, parse_op
-from kvasir.errors import KvasirError
+from kvasir.core.errors import KvasirError
 from kvasir.ring.events import event_to_wire
 from kvasir.ring.node import Node
 from kvasir.ring.requests import EndEvent, TokenEvent

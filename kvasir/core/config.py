@@ -28,10 +28,10 @@ from typing import Any, Literal
 
 import attrs
 
+from kvasir.core.errors import InputError
 from kvasir.core.identity import IDENTITY_FILE
 from kvasir.core.schema import FieldError, register_record, structure
 from kvasir.core.validators import at_least
-from kvasir.errors import InputError
 from kvasir.util.dirs import config_dir, data_dir
 
 Source = Literal["default", "file", "env", "flag"]

@@ -16,8 +16,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from kvasir.core.errors import InputError
 from kvasir.core.signed import b64url, unb64url
-from kvasir.errors import InputError
 
 KEY_PREFIX = "ed25519:"
 IDENTITY_FILE = "identity.pem"

@@ -39,8 +39,8 @@ from cattrs.errors import (
 )
 from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn, override
 
+from kvasir.core.errors import InputError, KvasirError
 from kvasir.core.signed import b64url, unb64url
-from kvasir.errors import InputError, KvasirError
 
 T = TypeVar("T")
 

@@ -22,7 +22,7 @@ import re
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from kvasir.errors import InputError
+from kvasir.core.errors import InputError
 
 _B64URL = re.compile(r"[A-Za-z0-9_-]*={0,2}")
 

@@ -17,9 +17,9 @@ import time
 from pathlib import Path
 from typing import Literal
 
+from kvasir.core.errors import InputError
 from kvasir.core.sampling import SamplingParams
 from kvasir.core.schema import SchemaError, structure, unstructure
-from kvasir.errors import InputError
 from kvasir.planner.balance import StageCosts, Window, balanced_windows, estimated_costs
 from kvasir.planner.profile import profile_from_gguf
 from kvasir.shard.cache import even_splits, model_sha256, stage_files

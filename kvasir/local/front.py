@@ -20,16 +20,15 @@ import logging
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import attrs
-import h11
 import trio
 
 from kvasir.api.schema import ApiError
 from kvasir.api.server import ApiAccess, OpenAiError, openai_error
-from kvasir.errors import InputError
+from kvasir.core.errors import InputError
 from kvasir.net.http import RECEIVE_BYTES, ApiLimits, HttpConnection, HttpRequest, serve_http
+from kvasir.net.upstream import Upstream, UpstreamLost
 from kvasir.ring.status import NodeStatus
 
 log = logging.getLogger("kvasir.front")
@@ -120,55 +119,6 @@ def error_from_body(status: int, body: bytes) -> ApiError:
         return ApiError(status, str(err["message"]), type=kind, param=err.get("param"), code=err.get("code"))
     except (ValueError, KeyError, TypeError):
         return ApiError(status, f"the entry node answered {status}", type="server_error", code="entry_error")
-
-
-class _Lost(Exception):
-    """The entry closed or broke the connection before its answer was complete."""
-
-
-class _Upstream:
-    """One HTTP/1.1 exchange with an entry's API (a connection per request: loopback, cheap)."""
-
-    def __init__(self, stream: trio.SocketStream) -> None:
-        self.stream = stream
-        self.h11 = h11.Connection(h11.CLIENT)
-
-    async def send_request(self, request: HttpRequest, host: str, key: str) -> None:
-        headers = [(k, v) for k, v in request.headers if k.lower() not in _HOP_HEADERS]
-        headers += [
-            ("host", host),
-            ("authorization", f"Bearer {key}"),
-            ("content-length", str(len(request.body))),
-            ("connection", "close"),
-        ]
-        data = self.h11.send(h11.Request(method=request.method, target=request.target, headers=headers)) or b""
-        if request.body:
-            data += self.h11.send(h11.Data(data=request.body)) or b""
-        data += self.h11.send(h11.EndOfMessage()) or b""
-        try:
-            await self.stream.send_all(data)
-        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-            raise _Lost(str(exc)) from None
-
-    async def next_event(self) -> Any:
-        """The next h11 event of the answer; :class:`_Lost` if the entry goes away before its end."""
-        while True:
-            try:
-                event = self.h11.next_event()
-            except h11.RemoteProtocolError as exc:
-                raise _Lost(f"malformed answer: {exc}") from None
-            if event is h11.NEED_DATA:
-                try:
-                    data = await self.stream.receive_some(RECEIVE_BYTES)
-                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                    raise _Lost(str(exc)) from None
-                self.h11.receive_data(bytes(data))
-                continue
-            if isinstance(event, h11.ConnectionClosed):
-                raise _Lost("connection closed")
-            if isinstance(event, h11.InformationalResponse):
-                continue
-            return event
 
 
 @attrs.define
@@ -304,44 +254,42 @@ class Front:
                 self.states[i] = EntryState.DOWN
                 return _entry_error(f"{entry.label} did not accept the connection in {self.connect_timeout_s:.0f} s")
             async with stream:
-                return await self._exchange(http, request, i, _Upstream(stream))
+                return await self._exchange(http, request, i, Upstream(stream, max_bytes=MAX_ANSWER_BYTES))
         finally:
             self.inflight[i] -= 1
 
-    async def _exchange(self, http: HttpConnection, request: HttpRequest, i: int, up: _Upstream) -> ApiError | None:
+    async def _exchange(self, http: HttpConnection, request: HttpRequest, i: int, up: Upstream) -> ApiError | None:
         entry = self.entries[i]
         try:
-            await up.send_request(request, f"{self.host}:{entry.port}", self.entry_key)
-            head = await up.next_event()
-            assert isinstance(head, h11.Response)
-            headers = [(k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in head.headers]
-            if dict(headers).get("content-type", "").startswith("text/event-stream"):
+            headers = [(k, v) for k, v in request.headers if k.lower() not in _HOP_HEADERS]
+            headers += [("host", f"{self.host}:{entry.port}"), ("authorization", f"Bearer {self.entry_key}")]
+            await up.send_request(request.method, request.target, headers, request.body)
+            head = await up.head()
+            if head.event_stream:
                 return await self._stream(http, i, up)
-            body = await _read_body(up)
-        except _Lost as exc:
+            body = await up.body()
+        except UpstreamLost as exc:
             self.states[i] = EntryState.DOWN
             return _entry_error(f"{entry.label} was lost before its answer ({exc})")
-        if head.status_code in RETRYABLE_STATUSES:
-            return error_from_body(head.status_code, body)
-        passed = [(k, v) for k, v in headers if k in _PASSED_HEADERS]
-        if head.status_code == 401:  # the node refused the front's key: the front's fault, not the client's
+        if head.status in RETRYABLE_STATUSES:
+            return error_from_body(head.status, body)
+        passed = [(k, v) for k, v in head.headers if k in _PASSED_HEADERS]
+        if head.status == 401:  # the node refused the front's key: the front's fault, not the client's
             raise OpenAiError(ApiError(502, f"{entry.label} refused the front's key", type="server_error"))
         out = [*passed, ("content-length", str(len(body))), ("server", "kvasir")]
-        await http.send(h11.Response(status_code=head.status_code, headers=out))
-        await http.send(h11.Data(data=body))
-        await http.send(h11.EndOfMessage())
+        await http.send_response(head.status, out, body)
         return None
 
-    async def _stream(self, http: HttpConnection, i: int, up: _Upstream) -> ApiError | None:
+    async def _stream(self, http: HttpConnection, i: int, up: Upstream) -> ApiError | None:
         """Pass an SSE answer on, event by event. Held back until its first event past a chat's role delta: an
         entry that fails the request before its first token (overloaded, the ring broken) is retried elsewhere."""
-        entry, events = self.entries[i], _SseEvents(up)
+        entry = self.entries[i]
         held: list[bytes] = []
         try:
             while True:
-                event = await events.next()
+                event = await up.next_sse_event()
                 if event is None:
-                    raise _Lost("the stream ended without [DONE]")
+                    raise UpstreamLost("the stream ended without [DONE]")
                 held.append(event)
                 kind = sse_kind(event)
                 if kind == "error":
@@ -350,62 +298,22 @@ class Front:
                         return err
                 if kind != "preamble":
                     break
-        except _Lost as exc:
+        except UpstreamLost as exc:
             self.states[i] = EntryState.DOWN
             return _entry_error(f"{entry.label} was lost before its first token ({exc})")
         await http.start_sse()
         for event in held:
-            await http.send(h11.Data(data=event + b"\n\n"))
+            await http.send_sse_raw(event)
         try:
-            while (event := await events.next()) is not None:
-                await http.send(h11.Data(data=event + b"\n\n"))
-        except _Lost as exc:
+            while (event := await up.next_sse_event()) is not None:
+                await http.send_sse_raw(event)
+        except UpstreamLost as exc:
             self.cut += 1
             self.states[i] = EntryState.DOWN
             message = f"the entry node ({entry.label}) was lost mid-answer ({exc}); retry the request"
             raise OpenAiError(ApiError(502, message, type="server_error", code="entry_lost")) from None
         await http.end_message()
         return None
-
-
-class _SseEvents:
-    """Whole SSE events of an entry's streamed answer (a partial one is never passed on)."""
-
-    def __init__(self, up: _Upstream) -> None:
-        self.up = up
-        self.buffer = b""
-        self.ended = False
-
-    async def next(self) -> bytes | None:
-        """The next event without its ``\\n\\n``; None at the answer's end; :class:`_Lost` if the entry went away."""
-        while b"\n\n" not in self.buffer:
-            if self.ended:
-                if self.buffer.strip():
-                    raise _Lost("the stream ended inside an event")
-                return None
-            event = await self.up.next_event()
-            if isinstance(event, h11.Data):
-                self.buffer += bytes(event.data)
-                if len(self.buffer) > MAX_ANSWER_BYTES:
-                    raise _Lost("an event larger than the front takes")
-            elif isinstance(event, h11.EndOfMessage):
-                self.ended = True
-        event, self.buffer = self.buffer.split(b"\n\n", 1)
-        return event
-
-
-async def _read_body(up: _Upstream) -> bytes:
-    parts: list[bytes] = []
-    size = 0
-    while True:
-        event = await up.next_event()
-        if isinstance(event, h11.EndOfMessage):
-            return b"".join(parts)
-        if isinstance(event, h11.Data):
-            size += len(event.data)
-            if size > MAX_ANSWER_BYTES:
-                raise _Lost("an answer larger than the front takes")
-            parts.append(bytes(event.data))
 
 
 def _entry_error(message: str) -> ApiError:

@@ -21,8 +21,8 @@ import attrs
 from kvasir.control.client import ControlClient
 from kvasir.control.paths import node_socket_path
 from kvasir.core.config import without_config
+from kvasir.core.errors import RingError
 from kvasir.core.identity import PublicKey, create_identity
-from kvasir.errors import RingError
 from kvasir.local.front import Entry
 from kvasir.relay.ringlink import grant_relay_edges
 from kvasir.ring.manifest import Manifest, RankEntry, StandbyEntry

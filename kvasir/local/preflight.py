@@ -10,7 +10,7 @@ import socket
 from pathlib import Path
 
 from kvasir.api.server import ApiAccess
-from kvasir.errors import InputError
+from kvasir.core.errors import InputError
 
 
 def check_port_free(host: str, port: int, flag: str) -> None:

@@ -31,9 +31,9 @@ from typing import Any, NamedTuple
 
 import attrs
 
+from kvasir.core.errors import InputError, MarketError
 from kvasir.core.identity import Identity, PublicKey
 from kvasir.core.signed import canonical_json, canonical_lines, sign, unb64url, verify
-from kvasir.errors import InputError, MarketError
 
 REQUEST_DOMAIN = b"kvasir-market-request/v1\n"
 MODEL_DOMAIN = b"kvasir-model/v1\n"

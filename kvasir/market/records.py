@@ -1,7 +1,7 @@
 """The market's API bodies: frozen records whose field validators hold the rules; the schema converter
 (:mod:`kvasir.core.schema`) reads and writes their JSON.
 
-``from_wire`` raises :class:`~kvasir.errors.InputError` naming the bad field; the service answers it with 400 and
+``from_wire`` raises :class:`~kvasir.core.errors.InputError` naming the bad field; the service answers it with 400 and
 stores nothing. Unknown keys are ignored (a newer peer may send more). docs/protocol.md § Market API is the reference
 for every field.
 """
@@ -14,11 +14,11 @@ from typing import Any, ClassVar, Literal, Self
 
 import attrs
 
+from kvasir.core.errors import InputError
 from kvasir.core.identity import Identity, PublicKey
 from kvasir.core.schema import FieldError, Json, register_record, structure, unstructure
 from kvasir.core.signed import canonical_json
 from kvasir.core.validators import int_in, is_int, number_in, optional, rule
-from kvasir.errors import InputError
 from kvasir.market import auth
 from kvasir.util.addr import parse_hostport
 

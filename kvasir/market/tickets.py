@@ -19,9 +19,9 @@ from collections.abc import Callable
 
 import attrs
 
+from kvasir.core.errors import InputError
 from kvasir.core.identity import Identity, PublicKey
 from kvasir.core.signed import canonical_lines, seal, split_lines, unb64url
-from kvasir.errors import InputError
 from kvasir.market.auth import MAX_SIGNATURE_CHARS
 
 TICKET_PREFIX = "kt1"

@@ -220,6 +220,16 @@ class HttpConnection:
         await self.send(h11.Data(data=body))
         await self.send(h11.EndOfMessage())
 
+    async def send_response(self, status: int, headers: Iterable[tuple[str, str]], body: bytes) -> None:
+        """A whole answer with the caller's headers (a proxy passing one on)."""
+        await self.send(h11.Response(status_code=status, headers=list(headers)))
+        await self.send(h11.Data(data=body))
+        await self.send(h11.EndOfMessage())
+
+    async def send_sse_raw(self, event: bytes) -> None:
+        """One server-sent event as it came (without its ``\n\n``), after :meth:`start_sse`."""
+        await self.send(h11.Data(data=event + b"\n\n"))
+
     async def start_sse(self) -> None:
         hdrs = [
             ("content-type", "text/event-stream; charset=utf-8"),

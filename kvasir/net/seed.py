@@ -15,7 +15,7 @@ from pathlib import Path
 import h11
 import trio
 
-from kvasir.errors import ModelFileError
+from kvasir.core.errors import ModelFileError
 from kvasir.net.http import ApiLimits, HttpConnection, HttpError, HttpRequest, serve_http
 
 BLOCK_BYTES = 256 * 1024

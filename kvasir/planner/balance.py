@@ -18,8 +18,8 @@ from typing import Literal
 
 import attrs
 
+from kvasir.core.errors import InputError, WindowError
 from kvasir.core.schema import register_record
-from kvasir.errors import InputError, WindowError
 from kvasir.planner.estimate import LOGITS_BYTES_PER_VOCAB
 from kvasir.planner.profile import ModelProfile
 

@@ -9,10 +9,10 @@ from typing import Any, Literal
 
 import attrs
 
+from kvasir.core.errors import InputError
 from kvasir.core.identity import PublicKey
 from kvasir.core.schema import FieldError, register_record, structure
 from kvasir.core.validators import at_least, one_of, positive
-from kvasir.errors import InputError
 
 DeviceKind = Literal["gpu", "cpu", "npu", "phone"]
 DEVICE_KINDS: tuple[DeviceKind, ...] = ("gpu", "cpu", "npu", "phone")

@@ -12,7 +12,7 @@ from typing import Any
 
 import attrs
 
-from kvasir.errors import WindowError
+from kvasir.core.errors import WindowError
 from kvasir.planner.devices import Device
 from kvasir.planner.profile import ModelProfile
 from kvasir.planner.rules import allowed_boundaries, padding_layers

@@ -16,8 +16,8 @@ from typing import Any, Literal
 
 import attrs
 
+from kvasir.core.errors import InputError, ModelFileError
 from kvasir.core.schema import FieldError, register_record, structure, unstructure
-from kvasir.errors import InputError, ModelFileError
 from kvasir.shard.gguf_file import MAX_LAYERS
 from kvasir.shard.gguf_io import GGUFFile, read_gguf
 

@@ -10,7 +10,7 @@ so the planner charges it in memory and time.
 
 from __future__ import annotations
 
-from kvasir.errors import UnsupportedArchitecture
+from kvasir.core.errors import UnsupportedArchitecture
 from kvasir.planner.profile import LayerKind, ModelProfile
 from kvasir.shard.arch import SUPPORTED
 

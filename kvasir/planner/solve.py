@@ -20,7 +20,7 @@ import math
 from collections.abc import Sequence
 from typing import Literal
 
-from kvasir.errors import InputError
+from kvasir.core.errors import InputError
 from kvasir.planner.devices import Device, check_unique
 from kvasir.planner.estimate import (
     DEFAULT_N_CTX,
@@ -68,7 +68,7 @@ def plan(
 
     ``order`` fixes the cyclic ring order by device name (every device once); the planner still picks rank 0
     and may leave devices out. Without it the planner tries several orders. Raises :class:`InputError` when no
-    plan fits, and :class:`~kvasir.errors.UnsupportedArchitecture` for an arch without window rules.
+    plan fits, and :class:`~kvasir.core.errors.UnsupportedArchitecture` for an arch without window rules.
     """
     if not devices:
         raise InputError("no devices to plan for")

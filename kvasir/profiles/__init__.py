@@ -10,7 +10,7 @@ import tomllib
 from importlib import resources
 from pathlib import Path
 
-from kvasir.errors import InputError
+from kvasir.core.errors import InputError
 from kvasir.planner.profile import ModelProfile, profile_from_gguf, profile_from_mapping
 
 _SUFFIX = ".toml"

@@ -8,10 +8,10 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
+from kvasir.core.errors import InputError
 from kvasir.core.identity import Identity
 from kvasir.core.schedule import PREFILL_CHUNK
 from kvasir.core.speculate import DraftPolicy
-from kvasir.errors import InputError
 from kvasir.ring.compute import RingStageInfo
 from kvasir.ring.edges import RelayConnect
 from kvasir.ring.manifest import Manifest

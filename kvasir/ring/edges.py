@@ -15,7 +15,7 @@ from typing import Protocol
 
 import attrs
 
-from kvasir.errors import InputError, RingError
+from kvasir.core.errors import InputError, RingError
 from kvasir.ring.manifest import Manifest
 
 

@@ -23,8 +23,8 @@ from typing import Any
 import attrs
 import trio
 
+from kvasir.core.errors import InputError
 from kvasir.core.schema import Json, converter, register_record, structure
-from kvasir.errors import InputError
 
 log = logging.getLogger("kvasir.events")
 

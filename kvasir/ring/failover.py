@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import attrs
 import trio
 
-from kvasir.errors import RequestRefused
+from kvasir.core.errors import RequestRefused
 from kvasir.ring.config import NodeConfig
 from kvasir.ring.events import EventHub, FailedOver
 from kvasir.ring.requests import RequestState, RequestTable

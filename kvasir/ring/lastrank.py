@@ -16,9 +16,9 @@ from collections.abc import Sequence
 
 import trio
 
+from kvasir.core.errors import InvalidRequest
 from kvasir.core.speculate import Drafter, DraftPolicy, RowSampler
 from kvasir.core.stops import ending
-from kvasir.errors import InvalidRequest
 from kvasir.ring.compute import RingStage, TokenSampler
 from kvasir.ring.config import NodeConfig
 from kvasir.ring.observe import RequestObserver

@@ -27,8 +27,8 @@ from typing import Protocol
 
 import trio
 
+from kvasir.core.errors import ProtocolError, RingError
 from kvasir.core.identity import PublicKey
-from kvasir.errors import ProtocolError, RingError
 from kvasir.ring.edges import RingEdges
 from kvasir.ring.links import Link, StreamLink, handshake, link_error
 from kvasir.ring.manifest import Manifest

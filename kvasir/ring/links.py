@@ -15,7 +15,7 @@ from typing import Protocol
 import attrs
 import trio
 
-from kvasir.errors import ProtocolError, RingError
+from kvasir.core.errors import ProtocolError, RingError
 from kvasir.wire import (
     MAX_FRAME_BYTES,
     Error,

@@ -36,10 +36,10 @@ from typing import Any
 import attrs
 import tomli_w
 
+from kvasir.core.errors import InputError, WindowError
 from kvasir.core.identity import PublicKey
 from kvasir.core.schema import FieldError, register_record, structure, unstructure
 from kvasir.core.validators import int_in
-from kvasir.errors import InputError, WindowError
 from kvasir.util.addr import format_hostport, parse_hostport
 from kvasir.util.files import atomic_output
 

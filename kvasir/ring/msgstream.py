@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from kvasir.errors import RingError
+from kvasir.core.errors import RingError
 
 
 class MessageStream(trio.abc.Stream):

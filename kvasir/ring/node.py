@@ -23,7 +23,7 @@ from typing import Any
 import attrs
 import trio
 
-from kvasir.errors import InputError, InvalidRequest, ProtocolError, RequestRefused, RingError
+from kvasir.core.errors import InputError, InvalidRequest, ProtocolError, RequestRefused, RingError
 from kvasir.ring.compute import RingStage
 from kvasir.ring.config import MarketView, NodeConfig, check_stage, node_credentials, node_hello
 from kvasir.ring.edges import RingEdges

@@ -17,8 +17,8 @@ from typing import Protocol
 
 import trio
 
+from kvasir.core.errors import RingError
 from kvasir.core.identity import PublicKey
-from kvasir.errors import RingError
 from kvasir.ring.edges import RelayChannel, RingEdges
 from kvasir.ring.links import Link, MessageLink, StreamLink
 from kvasir.ring.manifest import Manifest, RankEntry

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from kvasir.errors import KvasirError, ProtocolError, RequestRefused, RingError
+from kvasir.core.errors import KvasirError, ProtocolError, RequestRefused, RingError
 from kvasir.ring.config import NodeConfig
 from kvasir.ring.failover import Failover
 from kvasir.ring.linkmgr import LinkManager, SuccessorLost

@@ -34,9 +34,9 @@ from pathlib import Path
 
 import attrs
 
+from kvasir.core.errors import KvasirError
 from kvasir.core.identity import Identity
 from kvasir.core.sampling import SamplingParams
-from kvasir.errors import KvasirError
 from kvasir.verify.audit import LoggedInput, WindowLog, write_json
 from kvasir.verify.commit import NO_TOKEN, TOKENS, Chain, Recorder, tokens_payload
 from kvasir.verify.select import PENDING, RECEIPTS, log_name

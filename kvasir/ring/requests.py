@@ -11,10 +11,10 @@ from typing import Protocol
 import attrs
 import trio
 
+from kvasir.core.errors import InputError, InvalidRequest, ProtocolError, RequestRefused
 from kvasir.core.sampling import MAX_SEED, SamplingParams
 from kvasir.core.speculate import Drafter, SpeculationStats
 from kvasir.core.stops import find_stop
-from kvasir.errors import InputError, InvalidRequest, ProtocolError, RequestRefused
 from kvasir.ring.compute import RingStage, TokenSampler
 from kvasir.ring.events import EndListeners, EventHub, RequestEnded, RequestStarted, TokenPassed
 from kvasir.ring.speculation import CacheEnd, TokenTrail, VerifyBatch

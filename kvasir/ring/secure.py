@@ -35,8 +35,8 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from kvasir.core.errors import ProtocolError, RingError
 from kvasir.core.identity import Identity, PublicKey
-from kvasir.errors import ProtocolError, RingError
 from kvasir.ring.tlsstream import TLSStream
 
 MAGIC = b"KV\x02"

@@ -17,7 +17,7 @@ from typing import Any
 
 import trio
 
-from kvasir.errors import KvasirError
+from kvasir.core.errors import KvasirError
 from kvasir.ring.batching import DecodeBatcher, DecodeStep, batchable, compute_batch
 from kvasir.ring.compute import RingStage
 from kvasir.ring.config import NodeConfig

@@ -12,7 +12,7 @@ from typing import Any
 
 import attrs
 
-from kvasir.errors import UnsupportedArchitecture
+from kvasir.core.errors import UnsupportedArchitecture
 
 
 @attrs.frozen

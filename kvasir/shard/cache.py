@@ -10,7 +10,7 @@ import itertools
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvasir.errors import WindowError
+from kvasir.core.errors import WindowError
 from kvasir.shard.gguf_file import describe
 from kvasir.shard.slice import slice_model
 from kvasir.util.dirs import cache_dir

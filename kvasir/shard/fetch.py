@@ -28,7 +28,7 @@ import attrs
 import httpx
 import trio
 
-from kvasir.errors import InputError, ModelFileError
+from kvasir.core.errors import InputError, ModelFileError
 from kvasir.shard.cache import file_sha256
 from kvasir.shard.gguf_file import describe
 from kvasir.shard.gguf_header import DEFAULT_LIMITS, PREAMBLE_BYTES, GGUFHeader, HeaderCursor, HeaderLimits

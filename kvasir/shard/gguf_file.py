@@ -1,6 +1,6 @@
 """Open a GGUF file and describe it: the facts ``inspect``, ``slice`` and the planner need.
 
-Every failure to read becomes a :class:`~kvasir.errors.ModelFileError` with one line that names the file.
+Every failure to read becomes a :class:`~kvasir.core.errors.ModelFileError` with one line that names the file.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 import attrs
 
-from kvasir.errors import ModelFileError
+from kvasir.core.errors import ModelFileError
 from kvasir.shard.arch import SUPPORTED
 from kvasir.shard.gguf_io import GGUFFile, read_gguf
 

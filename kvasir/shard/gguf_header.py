@@ -20,7 +20,7 @@ from typing import Any
 import attrs
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-from kvasir.errors import ModelFileError
+from kvasir.core.errors import ModelFileError
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32

@@ -16,7 +16,7 @@ from typing import Any, BinaryIO
 import attrs
 from gguf import GGMLQuantizationType, GGUFValueType
 
-from kvasir.errors import ModelFileError
+from kvasir.core.errors import ModelFileError
 from kvasir.shard.gguf_header import (
     DEFAULT_ALIGNMENT,
     DEFAULT_LIMITS,

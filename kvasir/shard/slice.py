@@ -24,7 +24,7 @@ import attrs
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType
 
-from kvasir.errors import ModelFileError, WindowError
+from kvasir.core.errors import ModelFileError, WindowError
 from kvasir.shard.arch import layer_kinds, rules_for
 from kvasir.shard.gguf_file import STAGE_PREFIX, TOKENIZER_STASH_PREFIX, ModelInfo, block_index, describe
 from kvasir.shard.gguf_io import (

@@ -24,7 +24,7 @@ import jinja2.nodes
 import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from kvasir.errors import InputError
+from kvasir.core.errors import InputError
 
 
 class _TemplateRaised(Exception):

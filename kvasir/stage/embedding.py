@@ -14,7 +14,7 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
-from kvasir.errors import InputError
+from kvasir.core.errors import InputError
 
 
 class TokenEmbedding:

@@ -22,9 +22,9 @@ import attrs
 import numpy as np
 import trio
 
+from kvasir.core.errors import InputError, ShapeError, StageError
 from kvasir.core.sampling import SamplingParams
 from kvasir.core.speculate import verify_rows
-from kvasir.errors import InputError, ShapeError, StageError
 from kvasir.shard.arch import rules_for
 from kvasir.shard.cache import default_cache_dir
 from kvasir.shard.gguf_file import STAGE_PREFIX, describe

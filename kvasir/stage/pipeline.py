@@ -13,11 +13,11 @@ from typing import Any
 
 import attrs
 
+from kvasir.core.errors import InputError
 from kvasir.core.sampling import SamplingParams
 from kvasir.core.schedule import PREFILL_CHUNK
 from kvasir.core.speculate import K_LIMIT, Drafter, RowSampler, SpeculationStats
 from kvasir.core.stops import Ending, ending, find_stop
-from kvasir.errors import InputError
 from kvasir.stage.engine import FloatArray, Stage
 from kvasir.stage.vocab import TextStream
 

@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
+from kvasir.core.errors import StageError
 from kvasir.core.sampling import SamplingParams
-from kvasir.errors import StageError
 from kvasir.stage.llama_ffi import runtime
 
 #: llama.cpp reads this seed as "pick a random one".

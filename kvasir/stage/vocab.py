@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from gguf import GGUFValueType
 
-from kvasir.errors import InputError, StageError
+from kvasir.core.errors import InputError, StageError
 from kvasir.shard.gguf_file import TOKENIZER_STASH_PREFIX
 from kvasir.shard.gguf_io import GGUFFile, encode_kv, write_gguf
 from kvasir.stage.chat_template import render_chat

@@ -25,8 +25,8 @@ import numpy as np
 import trio
 import trio.testing
 
+from kvasir.core.errors import InputError, StageError
 from kvasir.core.speculate import verify_rows
-from kvasir.errors import InputError, StageError
 from kvasir.ring.linkmgr import StreamHandler
 from kvasir.ring.manifest import Manifest, RankEntry
 from kvasir.wire import SamplingParams

@@ -7,7 +7,7 @@ Port 0 ("any free port") is only valid where a socket is about to listen, so cal
 
 from __future__ import annotations
 
-from kvasir.errors import InputError
+from kvasir.core.errors import InputError
 
 MAX_PORT = 65535
 

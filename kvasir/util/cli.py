@@ -1,6 +1,6 @@
 """Command-line plumbing shared by ``kvasir`` and ``python -m kvasir.relay``: errors as one line, trio entry points.
 
-A command that fails on purpose (a :class:`~kvasir.errors.KvasirError`) or meets the operating system (an
+A command that fails on purpose (a :class:`~kvasir.core.errors.KvasirError`) or meets the operating system (an
 ``OSError``: address in use, permission denied, no such file) prints one line on stderr and exits 2, also when the
 error comes out of a trio nursery wrapped in an exception group. Ctrl-C exits 130 without a word. Anything else is
 a bug and keeps its traceback.
@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import trio
 
-from kvasir.errors import KvasirError
+from kvasir.core.errors import KvasirError
 
 T = TypeVar("T")
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import platformdirs
 
-from kvasir.errors import InputError
+from kvasir.core.errors import InputError
 
 APP = "kvasir"
 

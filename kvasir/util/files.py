@@ -8,7 +8,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from kvasir.errors import OutputError
+from kvasir.core.errors import OutputError
 
 
 @contextlib.contextmanager

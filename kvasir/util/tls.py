@@ -12,7 +12,7 @@ import functools
 import ssl
 from pathlib import Path
 
-from kvasir.errors import InputError
+from kvasir.core.errors import InputError
 
 
 def server_context(cert: Path | str, key: Path | str) -> ssl.SSLContext:

@@ -18,6 +18,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from kvasir.core.errors import InputError, ProtocolError
 from kvasir.core.sampling import SamplingParams
 from kvasir.core.schema import (
     FieldError,
@@ -30,7 +31,6 @@ from kvasir.core.schema import (
     unstructure,
 )
 from kvasir.core.signed import canonical_json
-from kvasir.errors import InputError, ProtocolError
 from kvasir.stage.engine import Stage, StageConfig
 from kvasir.util.files import atomic_output
 from kvasir.verify.commit import (

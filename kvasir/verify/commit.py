@@ -20,12 +20,12 @@ from typing import Any
 
 import attrs
 
+from kvasir.core.errors import InputError, KvasirError
 from kvasir.core.identity import Identity, PublicKey
 from kvasir.core.sampling import SamplingParams
 from kvasir.core.schema import Json, register_record, structure, unstructure
 from kvasir.core.signed import canonical_json, sign, unb64url
 from kvasir.core.validators import matches, rule
-from kvasir.errors import InputError, KvasirError
 
 #: dtype code of an input that is token ids (rank 0), beside the wire's BoundaryDType codes 0-2.
 TOKENS = 100

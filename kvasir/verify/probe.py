@@ -14,8 +14,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from kvasir.core.errors import KvasirError
 from kvasir.core.schedule import PREFILL_CHUNK
-from kvasir.errors import KvasirError
 from kvasir.stage.engine import Stage
 from kvasir.verify.audit import LoggedInput, execute
 from kvasir.verify.kernel import stage_kernel_class

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import attrs
 
-from kvasir.errors import InputError
+from kvasir.core.errors import InputError
 from kvasir.verify.audit import WindowLog, read_json, write_json
 from kvasir.verify.commit import VerificationError, WindowReceipt, successor_mismatch
 

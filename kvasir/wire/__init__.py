@@ -1,6 +1,6 @@
 """Kvasir's wire protocol: versioned, length-prefixed binary frames between ring neighbours.
 
-Byte-level specification: docs/protocol.md. Every decode failure raises :class:`kvasir.errors.ProtocolError`.
+Byte-level specification: docs/protocol.md. Every decode failure raises :class:`kvasir.core.errors.ProtocolError`.
 """
 
 from kvasir.core.sampling import SamplingParams  # re-exported: the codec carries it in START

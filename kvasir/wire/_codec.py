@@ -9,7 +9,7 @@ from __future__ import annotations
 import struct
 from typing import Any
 
-from kvasir.errors import ProtocolError
+from kvasir.core.errors import ProtocolError
 
 _U8 = struct.Struct("<B")
 _U16 = struct.Struct("<H")

@@ -14,7 +14,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from kvasir.errors import ProtocolError, ShapeError
+from kvasir.core.errors import ProtocolError, ShapeError
 
 F32Array = npt.NDArray[np.float32]
 

@@ -2,7 +2,7 @@
 
 Every frame is a frozen attrs value that validates itself when built, so a frame decoded from the wire and a
 frame built locally obey the same rules, and ``to_wire`` never emits what ``decode_frame`` would refuse. All
-violations raise :class:`~kvasir.errors.ProtocolError` with one precise line.
+violations raise :class:`~kvasir.core.errors.ProtocolError` with one precise line.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import attrs
 import numpy as np
 
 from kvasir.core.codes import ErrorCode as ErrorCode  # re-exported: the wire speaks these codes
+from kvasir.core.errors import ProtocolError
 from kvasir.core.sampling import SamplingError, SamplingParams
 from kvasir.core.speculate import K_LIMIT
-from kvasir.errors import ProtocolError
 from kvasir.wire._codec import I32_MAX, U32_MAX, BodyReader, pack_text
 from kvasir.wire.boundary import BoundaryDType, F32Array, decode_boundary, encode_boundary
 

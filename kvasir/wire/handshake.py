@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-from kvasir.errors import RingError
+from kvasir.core.errors import RingError
 from kvasir.wire.boundary import BoundaryDType
 from kvasir.wire.frames import BOUNDARY_FIXED_SIZE, CHAIN_BYTES, HEADER_SIZE, MAX_BOUNDARY_TOKENS, ErrorCode, Hello
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import trio
 
-from kvasir.errors import ProtocolError
+from kvasir.core.errors import ProtocolError
 from kvasir.wire.frames import (
     HEADER_SIZE,
     MAX_FRAME_BYTES,

@@ -14,7 +14,7 @@ from typing import Any
 import attrs
 
 from kvasir.control.client import ControlClient
-from kvasir.errors import RingError
+from kvasir.core.errors import RingError
 from kvasir.local.launcher import LocalRing, Supervisor
 
 

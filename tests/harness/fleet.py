@@ -47,7 +47,7 @@ from typing import Any, Final
 
 import attrs
 
-from kvasir.errors import KvasirError
+from kvasir.core.errors import KvasirError
 from kvasir.local.launcher import LocalRing
 from kvasir.ring.manifest import Manifest, RankEntry
 from kvasir.shard.cache import model_sha256, stage_files

@@ -27,8 +27,8 @@ import attrs
 import httpx
 import trio
 
+from kvasir.core.errors import InputError, MarketError
 from kvasir.core.identity import Identity
-from kvasir.errors import InputError, MarketError
 from kvasir.market.agent.client import MarketClient
 from kvasir.market.records import ClaimRequest, Lease, ManifestRecord, ModelRecord
 

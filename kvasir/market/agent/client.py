@@ -17,8 +17,8 @@ from typing import Any
 
 import httpx
 
+from kvasir.core.errors import InputError, MarketError
 from kvasir.core.identity import Identity
-from kvasir.errors import InputError, MarketError
 from kvasir.market import auth
 from kvasir.market.records import (
     ClaimRequest,

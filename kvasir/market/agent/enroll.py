@@ -36,8 +36,8 @@ from typing import Any
 
 import trio
 
+from kvasir.core.errors import KvasirError, MarketError
 from kvasir.core.identity import PublicKey
-from kvasir.errors import KvasirError, MarketError
 from kvasir.market.agent.client import MarketClient, is_transient
 from kvasir.market.agent.config import EnrollConfig, is_public_host
 from kvasir.market.agent.lease import LeaseKeeper, LeaseLost, LeaseTaken

@@ -12,7 +12,7 @@ import logging
 import attrs
 import trio
 
-from kvasir.errors import KvasirError, MarketError
+from kvasir.core.errors import KvasirError, MarketError
 from kvasir.market.agent.client import MarketClient
 from kvasir.market.records import ClaimRequest, CoverageEntry, Lease, LeaseRef
 

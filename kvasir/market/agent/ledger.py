@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Sequence
 
-from kvasir.errors import KvasirError, MarketError
+from kvasir.core.errors import KvasirError, MarketError
 from kvasir.market.agent.client import MarketClient
 from kvasir.market.records import (
     MAX_RECEIPTS,

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvasir.core.errors import InputError
 from kvasir.core.identity import Identity, PublicKey
-from kvasir.errors import InputError
 from kvasir.market import auth
 from kvasir.market.agent.client import MarketClient
 from kvasir.market.records import ManifestRecord, ModelRecord, Probe, StageHash, WindowSpec

@@ -6,8 +6,8 @@ from collections.abc import Callable, Collection, Sequence
 
 import attrs
 
+from kvasir.core.errors import InputError
 from kvasir.core.identity import PublicKey
-from kvasir.errors import InputError
 from kvasir.market.records import CoverageEntry
 from kvasir.ring.manifest import Manifest, RankEntry
 from kvasir.util.addr import parse_hostport

@@ -23,8 +23,8 @@ import attrs
 import httpx
 import trio
 
+from kvasir.core.errors import KvasirError, MarketError
 from kvasir.core.identity import PublicKey
-from kvasir.errors import KvasirError, MarketError
 from kvasir.market.agent.client import MarketClient, is_transient
 from kvasir.market.agent.config import EnrollConfig
 from kvasir.market.agent.lease import LeaseKeeper, LeaseLost, LeaseTaken

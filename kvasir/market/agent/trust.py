@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import logging
 
+from kvasir.core.errors import InputError, MarketError
 from kvasir.core.identity import PublicKey
-from kvasir.errors import InputError, MarketError
 from kvasir.market import auth
 from kvasir.market.agent.client import MarketClient
 from kvasir.market.agent.lease import LeaseLost

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from kvasir.errors import InputError, MarketError
+from kvasir.core.errors import InputError, MarketError
 from kvasir.market.records import ManifestRecord, ModelRecord
 from kvasir.market.server.sqlite import Database, StorePart
 

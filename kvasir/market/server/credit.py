@@ -7,7 +7,7 @@ import json
 import sqlite3
 from typing import Any
 
-from kvasir.errors import MarketError
+from kvasir.core.errors import MarketError
 from kvasir.market.records import MAX_LEASE_TOKENS, CreditReport, ReceiptBatch
 from kvasir.market.server.catalog import Catalog
 from kvasir.market.server.demand import demand_multiplier, recent_tokens, reward_of

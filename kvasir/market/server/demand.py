@@ -7,7 +7,7 @@ from collections.abc import Callable
 from contextlib import suppress
 from typing import Any
 
-from kvasir.errors import MarketError
+from kvasir.core.errors import MarketError
 from kvasir.market.records import MAX_REWARD, DemandReport
 from kvasir.market.server import catalog
 from kvasir.market.server.sqlite import Database, StorePart

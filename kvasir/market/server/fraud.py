@@ -15,7 +15,7 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from kvasir.errors import KvasirError
+from kvasir.core.errors import KvasirError
 from kvasir.shard.gguf_file import STAGE_PREFIX
 from kvasir.shard.gguf_io import read_gguf
 from kvasir.verify.audit import FraudProof, verify_proof

@@ -7,7 +7,7 @@ import secrets
 import sqlite3
 from typing import Any
 
-from kvasir.errors import MarketError
+from kvasir.core.errors import MarketError
 from kvasir.market.records import ClaimRequest, CoverageEntry, CreditReport, Lease, LeaseRef
 from kvasir.market.server import catalog
 from kvasir.market.server.demand import demand_multiplier, recent_tokens, reward_of

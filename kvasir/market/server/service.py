@@ -25,8 +25,8 @@ from urllib.parse import parse_qsl
 import attrs
 import trio
 
+from kvasir.core.errors import InputError, MarketError
 from kvasir.core.identity import Identity, PublicKey
-from kvasir.errors import InputError, MarketError
 from kvasir.market import auth
 from kvasir.market.records import (
     ClaimRequest,

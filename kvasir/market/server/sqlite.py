@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from kvasir.errors import InputError
+from kvasir.core.errors import InputError
 from kvasir.market.server.clock import MarketClock
 
 _SCHEMA = """
