@@ -130,7 +130,12 @@ def prompt_tokens(node: Node, text: str, chat: bool) -> list[int]:
 
 
 async def _generate(node: Node, lines: _Lines, op: GenerateOp) -> None:
-    tokens = list(op.tokens) if op.tokens is not None else prompt_tokens(node, op.prompt, op.chat)
+    # Tokenizing (and rendering a chat template) is llama.cpp and Jinja work: off the event loop, as the API does.
+    tokens = (
+        list(op.tokens)
+        if op.tokens is not None
+        else await trio.to_thread.run_sync(prompt_tokens, node, op.prompt, op.chat)
+    )
     async with node.request(tokens, op.sampling, op.max_tokens, op.stop, speculate=op.speculate) as handle:
         await lines.write({"type": "accepted", "request": handle.request_id, "prompt_tokens": handle.prompt_tokens})
         async for ev in node.events(handle):
