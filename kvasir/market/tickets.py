@@ -118,9 +118,7 @@ def ticket_problem(
     if t.holder != key:
         return f"key {key.fingerprint} presented a ticket issued to {t.holder.fingerprint}"
     if t.model != model or (t.start, t.end) not in windows:
-        return (
-            f"key {key.fingerprint}'s ticket is for window {t.start}:{t.end} of {t.model[:12]}…, not a neighbour's"
-        )
+        return f"key {key.fingerprint}'s ticket is for window {t.start}:{t.end} of {t.model[:12]}…, not a neighbour's"
     if t.not_after + TICKET_SKEW_S < now:
         return f"key {key.fingerprint}'s window ticket expired at {t.not_after}"
     return None
