@@ -238,7 +238,9 @@ class LinkOpener:
         if key is not None:
             # One connection per key between AUTH and HELLO: a newer one (the peer reconnecting) replaces it.
             for other in [p for p in self._pending if p.key == key]:
-                log.warning("rank %d: key %s connected again before its HELLO; closing the older", self.rank, key)
+                log.warning(
+                    "rank %d: key %s connected again before its HELLO; closing the older", self.rank, key.fingerprint
+                )
                 other.scope.cancel()
                 self._pending.remove(other)
             entry.key = key
@@ -262,21 +264,25 @@ class LinkOpener:
             await link.aclose()
         return None
 
-    def _predecessor_policy(self) -> PeerPolicy:
-        """The manifest's keys for the previous rank (its primary's and its standbys'), or (market rings) a valid
-        ticket for a neighbour window."""
+    def _predecessor_policy(self) -> tuple[KeyPolicy, PeerPolicy | None]:
+        """The manifest's keys for the previous rank (its primary's and its standbys'), and (market rings) the
+        market's: a valid ticket for exactly the previous rank's window."""
         m = self._manifest()
-        by_key = KeyPolicy(m.ranks[(self.rank - 1) % m.size].keys())
         market = self._peer_policy() if self._peer_policy is not None else None
-        return by_key if market is None else AnyPolicy((by_key, market))
+        return KeyPolicy(m.ranks[(self.rank - 1) % m.size].keys()), market
 
-    def _admitted_window(self, policy: PeerPolicy, key: PublicKey, ticket: bytes) -> tuple[int, int] | None:
-        """The window a market ticket admitted ``key`` for; None for a manifest's key (its rank binds it)."""
-        m = self._manifest()
-        if key in m.rank((self.rank - 1) % m.size).keys():  # noqa: SIM118 (a method, not a dict)
+    @staticmethod
+    def _admitted_window(
+        by_key: KeyPolicy, market: PeerPolicy | None, key: PublicKey, ticket: bytes
+    ) -> tuple[int, int] | None:
+        """The window a market ticket admitted ``key`` for, which its HELLO must claim; None for a manifest's key
+        (the ring order binds its rank). LinkAuthError if neither names one (fail closed)."""
+        if key in by_key.keys or not isinstance(market, TicketWindows):
             return None
-        market = self._peer_policy() if self._peer_policy is not None else None
-        return market.ticket_window(key, ticket) if isinstance(market, TicketWindows) else None
+        window = market.ticket_window(key, ticket)
+        if window is None:
+            raise LinkAuthError(f"key {key.fingerprint}'s ticket names no window it may hold here")
+        return window
 
     async def _secure_accepted(
         self, stream: trio.abc.Stream, peer: str
@@ -286,17 +292,19 @@ class LinkOpener:
         if self.credentials is None:
             # v1: the HELLO is the first frame; until the handshake no frame may be larger than a HELLO.
             return StreamLink(stream, peer, max_frame_bytes=PREAUTH_FRAME_BYTES), None, None
-        policy = self._predecessor_policy()
+        by_key, market = self._predecessor_policy()
+        policy = by_key if market is None else AnyPolicy((by_key, market))
         try:
             with trio.fail_after(SECURE_HANDSHAKE_TIMEOUT):
                 tls, key, ticket = await accept_secure(stream, self.credentials, policy, auth_timeout=AUTH_TIMEOUT)
+                window = self._admitted_window(by_key, market, key, ticket)
         except (LinkAuthError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             log.warning("rank %d refused a predecessor from %s: %s", self.rank, peer, exc or "handshake timed out")
             await trio.aclose_forcefully(stream)
             return None
         link = StreamLink(tls, peer, max_frame_bytes=PREAUTH_FRAME_BYTES)  # issue 24 N10: no 64 MiB before HELLO
         link.stats.secure = True
-        return link, key, self._admitted_window(policy, key, ticket)
+        return link, key, window
 
     async def relay_link(
         self, channel: RelayChannel, edge: str, *, upstream: bool
@@ -318,11 +326,13 @@ class LinkOpener:
                 link = StreamLink(tls, peer, kind="relay")
                 link.stats.secure = True
                 return link, expected, None
-            policy = self._predecessor_policy()
+            by_key, market = self._predecessor_policy()
+            policy = by_key if market is None else AnyPolicy((by_key, market))
             tls, key, ticket = await accept_secure(stream, self.credentials, policy)
+            window = self._admitted_window(by_key, market, key, ticket)
             link = StreamLink(tls, peer, kind="relay", max_frame_bytes=PREAUTH_FRAME_BYTES)
             link.stats.secure = True
-            return link, key, self._admitted_window(policy, key, ticket)
+            return link, key, window
 
     @asynccontextmanager
     async def open_successor(self, target: RankEntry) -> AsyncIterator[Link]:
