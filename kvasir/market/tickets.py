@@ -23,6 +23,7 @@ from kvasir.core.errors import InputError
 from kvasir.core.identity import Identity, PublicKey
 from kvasir.core.signed import canonical_lines, seal, split_lines, unb64url
 from kvasir.market.auth import MAX_SIGNATURE_CHARS
+from kvasir.ring.manifest import Manifest
 
 TICKET_PREFIX = "kt1"
 DOMAIN = b"kvasir-window-ticket/v1\n"
@@ -125,7 +126,8 @@ def ticket_problem(
 
 @attrs.frozen
 class TicketPolicy:
-    """A :class:`~kvasir.ring.secure.PeerPolicy`: accepts a key with a valid market ticket for a neighbour window."""
+    """A :class:`~kvasir.ring.secure.PeerPolicy`: accepts a key with a valid market ticket for one of ``windows``
+    (a ring node's: exactly its predecessor's window, :func:`predecessor_ticket_policy`)."""
 
     issuer: PublicKey
     model: str
@@ -134,3 +136,20 @@ class TicketPolicy:
 
     def problem(self, key: PublicKey, ticket: bytes) -> str | None:
         return ticket_problem(ticket, key, issuer=self.issuer, model=self.model, windows=self.windows, now=self.clock())
+
+    def ticket_window(self, key: PublicKey, ticket: bytes) -> tuple[int, int] | None:
+        """The window ``ticket`` admits ``key`` as the holder of, or None if it admits it to none: the HELLO that
+        follows must claim exactly this window."""
+        if self.problem(key, ticket) is not None:
+            return None
+        t = parse_ticket(ticket, self.issuer)
+        return t.start, t.end
+
+
+def predecessor_ticket_policy(
+    issuer: PublicKey, model: str, manifest: Manifest, rank: int, clock: Callable[[], float] = time.time
+) -> TicketPolicy:
+    """Who may link to rank ``rank`` as its predecessor: the holder of a ticket for exactly the previous rank's
+    window. The successor's window is not admitted (a holder of it would pose as the predecessor, issue 24 N2)."""
+    pred = manifest.rank((rank - 1) % manifest.size)
+    return TicketPolicy(issuer, model, frozenset({(pred.start, pred.end)}), clock)

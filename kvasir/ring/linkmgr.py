@@ -195,10 +195,9 @@ class LinkManager:
     # ------------------------------------------------------------------------------------------ predecessor
 
     async def _accept_predecessor(self, stream: trio.abc.Stream, peer: str) -> None:
-        opened = await self.opener.accept(stream, peer)
-        if opened is not None:
-            link, key = opened
-            await self._run_predecessor(link, peer, key)
+        admitted = await self.opener.accept(stream, peer, self.hello)
+        if admitted is not None:
+            await self._run_predecessor(admitted.link, peer, admitted.hello, admitted.key)
 
     async def _keep_relay_predecessor(self) -> None:
         """Predecessor edge through the relay: dial out as the downstream end, redial with backoff."""
@@ -210,19 +209,16 @@ class LinkManager:
                 async with self.edges.open_relay(edge, upstream=False) as channel:
                     backoff.reset()
                     self.predecessor_state = f"waiting on relay edge {edge}"
-                    link, key = await self.opener.relay_link(channel, edge, upstream=False)
-                    await self._run_predecessor(link, f"relay:{edge}", key)
+                    link, key, window = await self.opener.relay_link(channel, edge, upstream=False)
+                    remote = await self.opener.greet(link, f"relay:{edge}", self.hello, window)
+                    if remote is not None:
+                        await self._run_predecessor(link, f"relay:{edge}", remote, key)
             except (RingError, trio.TooSlowError, trio.BrokenResourceError) as exc:  # relay gone, refused, closed
                 self.predecessor_state = f"relay edge {edge}: {exc or 'handshake timed out'}"
             await trio.sleep(backoff.next())
 
-    async def _run_predecessor(self, link: Link, peer: str, key: PublicKey | None = None) -> None:
-        try:
-            remote = await handshake(link, self.hello, Side.PREDECESSOR, send_first=False)
-        except (RingError, ProtocolError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-            log.warning("rank %d refused a predecessor from %s: %s", self.rank, peer, exc)
-            await link.aclose()
-            return
+    async def _run_predecessor(self, link: Link, peer: str, remote: Hello, key: PublicKey | None = None) -> None:
+        """Run a predecessor's link whose HELLOs :meth:`LinkOpener.greet` exchanged, if the slot is free for it."""
         if isinstance(link, StreamLink):
             link.max_frame_bytes = self.max_frame_bytes  # authenticated by its HELLO (v1) or its key (v2)
         old = self.predecessor

@@ -132,8 +132,11 @@ class MessageLink:
         await self._close()
 
 
-async def handshake(link: Link, local: Hello, side: Side, *, send_first: bool) -> Hello:
-    """Exchange HELLOs; refuse (ERROR frame, then RingError) a neighbour that cannot join this node."""
+async def handshake(
+    link: Link, local: Hello, side: Side, *, send_first: bool, check: Callable[[Hello], str | None] | None = None
+) -> Hello:
+    """Exchange HELLOs; refuse (ERROR frame, then RingError) a neighbour that cannot join this node, or whose HELLO
+    ``check`` finds a problem with (the acceptor says nothing of itself to such a peer)."""
     with trio.fail_after(HANDSHAKE_TIMEOUT):
         if send_first:
             await link.send(local)
@@ -151,6 +154,9 @@ async def handshake(link: Link, local: Hello, side: Side, *, send_first: bool) -
             await _refuse(link, ErrorCode.PROTOCOL, reason, local.rank)
             raise ProtocolError(reason)
         problem = neighbour_problem(local, remote, side)
+        if problem is None and check is not None:
+            refused = check(remote)
+            problem = None if refused is None else (ErrorCode.WINDOW_MISMATCH, refused)
         if problem is not None:
             code, reason = problem
             await _refuse(link, code, reason, local.rank)

@@ -1,8 +1,10 @@
 """How one link of a node is opened: the predecessor's connection accepted, the successor dialed (TCP or a relay
 edge), each through the protocol-v2 key-bound handshake of :mod:`kvasir.ring.secure` when the node has credentials.
 
-Before authentication a peer can make the node read only a handshake-sized message, and the node caps handshakes in
-progress, in all and per address. :class:`~kvasir.ring.linkmgr.LinkManager` keeps the links this opens.
+Until its HELLO is read a peer can make the node read only a handshake-sized message (inside TLS too), and the node
+caps connections not yet linked (handshake or HELLO in progress), in all and per address group, evicting the oldest
+when full; the expected predecessor's address has slots of its own. A key is admitted as the holder of exactly one
+window, and its HELLO must claim that window. :class:`~kvasir.ring.linkmgr.LinkManager` keeps the links this opens.
 """
 
 from __future__ import annotations
@@ -13,14 +15,15 @@ import logging
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
+import attrs
 import trio
 
-from kvasir.core.errors import RingError
+from kvasir.core.errors import ProtocolError, RingError
 from kvasir.core.identity import PublicKey
 from kvasir.ring.edges import RelayChannel, RingEdges
-from kvasir.ring.links import Link, MessageLink, StreamLink
+from kvasir.ring.links import Link, MessageLink, StreamLink, handshake
 from kvasir.ring.manifest import Manifest, RankEntry
 from kvasir.ring.msgstream import MessageStream
 from kvasir.ring.secure import (
@@ -32,8 +35,8 @@ from kvasir.ring.secure import (
     accept_secure,
     dial_secure,
 )
-from kvasir.util.addrgroup import address_group
-from kvasir.wire import MIN_FRAME_LIMIT
+from kvasir.util.addrgroup import network_group
+from kvasir.wire import MIN_FRAME_LIMIT, Hello, Side
 
 log = logging.getLogger("kvasir.node")
 
@@ -41,10 +44,14 @@ StreamHandler = Callable[[trio.abc.Stream, str], Awaitable[None]]
 
 #: The whole v2 handshake (challenge, AUTH, TLS) must finish within this.
 SECURE_HANDSHAKE_TIMEOUT = 10.0
-#: Handshakes in progress (not yet authenticated): in all, and from one address (IPv6: one /64).
+#: From the CHALLENGE to the dialer's AUTH: one round trip and one signature (issue 24 N4: a slot is held no longer).
+AUTH_TIMEOUT = 2.0
+#: Connections not yet linked (handshake or HELLO in progress): in all, and from one address group (IPv4: one /24,
+#: IPv6: one /64). When full the oldest is closed, not the newest (issue 24 N4).
 MAX_PENDING_HANDSHAKES = 16
 MAX_PENDING_PER_ADDRESS = 4
-#: Largest frame an unauthenticated v1 peer may send (a HELLO is a few hundred bytes; the header is checked first).
+#: Largest frame a peer may send before its HELLO is read, v1 or inside v2's TLS (a HELLO is a few hundred bytes; the
+#: header is checked first).
 PREAUTH_FRAME_BYTES = MIN_FRAME_LIMIT
 
 
@@ -119,6 +126,55 @@ class TcpTransport:
         return stream
 
 
+@attrs.frozen
+class Admitted:
+    """A predecessor's link after its HELLO: the link, the peer's key (v2) and its HELLO."""
+
+    link: Link
+    key: PublicKey | None
+    hello: Hello
+
+
+@runtime_checkable
+class TicketWindows(Protocol):
+    """A peer policy that admits a key as the holder of one window (a market ticket's)."""
+
+    def ticket_window(self, key: PublicKey, ticket: bytes) -> tuple[int, int] | None: ...
+
+
+@attrs.define(eq=False)
+class _Pending:
+    """One connection not yet linked; ``scope`` closes it when it is evicted."""
+
+    group: str
+    reserved: bool
+    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    key: PublicKey | None = None
+
+
+def admission_problem(hello: Hello, window: tuple[int, int] | None) -> str | None:
+    """Why ``hello`` is not the HELLO of the holder of ``window`` (the one its ticket names; None: admitted by a
+    manifest key, whose rank the ring order already binds), or None."""
+    if window is not None and (hello.window_start, hello.window_end) != window:
+        return (
+            f"HELLO claims window {hello.window_start}:{hello.window_end} (rank {hello.rank}), but the key's ticket is"
+            f" for window {window[0]}:{window[1]}"
+        )
+    return None
+
+
+def evictee(pending: list[_Pending], group: str, reserved: bool) -> _Pending | None:
+    """Which connection not yet linked makes room for a new one from ``group``, oldest first; None if there is room.
+    The expected predecessor's address (``reserved``) has its own slots, which strangers cannot fill."""
+    pool = [p for p in pending if p.reserved == reserved]
+    same = [p for p in pool if p.group == group]
+    if len(same) >= MAX_PENDING_PER_ADDRESS:
+        return same[0]
+    if len(pool) >= (MAX_PENDING_PER_ADDRESS if reserved else MAX_PENDING_HANDSHAKES):
+        return pool[0]
+    return None
+
+
 class LinkOpener:
     """Opens the links of the node of rank ``rank``: :meth:`accept` (a predecessor's connection), :meth:`relay_link`
     (a relay edge, either end) and :meth:`open_successor` (the dial)."""
@@ -142,56 +198,122 @@ class LinkOpener:
         self.credentials = credentials
         self._peer_policy = peer_policy
         self._ticket = ticket or (lambda: b"")
-        self._pending: dict[str, int] = {}  # unauthenticated handshakes per address group
+        self._pending: list[_Pending] = []  # connections not yet linked, oldest first
 
-    async def accept(self, stream: trio.abc.Stream, peer: str) -> tuple[Link, PublicKey | None] | None:
-        """A predecessor's connection as a link (and its key, v2); None when refused (too many handshakes in
-        progress, or the handshake failed): the stream is then closed."""
-        group = address_group(peer.rsplit(":", 1)[0].strip("[]"))
-        if (
-            sum(self._pending.values()) >= MAX_PENDING_HANDSHAKES
-            or self._pending.get(group, 0) >= MAX_PENDING_PER_ADDRESS
-        ):
-            log.warning("rank %d: too many handshakes in progress; closing a connection from %s", self.rank, peer)
+    def _expected_hosts(self) -> frozenset[str]:
+        """The addresses the manifest (a market ring: the coverage map) gives the predecessor's window holders."""
+        m = self._manifest()
+        if m.size < 2:
+            return frozenset()
+        return frozenset(h.host for h in m.rank((self.rank - 1) % m.size).holders())
+
+    async def accept(self, stream: trio.abc.Stream, peer: str, local: Hello) -> Admitted | None:
+        """A predecessor's connection as a link, after the v2 handshake and the HELLOs; None when refused (evicted
+        for a newer connection, the handshake failed, a HELLO that does not fit): the stream is then closed."""
+        host = peer.rsplit(":", 1)[0].strip("[]")
+        entry = _Pending(network_group(host), reserved=host in self._expected_hosts())
+        old = evictee(self._pending, entry.group, entry.reserved)
+        if old is not None:
+            log.warning("rank %d: too many connections not yet linked; closing the oldest from its group", self.rank)
+            old.scope.cancel()
+            self._pending.remove(old)  # its own finally finds it gone
+        self._pending.append(entry)
+        try:
+            with entry.scope:
+                return await self._open_accepted(stream, peer, local, entry)
+            log.warning("rank %d: closed a connection from %s that was not linked yet (evicted)", self.rank, peer)
             await trio.aclose_forcefully(stream)
             return None
-        self._pending[group] = self._pending.get(group, 0) + 1
-        try:
-            return await self._secure_accepted(stream, peer)
         finally:
-            self._pending[group] -= 1
-            if not self._pending[group]:
-                del self._pending[group]
+            if entry in self._pending:
+                self._pending.remove(entry)
 
-    def _predecessor_policy(self) -> PeerPolicy:
-        """The manifest's keys for the previous rank (its primary's and its standbys'), or (market rings) a valid
-        ticket for a neighbour window."""
+    async def _open_accepted(
+        self, stream: trio.abc.Stream, peer: str, local: Hello, entry: _Pending
+    ) -> Admitted | None:
+        opened = await self._secure_accepted(stream, peer)
+        if opened is None:
+            return None
+        link, key, window = opened
+        if key is not None:
+            # One connection per key between AUTH and HELLO: a newer one (the peer reconnecting) replaces it.
+            for other in [p for p in self._pending if p.key == key]:
+                log.warning(
+                    "rank %d: key %s connected again before its HELLO; closing the older", self.rank, key.fingerprint
+                )
+                other.scope.cancel()
+                self._pending.remove(other)
+            entry.key = key
+        try:
+            remote = await self.greet(link, peer, local, window)
+        except BaseException:
+            await trio.aclose_forcefully(stream)
+            raise
+        return None if remote is None else Admitted(link, key, remote)
+
+    async def greet(self, link: Link, peer: str, local: Hello, window: tuple[int, int] | None) -> Hello | None:
+        """The HELLOs of a predecessor's link; None (the link closed, the reason logged) if they do not fit, or the
+        HELLO claims another window than the one its key was admitted for."""
+        try:
+            return await handshake(
+                link, local, Side.PREDECESSOR, send_first=False, check=lambda hello: admission_problem(hello, window)
+            )
+        except (RingError, ProtocolError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            log.warning("rank %d refused a predecessor from %s: %s", self.rank, peer, exc)
+        with trio.move_on_after(1):
+            await link.aclose()
+        return None
+
+    def _predecessor_policy(self) -> tuple[KeyPolicy, PeerPolicy | None]:
+        """The manifest's keys for the previous rank (its primary's and its standbys'), and (market rings) the
+        market's: a valid ticket for exactly the previous rank's window."""
         m = self._manifest()
-        by_key = KeyPolicy(m.ranks[(self.rank - 1) % m.size].keys())
         market = self._peer_policy() if self._peer_policy is not None else None
-        return by_key if market is None else AnyPolicy((by_key, market))
+        return KeyPolicy(m.ranks[(self.rank - 1) % m.size].keys()), market
 
-    async def _secure_accepted(self, stream: trio.abc.Stream, peer: str) -> tuple[Link, PublicKey | None] | None:
-        """The predecessor's link, after the v2 handshake when this node has credentials; None if it failed."""
+    @staticmethod
+    def _admitted_window(
+        by_key: KeyPolicy, market: PeerPolicy | None, key: PublicKey, ticket: bytes
+    ) -> tuple[int, int] | None:
+        """The window a market ticket admitted ``key`` for, which its HELLO must claim; None for a manifest's key
+        (the ring order binds its rank). LinkAuthError if neither names one (fail closed)."""
+        if key in by_key.keys or not isinstance(market, TicketWindows):
+            return None
+        window = market.ticket_window(key, ticket)
+        if window is None:
+            raise LinkAuthError(f"key {key.fingerprint}'s ticket names no window it may hold here")
+        return window
+
+    async def _secure_accepted(
+        self, stream: trio.abc.Stream, peer: str
+    ) -> tuple[Link, PublicKey | None, tuple[int, int] | None] | None:
+        """The predecessor's link (its HELLO still to read, with a HELLO-sized frame limit), after the v2 handshake
+        when this node has credentials; None if it failed. With it the key and the window a ticket admitted it for."""
         if self.credentials is None:
             # v1: the HELLO is the first frame; until the handshake no frame may be larger than a HELLO.
-            return StreamLink(stream, peer, max_frame_bytes=PREAUTH_FRAME_BYTES), None
+            return StreamLink(stream, peer, max_frame_bytes=PREAUTH_FRAME_BYTES), None, None
+        by_key, market = self._predecessor_policy()
+        policy = by_key if market is None else AnyPolicy((by_key, market))
         try:
             with trio.fail_after(SECURE_HANDSHAKE_TIMEOUT):
-                tls, key, _ = await accept_secure(stream, self.credentials, self._predecessor_policy())
+                tls, key, ticket = await accept_secure(stream, self.credentials, policy, auth_timeout=AUTH_TIMEOUT)
+                window = self._admitted_window(by_key, market, key, ticket)
         except (LinkAuthError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             log.warning("rank %d refused a predecessor from %s: %s", self.rank, peer, exc or "handshake timed out")
             await trio.aclose_forcefully(stream)
             return None
-        link = StreamLink(tls, peer)
+        link = StreamLink(tls, peer, max_frame_bytes=PREAUTH_FRAME_BYTES)  # issue 24 N10: no 64 MiB before HELLO
         link.stats.secure = True
-        return link, key
+        return link, key, window
 
-    async def relay_link(self, channel: RelayChannel, edge: str, *, upstream: bool) -> tuple[Link, PublicKey | None]:
-        """A link over a relay edge: plain messages (v1), or TLS end to end inside them (v2)."""
+    async def relay_link(
+        self, channel: RelayChannel, edge: str, *, upstream: bool
+    ) -> tuple[Link, PublicKey | None, tuple[int, int] | None]:
+        """A link over a relay edge: plain messages (v1), or TLS end to end inside them (v2); with the peer's key and
+        (downstream, a market ticket's) the window it was admitted for, which its HELLO must claim."""
         peer = f"relay:{edge}"
         if self.credentials is None:
-            return MessageLink(channel.send_message, channel.receive_message, channel.aclose, peer), None
+            return MessageLink(channel.send_message, channel.receive_message, channel.aclose, peer), None, None
         stream = MessageStream(
             channel.send_message, channel.receive_message, channel.aclose, closed_errors=(trio.EndOfChannel,)
         )
@@ -203,17 +325,20 @@ class LinkOpener:
                 tls = await dial_secure(stream, self.credentials, expected, self._ticket())
                 link = StreamLink(tls, peer, kind="relay")
                 link.stats.secure = True
-                return link, expected
-            tls, key, _ = await accept_secure(stream, self.credentials, self._predecessor_policy())
-            link = StreamLink(tls, peer, kind="relay")
+                return link, expected, None
+            by_key, market = self._predecessor_policy()
+            policy = by_key if market is None else AnyPolicy((by_key, market))
+            tls, key, ticket = await accept_secure(stream, self.credentials, policy)
+            window = self._admitted_window(by_key, market, key, ticket)
+            link = StreamLink(tls, peer, kind="relay", max_frame_bytes=PREAUTH_FRAME_BYTES)
             link.stats.secure = True
-            return link, key
+            return link, key, window
 
     @asynccontextmanager
     async def open_successor(self, target: RankEntry) -> AsyncIterator[Link]:
         if self.edges.successor_relayed:
             async with self.edges.open_relay(self.edges.edge_out, upstream=True) as channel:
-                link, _ = await self.relay_link(channel, self.edges.edge_out, upstream=True)
+                link, _, _ = await self.relay_link(channel, self.edges.edge_out, upstream=True)
                 yield link
             return
         if target.port == 0:

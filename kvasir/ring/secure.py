@@ -229,27 +229,30 @@ async def _expect(reader: _Reader, kind: int) -> None:
 
 
 async def accept_secure(
-    stream: trio.abc.Stream, creds: Credentials, policy: PeerPolicy
+    stream: trio.abc.Stream, creds: Credentials, policy: PeerPolicy, *, auth_timeout: float = float("inf")
 ) -> tuple[TLSStream, PublicKey, bytes]:
     """The acceptor's side: challenge, verify AUTH against ``policy``, then TLS. Returns (tls, peer key, ticket).
 
-    Raises :class:`LinkAuthError` (after sending the VERDICT) if the dialer is not allowed. The caller bounds the
-    whole call in time.
+    Raises :class:`LinkAuthError` (after sending the VERDICT) if the dialer is not allowed, or if its AUTH does not
+    arrive within ``auth_timeout`` of the challenge. The caller bounds the whole call in time.
     """
     nonce = os.urandom(NONCE_BYTES)
     await stream.send_all(MAGIC + bytes([CHALLENGE]) + nonce)
     reader = _Reader(stream, MAX_PREAUTH_BYTES)
     try:
-        await _expect(reader, AUTH)
-        (cert_len,) = struct.unpack("<H", await reader.exactly(2))
-        if cert_len > MAX_CERT_BYTES:
-            raise LinkAuthError("certificate over its size limit")
-        cert_der = await reader.exactly(cert_len)
-        (ticket_len,) = struct.unpack("<H", await reader.exactly(2))
-        if ticket_len > MAX_TICKET_BYTES:
-            raise LinkAuthError("ticket over its size limit")
-        ticket = await reader.exactly(ticket_len)
-        signature = await reader.exactly(64)
+        with trio.move_on_after(auth_timeout) as waited:
+            await _expect(reader, AUTH)
+            (cert_len,) = struct.unpack("<H", await reader.exactly(2))
+            if cert_len > MAX_CERT_BYTES:
+                raise LinkAuthError("certificate over its size limit")
+            cert_der = await reader.exactly(cert_len)
+            (ticket_len,) = struct.unpack("<H", await reader.exactly(2))
+            if ticket_len > MAX_TICKET_BYTES:
+                raise LinkAuthError("ticket over its size limit")
+            ticket = await reader.exactly(ticket_len)
+            signature = await reader.exactly(64)
+        if waited.cancelled_caught:
+            raise LinkAuthError(f"no AUTH within {auth_timeout:g} s of the challenge")
         if reader.leftover:
             raise LinkAuthError("bytes after AUTH before the verdict")
         peer = key_of_cert(cert_der)

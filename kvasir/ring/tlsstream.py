@@ -99,9 +99,11 @@ class TLSStream(trio.abc.Stream):
             await trio.lowlevel.checkpoint_if_cancelled()
 
     async def aclose(self) -> None:
-        if not self._eof:
-            with contextlib.suppress(ssl.SSLError):
-                self._ssl.unwrap()  # queues our close_notify
-            with trio.move_on_after(1), contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-                await self._flush()
-        await self.transport.aclose()
+        try:
+            if not self._eof:
+                with contextlib.suppress(ssl.SSLError):
+                    self._ssl.unwrap()  # queues our close_notify
+                with trio.move_on_after(1), contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                    await self._flush()
+        finally:  # cancelled while flushing (a node stopping): the socket is closed all the same
+            await self.transport.aclose()

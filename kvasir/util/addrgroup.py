@@ -16,3 +16,13 @@ def address_group(host: str) -> str:
             return str(address.ipv4_mapped)
         return str(ipaddress.IPv6Network((address, 64), strict=False))
     return str(address)
+
+
+def network_group(host: str) -> str:
+    """``host``'s network for caps an attacker could spread over a few addresses of one network: an IPv4 /24 (its
+    addresses are cheap to hold together), or :func:`address_group`'s IPv6 /64."""
+    group = address_group(host)
+    try:
+        return str(ipaddress.IPv4Network((ipaddress.IPv4Address(group), 24), strict=False))
+    except ValueError:  # an IPv6 /64, or not an address
+        return group

@@ -33,7 +33,7 @@ from kvasir.market.agent.policy import OwnState, Release, decide, window_key
 from kvasir.market.agent.ringmap import keep_known, manifest_from_coverage, with_port
 from kvasir.market.agent.trust import Trust
 from kvasir.market.records import CoverageEntry
-from kvasir.market.tickets import TicketPolicy
+from kvasir.market.tickets import TicketPolicy, predecessor_ticket_policy
 from kvasir.relay.ringlink import market_grant_connector, secret_connector
 from kvasir.ring.edges import RelayConnect
 from kvasir.ring.node import Node, NodeConfig, open_node
@@ -255,15 +255,10 @@ async def patiently(agent: Agent, what: str, call: Callable[[], Awaitable[T]]) -
 def ticket_policy(
     issuer: PublicKey, window: CoverageEntry, node: Node, clock: Callable[[], float] = time.time
 ) -> TicketPolicy:
-    """Who may neighbour ``window``: holders of the adjacent windows with the market's tickets, whose expiry is
-    checked against ``clock`` (the node's estimate of the market's time, which issued them)."""
-    ranks = node.manifest.ranks
-    near = {
-        (r.start, r.end)
-        for r in ranks
-        if abs(r.rank - window.rank) == 1 or {r.rank, window.rank} == {0, len(ranks) - 1}
-    }
-    return TicketPolicy(issuer, window.model, frozenset(near), clock)
+    """Who may link to ``window`` as its predecessor: the holder of the market's ticket for exactly the previous
+    window (not the next one: issue 24 N2), its expiry checked against ``clock`` (the node's estimate of the market's
+    time, which issued it)."""
+    return predecessor_ticket_policy(issuer, window.model, node.manifest, window.rank, clock)
 
 
 def _relay_connect(cfg: EnrollConfig, keeper: LeaseKeeper) -> RelayConnect | None:
