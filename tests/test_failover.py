@@ -94,6 +94,7 @@ def test_sigkill_mid_answer_gives_the_fault_free_text(
     print(f"victim {victim} {params}: answer took {took:.2f} s, stall {status['last_stall_s']} s")
 
 
+@pytest.mark.slow
 def test_a_hung_node_is_killed_restarted_and_the_answer_is_unchanged(gemma_ring: LocalRing) -> None:
     """SIGSTOP of the middle rank mid-answer: its neighbours drop it after a few keepalives, the supervisor sees it
     stopped answering, kills and restarts it, and the request completes with the fault-free text."""
@@ -144,6 +145,7 @@ def test_the_relay_killed_mid_answer_is_restarted_and_the_answer_is_unchanged(
 
 
 @pytest.mark.skipif(netns_unavailable() is not None, reason=str(netns_unavailable()))
+@pytest.mark.slow
 def test_a_link_cut_for_ten_seconds_gives_the_fault_free_text(
     gemma_path: Path, cache_dir: Path, tmp_path: Path
 ) -> None:
@@ -173,6 +175,7 @@ def test_a_link_cut_for_ten_seconds_gives_the_fault_free_text(
         assert failover_status(ring, 0)["replays"] >= 1
 
 
+@pytest.mark.slow
 def test_repeated_faults_under_concurrent_clients(gemma_ring: LocalRing) -> None:
     """A random node SIGKILLed every 10 s for a minute under 8 concurrent clients (half greedy, half T=0.8 with a
     seed), each entering at a random node: no request fails except those whose entry node was killed, and every

@@ -231,6 +231,7 @@ class Ring:
             await c.aclose()
 
 
+@pytest.mark.slow
 def test_a_step_of_the_markets_clock_evicts_nobody_and_a_dead_holder_goes_within_a_lease(
     tmp_path: Path, skew: Path
 ) -> None:
@@ -277,6 +278,7 @@ async def _step_then_kill(url: str, operator: Identity, skew: Path) -> float:
         await ring.aclose()
 
 
+@pytest.mark.slow
 def test_a_market_restarted_on_a_clock_ahead_or_behind_keeps_every_holder(tmp_path: Path, skew: Path) -> None:
     operator = load_or_create_identity(tmp_path / "market.pem")
     port = _free_port()

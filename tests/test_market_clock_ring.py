@@ -42,6 +42,7 @@ def _up_s(sock: Path) -> tuple[float, float]:
     return links["predecessor"]["up_s"] or 0.0, links["successor"]["up_s"] or 0.0
 
 
+@pytest.mark.slow
 def test_a_market_ring_rides_out_an_outage_mid_load_a_skewed_restart_and_a_lapsed_map(
     tiny_model: Callable[..., Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

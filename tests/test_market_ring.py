@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from kvasir.control.client import ControlClient
 from kvasir.shard.gguf_io import read_gguf
@@ -84,6 +85,7 @@ def _enrolled(p: Proc) -> dict[str, Any]:
     return status
 
 
+@pytest.mark.slow
 def test_empty_nodes_enroll_serve_earn_and_heal(tiny_model: Callable[..., Path], tmp_path: Path) -> None:
     model = tiny_model("llama", "q8_0")
     want = whole_model_tokens(model, PROMPT, 12)
@@ -222,6 +224,7 @@ def test_enrollment_through_a_relay_with_the_market_inside_it(tiny_model: Callab
         assert [w["layers"] for w in view] == [[0, 2], [2, 4], [4, 6]] and all(w["reward"] > 0 for w in view)
 
 
+@pytest.mark.slow
 def test_a_killed_holder_is_replaced_by_a_waiting_claimant_and_answers_go_on(
     gemma_path: Path, cache_dir: Path, tmp_path: Path
 ) -> None:

@@ -91,6 +91,7 @@ def pki(tmp_path: Path) -> tuple[Path, Path, Path, Path]:
     return ca_path, cert, key, other
 
 
+@pytest.mark.slow
 def test_node_enrolls_over_https_and_a_wrong_ca_is_refused_in_one_line(
     tiny_model: Callable[..., Path], tmp_path: Path, pki: tuple[Path, Path, Path, Path]
 ) -> None:

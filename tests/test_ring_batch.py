@@ -14,6 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from kvasir.control.client import ControlClient
 from kvasir.stage.engine import Stage, StageConfig
 from kvasir.stage.pipeline import LocalPipeline
@@ -40,6 +42,7 @@ def concurrent_answers(sockets: list[Path]) -> list[dict[str, Any]]:
         return [f.result() for f in futures]
 
 
+@pytest.mark.slow
 def test_gemma_ring_batch_off_is_exact_and_batch_on_answers(gemma_path: Path, cache_dir: Path) -> None:
     with Stage.load(StageConfig(gemma_path, n_ctx=512, n_seq_max=1, n_threads=2)) as stage:
         pipe = LocalPipeline([stage])

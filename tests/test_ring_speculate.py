@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import attrs
+import pytest
 
 from kvasir.control.client import ControlClient
 from kvasir.core.identity import Identity
@@ -34,6 +35,7 @@ KEY = bytes(range(32))  # the auditor's key: with a fraction of 1.0 it selects e
 ADAPTIVE = ("--draft-policy", "adaptive")
 
 
+@pytest.mark.slow
 def test_gemma_ring_equals_generate_speculate(gemma_path: Path, cache_dir: Path) -> None:
     with Stage.load(StageConfig(gemma_path, n_ctx=512, n_seq_max=1, n_threads=2)) as stage:
         pipe = LocalPipeline([stage])
@@ -101,6 +103,7 @@ def test_ring_up_speculate_matches_generate(tiny_model: Callable[..., Path], cac
     assert bad.returncode != 0 and "invalid choice: 'sometimes'" in bad.stderr
 
 
+@pytest.mark.slow
 def test_a_recording_speculative_ring_audits_and_a_false_skip_is_caught(
     gemma_path: Path, cache_dir: Path, tmp_path: Path
 ) -> None:

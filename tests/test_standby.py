@@ -171,6 +171,7 @@ def standby_ring(gemma_path: Path, cache_dir: Path) -> Iterator[LocalRing]:
         yield ring
 
 
+@pytest.mark.slow
 def test_a_standby_takes_over_the_window_and_the_answer_is_unchanged(standby_ring: LocalRing) -> None:
     """A 3-rank ring with one standby per rank; SIGKILL of the middle primary at token 16 of 64, with nothing to
     restart it: rank 0 dials the standby, replays the request into it, and the client gets the fault-free text. Then

@@ -293,6 +293,7 @@ def test_a_schedule_with_a_hole_fails_its_audit_at_the_hole(fx: Fixture) -> None
 # ---------------------------------------------------------------------------------------------- fraud proofs
 
 
+@pytest.mark.slow
 def test_fraud_proof_verifies_on_a_third_node(fx: Fixture, tmp_path: Path) -> None:
     served = _serve(fx, 500, 100, 3, cheat=_noise(1, 1, sign_noisy=True))
     log = served.logs[1]

@@ -421,6 +421,7 @@ def test_recording_ring_keeps_answers_and_its_receipts_audit(
     assert json.loads(out.stdout)["ok"] is True
 
 
+@pytest.mark.slow
 def test_ring_up_record_and_audit_select(tiny_model: Callable[..., Path], tmp_path: Path) -> None:
     model = tiny_model("llama", "f32")
     record = tmp_path / "rec"
