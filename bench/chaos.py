@@ -18,7 +18,8 @@ Each request is recorded: start time, phase (chaos or calm, by its start), outco
 
 Printed: per phase the counts, TTFT and stall percentiles (over completed requests), the ring's availability (the
 fraction of 1-s slots in which a chunk of a completed request arrived; the calm phase is the baseline) and its
-longest outage; the faults injected; the error codes; what the supervisor did. Every number comes from the run.
+longest outage; the faults injected, by signal and victim, with the longest outage in the ``--interval`` after each;
+the error codes; what the supervisor did. Every number comes from the run.
 
     python bench/chaos.py [--minutes 10] [--calm 2] [--interval 10] [--clients 8] [--seed 1] [--model PATH]
 """
@@ -153,6 +154,11 @@ def longest_gap(served: Sequence[bool]) -> int:
         run = 0 if ok else run + 1
         best = max(best, run)
     return best
+
+
+def outage_after(records: Sequence[Record], at: float, window: float) -> float:
+    """The longest run of unserved 1-s slots in the ``window`` seconds from ``at`` (a fault)."""
+    return float(longest_gap(served_slots(records, at, at + window)))
 
 
 def node_label(cmdline: Sequence[str]) -> str | None:
@@ -461,10 +467,16 @@ def main() -> None:
         )
     )
     by_kind = Counter((f.signal, f.label) for f in faults)
-    ft = Table("signal", *sorted({f.label for f in faults}), "total", title="faults injected")
+    labels = sorted({f.label for f in faults})
+    ft = Table("signal", *labels, "total", "outage after it p50/max s", title="faults injected")
     for sig in ("SIGKILL", "SIGSTOP"):
-        labels = sorted({f.label for f in faults})
-        ft.add_row(sig, *(str(by_kind[(sig, lb)]) for lb in labels), str(sum(f.signal == sig for f in faults)))
+        outages = [outage_after(records, f.at, args.interval) for f in faults if f.signal == sig]
+        ft.add_row(
+            sig,
+            *(str(by_kind[(sig, lb)]) for lb in labels),
+            str(len(outages)),
+            "/".join(fmt(percentile(outages, q), 0) for q in (50, 100)),
+        )
     console.print(ft)
     codes = Counter((r.phase, r.outcome, r.code) for r in records if r.outcome not in ("identical", "different"))
     ct = Table("phase", "outcome", "code", "count", title="errors")

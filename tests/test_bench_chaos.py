@@ -80,6 +80,7 @@ def test_served_slots_count_only_completed_requests_and_the_longest_outage() -> 
     assert chaos.longest_gap(served) == 2
     assert chaos.served_slots([done], 1.0, 3.0) == [True, False]  # a later phase: slots from its own start
     assert done.stall == pytest.approx(3.7) and done.ttft == pytest.approx(0.3)
+    assert chaos.outage_after([done, cut], 1.0, 4.0) == 2.0  # slots 1..4 s: served, out, out, served
 
 
 def test_node_label_names_primaries_and_standbys_and_nothing_else() -> None:
