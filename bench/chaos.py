@@ -422,8 +422,8 @@ def main() -> None:
     ap.add_argument("--max-restart-delay", type=float, default=30.0, help="ring up's (its default: 30)")
     ap.add_argument("--keep", action="store_true", help="keep the run's directory (ring up's output, node logs)")
     args = ap.parse_args()
-    if not 1 <= args.prompts <= len(PROMPTS) or args.clients < 1 or args.interval <= 0:
-        ap.error("--prompts 1..8, --clients >= 1, --interval > 0")
+    if not 1 <= args.prompts <= len(PROMPTS) or not 1 <= args.clients <= 200 or args.interval <= 0:
+        ap.error("--prompts 1..8, --clients 1..200, --interval > 0")
     args.seqs = args.seqs or 2 * args.clients
     model = args.model or chat_model_path()
     console = Console(width=max(160, shutil.get_terminal_size().columns))
@@ -489,6 +489,14 @@ def main() -> None:
             console.print(
                 f"[red]{r.phase} {r.start:.1f} s job {r.job}: {r.outcome} {r.code}[/] (reference {ref.text!r})"
             )
+    different = sum(r.outcome == "different" for r in records)
+    calm = [r for r in records if r.phase == "calm"]
+    calm_ok = sum(r.outcome == "identical" for r in calm)
+    console.print(
+        f"answers different from the fault-free ones: {different}; requests sent after the chaos answered "
+        f"identically: {calm_ok}/{len(calm)}; longest outage during the chaos: "
+        f"{longest_gap(served_slots(records, 0.0, chaos_s))} s"
+    )
     exits = len(re.findall(r"exited with code", notes))
     hung = len(re.findall(r"stopped answering", notes))
     console.print(
