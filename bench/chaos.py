@@ -420,6 +420,7 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--seqs", type=int, default=None, help="sequences per node (default: 2 x clients)")
     ap.add_argument("--max-restart-delay", type=float, default=30.0, help="ring up's (its default: 30)")
+    ap.add_argument("--save", type=Path, default=None, help="write every request and fault here (JSON)")
     ap.add_argument("--keep", action="store_true", help="keep the run's directory (ring up's output, node logs)")
     args = ap.parse_args()
     if not 1 <= args.prompts <= len(PROMPTS) or not 1 <= args.clients <= 200 or args.interval <= 0:
@@ -505,6 +506,9 @@ def main() -> None:
         f"load average (1 min) chaos {load_range(load, 0, chaos_s)}, calm {load_range(load, chaos_s, 1e9)}; "
         f"{os.cpu_count()} cores"
     )
+    if args.save is not None:
+        saved = {"requests": [attrs.asdict(r) for r in records], "faults": [attrs.asdict(f) for f in faults]}
+        args.save.write_text(json.dumps({**saved, "supervisor": notes.splitlines()}, indent=1))
     if args.keep:
         console.print(f"run directory kept: {workdir}")
     else:
