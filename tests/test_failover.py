@@ -110,6 +110,7 @@ def test_a_hung_node_is_killed_restarted_and_the_answer_is_unchanged(gemma_ring:
     assert "rank 1 stopped answering" in notes and "rank 1 exited" in notes, notes
 
 
+@pytest.mark.slow  # reads the replays of the faults above, which are slow tests
 def test_status_and_the_tui_show_the_failover(gemma_ring: LocalRing) -> None:
     """After the faults above, rank 0 (the middle rank's predecessor) shows its replays in ``kvasir status`` and in
     the TUI's node panel."""
