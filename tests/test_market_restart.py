@@ -14,7 +14,6 @@ import socket
 import time
 from pathlib import Path
 
-import pytest
 import trio
 
 from kvasir.core.errors import MarketError
@@ -47,10 +46,6 @@ def _serving(lease: Lease, node: Identity, i: int) -> ClaimRequest:
                         endpoint=f"127.0.0.1:{7000 + i}", lease_id=lease.lease_id)  # fmt: skip
 
 
-# A claim cut by the kill leaves httpx's request-body generator unexhausted; it is collected later (harmless).
-@pytest.mark.filterwarnings(
-    "ignore:Exception ignored in. <async_generator object ByteStream.__aiter__:pytest.PytestUnraisableExceptionWarning"
-)
 def test_kill_9_mid_enrollment_loses_nothing(tmp_path: Path) -> None:
     operator = load_or_create_identity(tmp_path / "market.pem")  # the market's own key is the operator's
     port = _free_port()
