@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import logging
 import operator
+import os
+import socket
+import stat
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, aclosing, asynccontextmanager
 from pathlib import Path
@@ -15,6 +18,7 @@ import pytest
 import trio
 
 from kvasir.control.server import serve_control
+from kvasir.core.errors import InputError
 from kvasir.local.launcher import free_ports
 from kvasir.ring.events import TokenPassed
 from kvasir.ring.links import StreamLink, handshake
@@ -317,3 +321,36 @@ async def test_a_request_abandoned_by_its_entry_is_freed_on_every_node(
             # ...until the reaper frees it (its sequence is back once the stage has dropped the cache).
             await wait_for(lambda: node.status().requests.free_sequences == 2)
             assert node.status().requests.in_flight == 0
+
+
+async def test_the_control_socket_never_removes_what_is_not_a_stale_socket(
+    tiny_model: Callable[..., Path], cache_dir: Path, tmp_path: Path
+) -> None:
+    """N19 (security-2): ``--control PATH`` used to unlink whatever was at PATH (a user's file, a live node's socket),
+    and flipped the process-wide umask around ``bind``. Now a file is refused, a live socket is refused, a stale
+    socket a killed node left behind is replaced, and the socket is 0600."""
+    model = tiny_model("llama", "f32")
+    precious = tmp_path / "notes.txt"
+    precious.write_text("keep me")
+    stale = tmp_path / "stale.sock"
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(str(stale))
+    dead.close()  # a socket file nobody listens on: what a SIGKILLed node leaves
+    with trio.fail_after(60):
+        async with two_node_ring(model, cache_dir) as nodes, trio.open_nursery() as nursery:
+            with pytest.raises(InputError, match="not a socket"):
+                await nursery.start(serve_control, nodes[0], precious)
+            assert precious.read_text() == "keep me"
+            await nursery.start(serve_control, nodes[0], stale)
+            assert stat.S_IMODE(os.stat(stale).st_mode) == 0o600
+            with pytest.raises(InputError, match="another process is serving it"):
+                await nursery.start(serve_control, nodes[1], stale)
+            s = await trio.open_unix_socket(str(stale))  # the first node's socket still answers
+            await s.send_all(b'{"op": "status"}\n')
+            reply = b""
+            while not reply.endswith(b"\n"):
+                reply += await s.receive_some(65536)
+            assert json.loads(reply)["type"] == "status"
+            await s.aclose()
+            nursery.cancel_scope.cancel()
+    assert not stale.exists()  # removed on the way out

@@ -12,13 +12,14 @@ import functools
 import json
 import logging
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
 import trio
 
 from kvasir.control.ops import GenerateOp, StatusOp, WatchOp, parse_op
-from kvasir.core.errors import KvasirError
+from kvasir.core.errors import InputError, KvasirError
 from kvasir.ring.events import event_to_wire
 from kvasir.ring.node import Node
 from kvasir.ring.requests import EndEvent, TokenEvent
@@ -30,13 +31,12 @@ MAX_LINE = 1 << 20
 async def serve_control(
     node: Node, path: Path, *, task_status: trio.TaskStatus[Path] = trio.TASK_STATUS_IGNORED
 ) -> None:
-    _unlink(path)
+    await _clear_stale(path)
     sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
-    old = os.umask(0o177)  # the socket file is created 0600
-    try:
-        await sock.bind(str(path))
-    finally:
-        os.umask(old)
+    await sock.bind(str(path))
+    # chmod, not a umask flip: the umask is process-wide and other threads create files meanwhile.
+    os.chmod(path, 0o600)
+    ours = os.stat(path).st_ino
     sock.listen(16)
     listener = trio.SocketListener(sock)
     try:
@@ -44,12 +44,29 @@ async def serve_control(
             task_status.started(path)
             await trio.serve_listeners(functools.partial(_serve_client, node), [listener], handler_nursery=nursery)
     finally:
-        _unlink(path)
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(path).st_ino == ours:  # another node may have taken the path since
+                os.unlink(path)
 
 
-def _unlink(path: Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
+async def _clear_stale(path: Path) -> None:
+    """Remove a socket a killed node left at ``path``; refuse anything else (a file, a live node's socket)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise InputError(f"control socket {path}: the path exists and is not a socket; not removing it")
+    probe = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
+    try:
+        await probe.connect(str(path))
+    except OSError:  # refused: nobody listens, a stale socket
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return
+    finally:
+        probe.close()
+    raise InputError(f"control socket {path}: another process is serving it")
 
 
 class _Lines:
