@@ -137,3 +137,18 @@ def test_relay_on_a_busy_port_is_one_line(busy_port: int, tmp_path: Path) -> Non
     assert out.returncode == 2, out.stderr
     lines = out.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("relay: error: ") and "in use" in lines[0], out.stderr
+
+
+def test_an_open_api_off_loopback_needs_keys_or_consent(tmp_path: Path) -> None:
+    """N22 (security-2): ``--api-host 0.0.0.0`` without ``--api-key-file`` used to start an open API silently."""
+    args = ["-m", "kvasir", "node", "--manifest", "ring.toml", "--rank", "0", "--api-port", "8080"]
+    out = _run([*args, "--api-host", "0.0.0.0"], tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.splitlines() == [
+        "kvasir node: error: --api-host 0.0.0.0 without --api-key-file would let anyone use the ring: "
+        "give --api-key-file FILE, or --allow-open-api to mean it"
+    ]
+    # Consent (or loopback) passes this check and fails only later, on the missing manifest.
+    for extra in (["--api-host", "0.0.0.0", "--allow-open-api"], ["--api-host", "::1"]):
+        out = _run([*args, *extra], tmp_path)
+        assert out.returncode == 2 and "ring.toml" in out.stderr and "api-host" not in out.stderr, out.stderr

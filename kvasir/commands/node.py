@@ -32,6 +32,7 @@ from kvasir.ring.manifest import Manifest, load_manifest
 from kvasir.ring.node import Node, NodeConfig, open_node
 from kvasir.shard.cache import default_cache_dir, stage_files
 from kvasir.stage.engine import Stage, StageConfig
+from kvasir.util.addrgroup import is_loopback_host
 from kvasir.wire import BoundaryDType
 
 log = logging.getLogger("kvasir.node")
@@ -59,6 +60,11 @@ def add_parser(sub: Any) -> None:
         default=None,
         metavar="FILE",
         help="require one of these bearer keys (one per line, file mode 0600) on the API",
+    )
+    p.add_argument(
+        "--allow-open-api",
+        action="store_true",
+        help="serve the API off loopback without --api-key-file (anyone who reaches the port may use the ring)",
     )
     p.add_argument("--control", type=Path, default=None, help="control socket path (default: runtime dir)")
     p.add_argument("--threads", type=int, default=None)
@@ -206,6 +212,16 @@ def run(args: argparse.Namespace) -> int:
     fill_from_config(args, keys if given_window else [*keys, "market", "market_ca"])
     if not 0 < args.failover_wait <= 3600:
         raise InputError(f"--failover-wait must be in (0, 3600] seconds, got {args.failover_wait}")
+    if (
+        args.api_port is not None
+        and args.api_key_file is None
+        and not is_loopback_host(args.api_host)
+        and not args.allow_open_api
+    ):
+        raise InputError(
+            f"--api-host {args.api_host} without --api-key-file would let anyone use the ring: "
+            "give --api-key-file FILE, or --allow-open-api to mean it"
+        )
     if args.market is not None:
         if given_window:
             raise InputError("--market starts an empty node: drop --manifest, --rank, --standby, --model and --stage")

@@ -26,3 +26,13 @@ def network_group(host: str) -> str:
         return str(ipaddress.IPv4Network((ipaddress.IPv4Address(group), 24), strict=False))
     except ValueError:  # an IPv6 /64, or not an address
         return group
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether ``host`` names this machine only: ``localhost`` or a loopback address (what may go without keys)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
