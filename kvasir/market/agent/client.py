@@ -4,6 +4,10 @@
 Writes are signed with the client's identity (kvasir.market.auth) at its estimate of the market's time, learned
 from every reply's ``x-kvasir-market-time`` (docs/protocol.md § Market time); a write refused as ``stale_request``
 is signed again once with the time that refusal carried. A reply larger than ``max_reply_bytes`` is refused unread.
+
+Every request carries a fresh reply nonce; once ``reply_key`` is set (a self-enrolled node sets it to the market key
+the pinned operator delegated to), a reply not signed by that key over that nonce (kvasir.market.replies) is a
+:class:`MarketError` ``bad_reply`` and nothing in it is used, its market time included (security N1).
 """
 
 from __future__ import annotations
