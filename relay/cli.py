@@ -45,7 +45,7 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--secret-file", metavar="PATH", help="file holding a keyless (v1) ring's secret in hex")
     parser.add_argument("--max-message-bytes", type=int, default=None, metavar="N", help="largest message")
     parser.add_argument(
-        "--max-conns-per-ip", type=int, default=32, metavar="N", help="per IPv4 address or IPv6 /64 (%(default)s)"
+        "--max-conns-per-ip", type=int, default=32, metavar="N", help="per IPv4 /24 or IPv6 /64 (%(default)s)"
     )
     parser.add_argument("--max-connections", type=int, default=1024, metavar="N", help="all addresses (%(default)s)")
     parser.add_argument(

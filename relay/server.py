@@ -29,11 +29,12 @@ from trio_websocket import ConnectionClosed, WebSocketConnection
 from kvasir.core.identity import PublicKey
 from kvasir.core.validators import positive
 from kvasir.relay.codes import CloseCode
+from kvasir.relay.conns import Conn, ConnTable
 from kvasir.relay.errors import EdgeTokenError, EdgeTokenExpired, RelayConfigError
 from kvasir.relay.grant import check_token
 from kvasir.relay.spent import SpentTokens
 from kvasir.relay.token import MIN_SECRET_BYTES, Role, is_valid_edge_id, verify_edge_token
-from kvasir.util.addrgroup import address_group
+from kvasir.util.addrgroup import network_group
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
@@ -76,14 +77,17 @@ class RelayConfig:
     tls_cert: str | None = None
     tls_key: str | None = None
     wait_timeout: float = attrs.field(default=60.0, validator=_positive)  # an end waiting alone for its peer
-    handshake_timeout: float = attrs.field(default=10.0, validator=_positive)  # TCP accept to WebSocket open
+    # TCP accept to the WebSocket request: short, since until its token is checked a connection is a stranger's (N5)
+    handshake_timeout: float = attrs.field(default=3.0, validator=_positive)
     preamble_timeout: float = attrs.field(default=10.0, validator=_positive)  # WebSocket open to role byte
     close_timeout: float = attrs.field(default=5.0, validator=_positive)  # closing handshake, then hard close
     keepalive_interval: float = attrs.field(default=15.0, validator=_positive)
     keepalive_timeout: float = attrs.field(default=45.0, validator=_positive)  # silence while we wait to read
     max_message_bytes: int = attrs.field(default=DEFAULT_MAX_MESSAGE_BYTES, validator=_positive)
-    max_conns_per_ip: int = attrs.field(default=32, validator=_positive)  # per IPv4 address or IPv6 /64
-    max_connections: int = attrs.field(default=1024, validator=_positive)  # all addresses together
+    # Connection caps (relay/conns.py): per address group (an IPv4 /24 or an IPv6 /64), and all groups together;
+    # a full cap evicts the oldest connection whose token is not checked yet, and a refused one is never counted.
+    max_conns_per_ip: int = attrs.field(default=32, validator=_positive)
+    max_connections: int = attrs.field(default=1024, validator=_positive)
     receive_buffer_bytes: int = attrs.field(default=64 * 1024, validator=_positive)
     clock: Callable[[], float] = time.time  # Unix time for token expiry; a parameter so tests can move it
 
@@ -109,6 +113,8 @@ class RelayStatistics:
     rejections_by_code: Mapping[int, int] = attrs.field(eq=False)
     wait_timeouts: int  # ends that waited alone until wait_timeout
     keepalive_timeouts: int
+    #: Connections not yet admitted that were closed to make room for newer ones (N5).
+    evictions: int = 0
 
 
 @attrs.frozen
@@ -207,8 +213,7 @@ class Relay:
         self.config = config
         self._edges: dict[str, _Edge] = {}
         self._spent = SpentTokens()
-        self._per_ip: dict[str, int] = {}
-        self._connections = 0
+        self._conns = ConnTable(config.max_conns_per_ip, config.max_connections)
         self._messages = 0
         self._bytes = 0
         self._rejections: collections.Counter[int] = collections.Counter()
@@ -217,7 +222,7 @@ class Relay:
 
     def statistics(self) -> RelayStatistics:
         return RelayStatistics(
-            connections=self._connections,
+            connections=len(self._conns),
             open_edges=len(self._edges),
             paired_edges=sum(1 for edge in self._edges.values() if edge.paired.is_set()),
             messages_forwarded=self._messages,
@@ -226,6 +231,7 @@ class Relay:
             rejections_by_code=dict(self._rejections),
             wait_timeouts=self._wait_timeouts,
             keepalive_timeouts=self._keepalive_timeouts,
+            evictions=self._conns.evictions,
         )
 
     async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
@@ -249,27 +255,27 @@ class Relay:
             raise RelayConfigError(f"cannot listen on {config.host}:{config.port}: {exc}") from exc
 
     async def _handle_stream(self, stream: trio.abc.Stream) -> None:
-        ip = address_group(_peer_ip(stream))
-        self._per_ip[ip] = self._per_ip.get(ip, 0) + 1
-        self._connections += 1
+        ip = network_group(_peer_ip(stream))
+        entry = self._conns.admit(ip)  # may evict the oldest connection not yet admitted (N5)
+        if entry is None:  # every connection in the way holds a checked token: refused now, and never counted
+            self._reject(CloseCode.TOO_MANY_CONNECTIONS, "too many connections")
+            await _refuse(stream)
+            return
         watched = _WatchedStream(stream)
-        over_cap = self._per_ip[ip] > self.config.max_conns_per_ip or self._connections > self.config.max_connections
         try:
-            async with trio.open_nursery() as nursery:
-                await self._handle_connection(nursery, watched, over_cap)
-                nursery.cancel_scope.cancel()  # stops the WebSocket reader
+            with entry.scope:  # cancelled when a newer connection evicts this one before its token is checked
+                async with trio.open_nursery() as nursery:
+                    await self._handle_connection(nursery, watched, entry)
+                    nursery.cancel_scope.cancel()  # stops the WebSocket reader
         except Exception:
             # One connection's failure (a bug, or a protocol corner of the WebSocket layer) must not stop the
             # relay for every other edge, so it ends here, logged.
             logger.exception("relay connection from %s failed", ip)
         finally:
             await trio.aclose_forcefully(watched)
-            self._connections -= 1
-            self._per_ip[ip] -= 1
-            if not self._per_ip[ip]:
-                del self._per_ip[ip]
+            self._conns.release(entry)
 
-    async def _handle_connection(self, nursery: trio.Nursery, stream: _WatchedStream, over_cap: bool) -> None:
+    async def _handle_connection(self, nursery: trio.Nursery, stream: _WatchedStream, entry: Conn) -> None:
         config = self.config
         request: trio_websocket.WebSocketRequest | None = None
 
@@ -292,11 +298,11 @@ class Relay:
                 waiting.cancel_scope.cancel()
         if request is None:
             return
-        # Refused at the upgrade, before any WebSocket message can be sent to us: over a cap, or no valid token.
-        admission = (
-            self._reject(CloseCode.TOO_MANY_CONNECTIONS, "too many connections") if over_cap else self._admit(request)
-        )
-        if isinstance(admission, _Close):
+        # Refused at the upgrade, before any WebSocket message can be sent to us: no valid token.
+        admission = self._admit(request)
+        if isinstance(admission, _Admission):
+            entry.authenticated = True  # a checked token: never evicted for a newcomer
+        else:
             with trio.move_on_after(config.close_timeout, shield=True), contextlib.suppress(ConnectionClosed):
                 await request.reject(_HTTP_STATUS.get(CloseCode(admission.code), 403), body=admission.reason.encode())
             return
@@ -496,6 +502,23 @@ _HTTP_STATUS = {
     CloseCode.TOO_MANY_CONNECTIONS: 429,
     CloseCode.TOKEN_REUSED: 403,
 }
+
+
+#: How long a refused newcomer gets to read its 429 (it is not counted meanwhile).
+REFUSAL_LINGER_S = 1.0
+_TOO_MANY = (
+    b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: text/plain\r\ncontent-length: 20\r\nconnection: close\r\n"
+    b"\r\ntoo many connections"
+)
+
+
+async def _refuse(stream: trio.abc.Stream) -> None:
+    """Answer 429 without reading the request, let the client's request arrive (so closing does not reset the
+    connection before it reads the answer), and close; at most REFUSAL_LINGER_S."""
+    with trio.move_on_after(REFUSAL_LINGER_S), contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+        await stream.send_all(_TOO_MANY)
+        await stream.receive_some(64 * 1024)
+    await trio.aclose_forcefully(stream)
 
 
 def _peer_ip(stream: trio.abc.Stream) -> str:

@@ -352,6 +352,7 @@ EXEMPT: dict[str, str] = {
     "kvasir.ring.edges": "relay edges derived from the manifest in process",
     "kvasir.ring.node": "node configuration and in-process state",
     "kvasir.ring.opener": "handshake state of a connection being admitted, in process",
+    "kvasir.relay.conns": "the relay's table of open connections, in process",
     "kvasir.ring.config": "the node's configuration, built from flags in process",
     "kvasir.ring.links.LinkStats": "live link counters; the status reports them as LinkStatus (registered)",
     "kvasir.ring.manifest.Manifest": "the parsed manifest; its TOML goes through _ManifestFile (registered)",

@@ -115,7 +115,14 @@ def add_parser(sub: Any) -> None:
         "--market-key",
         default=None,
         metavar="KEY",
-        help="the market operator's key (ed25519:…): records it did not sign are refused (default: trust on first use)",
+        help="the market operator's key (ed25519:…): records it did not sign, and replies of a market key it did not "
+        "delegate to, are refused (required off loopback; on loopback the default is trust on first use)",
+    )
+    m.add_argument(
+        "--allow-plain-http",
+        action="store_true",
+        help="allow an http:// market off loopback (its replies are still signed and checked, but the path sees "
+        "every exchange; default: refused, use https://)",
     )
     m.add_argument(
         "--market-ca",
@@ -321,9 +328,14 @@ def run_enrolled(args: argparse.Namespace) -> int:
 def enroll_config(args: argparse.Namespace) -> Any:
     """The EnrollConfig of ``kvasir node --market …``."""
     from kvasir.commands.market import parse_hostport
+    from kvasir.market.agent.config import market_trust_problem
     from kvasir.market.agent.enroll import EnrollConfig
 
     host, port = parse_hostport(args.listen, "--listen")
+    keys = enroll_keys(args)
+    problem = market_trust_problem(args.market, keys["market_key"], allow_plain_http=args.allow_plain_http)
+    if problem is not None:
+        raise InputError(problem)
     ring_secret = read_ring_secret(args.ring_secret_file)  # only for a relay that takes v1 tokens
     return EnrollConfig(
         market_url=args.market,
@@ -341,7 +353,7 @@ def enroll_config(args: argparse.Namespace) -> Any:
         market_ca=args.market_ca,
         record_dir=args.record,
         record_keep=parse_size(args.record_keep),
-        **enroll_keys(args),
+        **keys,
         stage_config=functools.partial(
             StageConfig, n_ctx=args.ctx, n_seq_max=args.seqs, n_threads=args.threads, n_gpu_layers=args.gpu_layers
         ),

@@ -4,6 +4,10 @@
 Writes are signed with the client's identity (kvasir.market.auth) at its estimate of the market's time, learned
 from every reply's ``x-kvasir-market-time`` (docs/protocol.md § Market time); a write refused as ``stale_request``
 is signed again once with the time that refusal carried. A reply larger than ``max_reply_bytes`` is refused unread.
+
+Every request carries a fresh reply nonce; once ``reply_key`` is set (a self-enrolled node sets it to the market key
+the pinned operator delegated to), a reply not signed by that key over that nonce (kvasir.market.replies) is a
+:class:`MarketError` ``bad_reply`` and nothing in it is used, its market time included (security N1).
 """
 
 from __future__ import annotations
@@ -13,13 +17,14 @@ import logging
 import ssl
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
+from urllib.parse import urlencode
 
 import httpx
 
 from kvasir.core.errors import InputError, MarketError
-from kvasir.core.identity import Identity
-from kvasir.market import auth
+from kvasir.core.identity import Identity, PublicKey
+from kvasir.market import auth, replies
 from kvasir.market.records import (
     ClaimRequest,
     CoverageEntry,
@@ -44,10 +49,11 @@ MAX_REPLY_BYTES = 16 * 1024 * 1024
 
 def is_transient(exc: Exception) -> bool:
     """Whether a failed market call says nothing about the window or the lease: the market is unreachable, busy or
-    failing (retry later), as opposed to an answer (404, 409, 403, a bad record)."""
+    failing, or the reply was not the market's (``bad_reply``: retry later), as opposed to an answer (404, 409,
+    403, a bad record)."""
     if not isinstance(exc, MarketError):
         return False
-    return exc.code in ("unreachable", "stale_request") or exc.status == 429 or exc.status >= 500
+    return exc.code in ("unreachable", "stale_request", "bad_reply") or exc.status == 429 or exc.status >= 500
 
 
 def _error_code(raw: bytes) -> str | None:
@@ -74,6 +80,18 @@ def _raise_for(status: int, raw: bytes) -> Any:
     raise MarketError(status, code, f"market: {message}")
 
 
+class _Reply(NamedTuple):
+    """One reply as it came (in-process only): checked before anything in it is used."""
+
+    status: int
+    raw: bytes
+    market_time: str | None
+    signature: str | None
+    nonce: str
+    #: This host's monotonic time about when the market replied (halfway through the round trip).
+    mono: float
+
+
 class MarketClient:
     """``identity``: the key that signs writes (a node's, or the operator's for publishing); ``tls``: how an https
     market is verified (default: the system's CAs; kvasir.util.tls.client_context adds a ``--market-ca`` bundle)."""
@@ -97,6 +115,9 @@ class MarketClient:
         #: This host's clock: what requests are signed with until the market's time is known.
         self.clock = clock
         self.mono = mono
+        #: The market key every reply must be signed by (None: replies are not checked; a node sets it once it
+        #: has checked the operator's delegation to that key, kvasir.market.agent.trust).
+        self.reply_key: PublicKey | None = None
         #: The market's time as last seen (None until a reply carried it).
         self.seen: auth.MarketTime | None = None
         self._skew_logged = 0.0
@@ -131,34 +152,57 @@ class MarketClient:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    async def _call(self, method: str, path: str, body: Any = None, params: dict[str, str] | None = None) -> Any:
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        params: dict[str, str] | None = None,
+        *,
+        key_in_reply: Callable[[Any], PublicKey] | None = None,
+    ) -> Any:
+        """The reply's JSON, once its signature checked out (when this client verifies); ``key_in_reply`` names the
+        key a 200 reply must be signed by, from the reply itself (``/v1/operator``: the delegated market key)."""
         content = b"" if body is None else json.dumps(body, separators=(",", ":")).encode()
         headers = {"accept-encoding": "identity"} | ({"content-type": "application/json"} if body is not None else {})
         if method != "GET" and self.identity is None:
             raise InputError(f"market: {method} {path} must be signed; this client has no identity")
+        target = path + ("?" + urlencode(params) if params else "")
         before = self.seen
-        status, raw = await self._send(method, path, content, headers, params)
-        if status == 401 and self.seen != before and _error_code(raw) == "stale_request":
+        reply = await self._send(method, target, content, headers)
+        self._accept(method, target, reply, key_in_reply)
+        if reply.status == 401 and self.seen != before and _error_code(reply.raw) == "stale_request":
             # Our estimate of the market's time was off (its clock or ours stepped, or first contact): the refusal
             # said the market's time, so sign again once (a fresh nonce: nothing is replayed).
-            status, raw = await self._send(method, path, content, headers, params)
-        return _raise_for(status, raw)
+            reply = await self._send(method, target, content, headers)
+            self._accept(method, target, reply, key_in_reply)
+        return _raise_for(reply.status, reply.raw)
 
-    async def _send(
-        self, method: str, path: str, content: bytes, headers: dict[str, str], params: dict[str, str] | None
-    ) -> tuple[int, bytes]:
+    def _accept(self, method: str, target: str, reply: _Reply, key_in_reply: Callable[[Any], PublicKey] | None) -> None:
+        """Check the reply's signature (MarketError ``bad_reply`` if it is not the market's: nothing in it is
+        used), then learn the market's time from it."""
+        key = self.reply_key
+        if key_in_reply is not None and reply.status == 200:
+            key = key_in_reply(_raise_for(reply.status, reply.raw))
+        if key is not None:
+            replies.check_reply(
+                key, method, target, reply.status, reply.nonce, reply.market_time, reply.raw, reply.signature
+            )
+        seen = auth.parse_market_time(reply.market_time)
+        if seen is not None:  # the market's clock when it replied: about halfway through the round trip
+            self.seen = auth.MarketTime(seen, reply.mono)
+            self._report_skew()
+
+    async def _send(self, method: str, target: str, content: bytes, headers: dict[str, str]) -> _Reply:
+        nonce = replies.new_nonce()
+        headers = headers | {replies.H_REPLY_NONCE: nonce}
         if method != "GET":
             assert self.identity is not None
-            headers = headers | auth.sign_request(self.identity, method, path, content, self.market_time())
+            headers = headers | auth.sign_request(self.identity, method, target, content, self.market_time())
         try:
             sent = self.mono()
-            async with self.http.stream(
-                method, self.url + path, content=content or None, params=params, headers=headers
-            ) as r:
-                seen = auth.parse_market_time(r.headers.get(auth.H_MARKET_TIME))
-                if seen is not None:  # the market's clock when it replied: about halfway through the round trip
-                    self.seen = auth.MarketTime(seen, (sent + self.mono()) / 2)
-                    self._report_skew()
+            async with self.http.stream(method, self.url + target, content=content or None, headers=headers) as r:
+                mono = (sent + self.mono()) / 2
                 declared = r.headers.get("content-length", "0")
                 if declared.isdigit() and int(declared) > self.max_reply_bytes:
                     raise MarketError(r.status_code, "reply_too_large", f"market {self.url}: reply of {declared} bytes")
@@ -167,7 +211,14 @@ class MarketClient:
                     raw += chunk
                     if len(raw) > self.max_reply_bytes:
                         raise MarketError(r.status_code, "reply_too_large", f"market {self.url}: reply too large")
-                status = r.status_code
+                return _Reply(
+                    r.status_code,
+                    bytes(raw),
+                    r.headers.get(auth.H_MARKET_TIME),
+                    r.headers.get(replies.H_REPLY_SIG),
+                    nonce,
+                    mono,
+                )
         except httpx.HTTPError as exc:
             why = tls_failure(exc)
             if why is not None:  # a wrong or missing CA: say so, and how to fix it
@@ -175,11 +226,12 @@ class MarketClient:
                 hint = "; pass --market-ca with the CA bundle that signed it" if unknown_ca else ""
                 raise MarketError(0, "tls", f"market {self.url}: {why}{hint}") from None
             raise MarketError(0, "unreachable", f"market {self.url}: {type(exc).__name__}: {exc}") from None
-        return status, bytes(raw)
 
-    async def operator(self) -> dict[str, Any]:
-        """The market's keys: ``operator`` (signs records), ``market`` (signs tickets) and the delegation."""
-        result = await self._call("GET", "/v1/operator")
+    async def operator(self, key_in_reply: Callable[[Any], PublicKey] | None = None) -> dict[str, Any]:
+        """The market's keys: ``operator`` (signs records), ``market`` (signs tickets and replies) and the
+        delegation. ``key_in_reply``: the key the reply must be signed by, read from the reply (by the caller, who
+        checks the delegation against the operator key it trusts)."""
+        result = await self._call("GET", "/v1/operator", key_in_reply=key_in_reply)
         if not isinstance(result, dict):
             raise InputError("market: /v1/operator is not an object")
         return result

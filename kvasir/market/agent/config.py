@@ -60,6 +60,40 @@ class EnrollConfig:
         return max(0.2, min(self.lease_s / 3, 5.0))
 
 
+def is_loopback_host(host: str) -> bool:
+    """``localhost`` or a loopback address (127.0.0.0/8, ::1): a host no one else's network sits between."""
+    host = host.strip("[]").rstrip(".").lower()
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def market_trust_problem(url: str, market_key: PublicKey | None, *, allow_plain_http: bool = False) -> str | None:
+    """Why a node must not enroll at ``url`` as set up, or None (pure; security N1). Off loopback the operator key
+    must be pinned (trust on first use would trust whoever answers first, an on-path attacker included), and plain
+    http is refused unless explicitly allowed: replies are signed either way, but http shows the whole exchange
+    to the path."""
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL as exc:
+        return f"--market {url!r} is not a URL ({exc})"
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        return f"--market {url!r} is not an http:// or https:// URL"
+    if is_loopback_host(parsed.host):
+        return None
+    if market_key is None:
+        return (
+            f"--market-key is required for a market off loopback ({parsed.host}):"
+            " its operator key is never trusted on first use there"
+        )
+    if parsed.scheme == "http" and not allow_plain_http:
+        return f"--market {url} is plain http off loopback: use https://, or pass --allow-plain-http"
+    return None
+
+
 def is_public_host(host: str) -> bool:
     """A global IP address, or a DNS name other than localhost and .local/.internal/one-label names (pure: a name
     is not resolved, so a public name that resolves inside is not caught here)."""

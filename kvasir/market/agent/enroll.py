@@ -19,12 +19,14 @@ One :class:`Enrollment` runs one loop (``run``), from these parts:
 Timeouts live in the child tasks that wait (every market call is bounded by the client's timeout).
 
 Trust (:mod:`~kvasir.market.agent.trust`): the node signs every market write with its identity (its id is the
-key's fingerprint) and loads nothing a model record names unless the record carries the pinned operator's
-signature (``market_key``; without one, the operator key the market names is trusted on first use and its
-fingerprint logged). A failure of the window while holding it (no source, a bad record, a stage that would not
-load) releases the lease and avoids that window for a while. An unreachable or busy market is not the window's
-failure: the session waits for the market (:func:`~kvasir.market.agent.session.patiently`), and a window lost to
-another node is not avoided either (it may be free again when that node dies).
+key's fingerprint), acts on no market reply that the market key the operator delegated to did not sign (the
+coverage map, leases, tickets, grants, refusals: kvasir.market.replies), and loads nothing a model record names
+unless the record carries the pinned operator's signature (``market_key``; without one, on a loopback market only,
+the operator key the market names is trusted on first use and its fingerprint logged). A failure of the window
+while holding it (no source, a bad record, a stage that would not load) releases the lease and avoids that window
+for a while. An unreachable or busy market is not the window's failure (nor a reply the market did not sign): the
+session waits for the market (:func:`~kvasir.market.agent.session.patiently`), and a window lost to another node is
+not avoided either (it may be free again when that node dies).
 """
 
 from __future__ import annotations
@@ -197,8 +199,10 @@ class Enrollment:
                 if exc.status == 409:
                     log.info("node %s lost the race for a window: %s", cfg.node_id, exc)
                     continue  # someone else was faster: choose again at once
-                if exc.code == "tls" and not self._reached:
-                    raise  # a market this node cannot verify from the start: a setup error, said in one line
+                if exc.code in ("tls", "untrusted_market") and not self._reached:
+                    # a market this node cannot verify from the start (its certificate, or a market key the pinned
+                    # operator did not delegate to): a setup error, said in one line
+                    raise
                 log.warning("node %s: %s", cfg.node_id, exc)
             except KvasirError as exc:  # a malformed reply: wait and ask again
                 log.warning("node %s: %s", cfg.node_id, exc)

@@ -1,11 +1,13 @@
-"""Whom a self-enrolling node believes: the market operator's key (pinned, or trusted on first use and logged)
-and the ticket key the operator delegated to the market. The node loads nothing a model record names unless the
-record carries the trusted operator's signature.
+"""Whom a self-enrolling node believes: the market operator's key (pinned, or trusted on first use and logged, on
+a loopback market only) and the market key the operator delegated to, which signs window tickets and every reply of
+the market (kvasir.market.replies). The node acts on no reply that key did not sign, and loads nothing a model
+record names unless the record carries the trusted operator's signature.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from kvasir.core.errors import InputError, MarketError
 from kvasir.core.identity import PublicKey
@@ -28,15 +30,24 @@ class Trust:
         self._warned_operator: PublicKey | None = None
 
     async def learn(self) -> None:
-        """Learn the operator's key (pinned, or trusted on first use) and the market's delegated ticket key."""
+        """Learn the operator's key (pinned, or trusted on first use: only on a loopback market, see
+        :func:`~kvasir.market.agent.config.market_trust_problem`) and the market key it delegated to. From then on
+        the client acts only on replies that key signed (security N1); a market key the operator did not delegate
+        to is a MarketError ``untrusted_market``, and nothing that market says is used."""
         if self.operator_key is not None and self.ticket_issuer is not None:
             return
-        info = await self.market.operator()
+        await self.market.operator(key_in_reply=self._delegated)  # a 200 reply is checked by _delegated's key
+
+    def _delegated(self, info: Any) -> PublicKey:
+        """The market key ``/v1/operator`` names, if the trusted operator delegated to it (which makes it the key
+        that reply, and every later one, must be signed by)."""
+        if not isinstance(info, dict):
+            raise MarketError(0, "bad_reply", "market: /v1/operator is not an object")
         try:
             named = PublicKey.from_text(info.get("operator", ""))
             market = PublicKey.from_text(info.get("market", ""))
         except InputError as exc:
-            raise MarketError(0, "bad_operator", f"market: /v1/operator: {exc}") from None
+            raise MarketError(0, "bad_reply", f"market: /v1/operator: {exc}") from None
         if self.operator_key is None:
             self.operator_key = named
             log.warning(
@@ -54,8 +65,15 @@ class Trust:
                 named.fingerprint,
                 self.operator_key.fingerprint,
             )
-        if auth.signature_ok(self.operator_key, auth.delegation_message(market), info.get("delegation")):
-            self.ticket_issuer = market
+        if not auth.signature_ok(self.operator_key, auth.delegation_message(market), info.get("delegation")):
+            raise MarketError(
+                0,
+                "untrusted_market",
+                f"market: its key {market.fingerprint} is not delegated by operator {self.operator_key.fingerprint}"
+                " (--market-key): nothing it says is acted on",
+            )
+        self.ticket_issuer = self.market.reply_key = market
+        return market
 
     async def verified_model(self, sha256: str) -> ModelRecord:
         """The market's record of a model, if the trusted operator signed it (LeaseLost otherwise)."""

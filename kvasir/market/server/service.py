@@ -27,7 +27,7 @@ import trio
 
 from kvasir.core.errors import InputError, MarketError
 from kvasir.core.identity import Identity, PublicKey
-from kvasir.market import auth
+from kvasir.market import auth, replies
 from kvasir.market.records import (
     ClaimRequest,
     CreditReport,
@@ -44,7 +44,7 @@ from kvasir.market.server.backend import MarketBackend
 from kvasir.market.server.fraud import ProofJudge
 from kvasir.market.server.proofmemo import ProofMemo
 from kvasir.market.tickets import MAX_TICKET_S, WindowTicket, issue_ticket
-from kvasir.net.http import ApiLimits, HttpConnection, HttpError, HttpRequest, serve_http
+from kvasir.net.http import ApiLimits, HttpConnection, HttpError, HttpRequest, json_bytes, serve_http
 from kvasir.relay.grant import EdgeGrant, sign_grant
 from kvasir.relay.token import Role
 from kvasir.verify.audit import FraudProof, check_proof, proof_id
@@ -123,17 +123,25 @@ class MarketService:
         }
 
     async def handle(self, http: HttpConnection, request: HttpRequest) -> None:
+        extra: tuple[tuple[str, str], ...] = ()
         try:
             status, body = await self._route(request)
+        except HttpError as exc:  # 404, 405 (with its ``allow``)
+            status, body, extra = exc.status, exc.body(), exc.headers
         except InputError as exc:
-            raise HttpError(400, "bad_request", str(exc), self._time_header()) from None
+            status, body = 400, HttpError(400, "bad_request", str(exc)).body()
         except MarketError as exc:
-            raise HttpError(exc.status, exc.code, str(exc), self._time_header()) from None
-        await http.send_json(status, body, self._time_header())
+            status, body = exc.status, HttpError(exc.status, exc.code, str(exc)).body()
+        raw = json_bytes(body)
+        await http.send_json_bytes(status, raw, [*self._signed_reply(request, status, raw), *extra])
 
-    def _time_header(self) -> list[tuple[str, str]]:
-        """The market's time on every reply: nodes sign with their estimate of it (docs/protocol.md § Market time)."""
-        return [(auth.H_MARKET_TIME, auth.format_market_time(self.store.clock()))]
+    def _signed_reply(self, request: HttpRequest, status: int, body: bytes) -> list[tuple[str, str]]:
+        """The market's time (nodes sign with their estimate of it, docs/protocol.md § Market time) and the market
+        key's signature of the reply, bound to the request's nonce (kvasir.market.replies; security N1)."""
+        when = auth.format_market_time(self.store.clock())
+        nonce = replies.request_nonce({k.lower(): v for k, v in request.headers})
+        sig = replies.sign_reply(self.identity, request.method, request.target, status, nonce, when, body)
+        return [(auth.H_MARKET_TIME, when), (replies.H_REPLY_SIG, sig)]
 
     async def _route(self, request: HttpRequest) -> tuple[int, Any]:
         method, path = request.method, request.path
