@@ -28,11 +28,13 @@ def network_group(host: str) -> str:
         return group
 
 
+
 def is_loopback_host(host: str) -> bool:
-    """Whether ``host`` names this machine only: ``localhost`` or a loopback address (what may go without keys)."""
-    if host == "localhost":
+    """``localhost`` or a loopback address (127.0.0.0/8, ::1): a host no one else's network sits between."""
+    host = host.strip("[]").rstrip(".").lower()
+    if host == "localhost" or host.endswith(".localhost"):
         return True
     try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
+        return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False

@@ -12,6 +12,7 @@ import httpx
 
 from kvasir.core.identity import Identity, PublicKey
 from kvasir.stage.engine import StageConfig
+from kvasir.util.addrgroup import is_loopback_host
 
 
 @attrs.frozen
@@ -58,17 +59,6 @@ class EnrollConfig:
     @property
     def report_s(self) -> float:
         return max(0.2, min(self.lease_s / 3, 5.0))
-
-
-def is_loopback_host(host: str) -> bool:
-    """``localhost`` or a loopback address (127.0.0.0/8, ::1): a host no one else's network sits between."""
-    host = host.strip("[]").rstrip(".").lower()
-    if host == "localhost" or host.endswith(".localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def market_trust_problem(url: str, market_key: PublicKey | None, *, allow_plain_http: bool = False) -> str | None:
