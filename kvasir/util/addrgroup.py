@@ -28,7 +28,6 @@ def network_group(host: str) -> str:
         return group
 
 
-
 def is_loopback_host(host: str) -> bool:
     """``localhost`` or a loopback address (127.0.0.0/8, ::1): a host no one else's network sits between."""
     host = host.strip("[]").rstrip(".").lower()
