@@ -64,9 +64,10 @@ class ApiBackend(Protocol[HandleT]):
         stop: Sequence[str] = ...,
         *,
         speculate: int | None = ...,
+        client_auth: str = ...,
     ) -> AbstractAsyncContextManager[HandleT]:
         """Submit a request; raises InputError (bad input) or RingError (ring trouble) on entry. ``speculate``: drafts
-        per step (None: the node's default).
+        per step (None: the node's default); ``client_auth``: the client's signed authorisation (START carries it).
 
         Leaving the context before the request ended cancels it.
         """
