@@ -226,6 +226,12 @@ async def test_authorisations_that_cannot_pay_settle_nothing_or_less(market: Mar
     await settle(capped, 1, 10)
     assert [await market.balance(h) for h in hs] == [2 * MICRO, 2 * MICRO, 6 * MICRO]
     assert await market.balance(client) == 90 * MICRO
+    demand = (await market.http.get("/v1/demand")).json()["models"][0]
+    assert (demand["requests"], demand["tokens"]) == (1, 2)  # 10 tokens paid at a fifth of the price count as 2
+    # an authorisation capped at nothing settles, moves nothing and raises no reward
+    assert sum(r["settled"] for r in await settle(market.auth(client, max_price=0), 2, 1000)) == 1
+    assert await market.balance(client) == 90 * MICRO
+    assert (await market.http.get("/v1/demand")).json()["models"][0]["tokens"] == 2
     now = int(market.store.clock())
     refused = [
         sign_auth(client, Identity.generate().public, SHA, max_tokens=9, max_price=MICRO, not_after=now + 60),
@@ -280,6 +286,8 @@ def test_market_fund_and_authorize_commands(tmp_path: Path) -> None:
     assert fund.wait(60) == 0, fund.err
     store = MarketStore(db)
     assert store.account(client.public.to_text())["balance"] == 12_500_000
+    with pytest.raises(InputError, match="in all"):  # all balances together stay below 10^18 micro-credits
+        store.fund(Identity.generate().public.to_text(), 10**18)
     store.close()
     for bad in (["--credits", "1e400"], ["--credits", "0.0000001"], ["--credits", "-1"], ["--key", "nope"]):
         args = {"--key": client.public.to_text(), "--credits": "1", **dict([bad])}

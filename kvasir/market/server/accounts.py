@@ -17,7 +17,8 @@ from kvasir.core.errors import InputError, MarketError
 from kvasir.core.identity import PublicKey
 from kvasir.market.server.sqlite import Database, StorePart
 
-#: A balance at most (micro-credits): every sum of balances stays far from 2^63.
+#: All balances together at most (micro-credits, what funding may put in): moves conserve the total, so no balance
+#: or sum of balances ever nears 2^63.
 MAX_BALANCE = 10**18
 
 
@@ -47,9 +48,9 @@ class AccountBook(StorePart):
             raise InputError(f"an amount is 1-{MAX_BALANCE} micro-credits")
         now = self.clock()
         with self._write() as db:
-            balance = balance_of(db, key) or 0
-            if balance + micro > MAX_BALANCE:
-                raise InputError(f"that would take the balance past {MAX_BALANCE // MICRO} credits")
+            (total,) = db.execute("SELECT COALESCE(SUM(balance), 0) FROM accounts").fetchone()
+            if total + micro > MAX_BALANCE:
+                raise InputError(f"that would take the market's credit past {MAX_BALANCE // MICRO} credits in all")
             db.execute(
                 "INSERT INTO accounts (account, balance, funded, paid, earned, ts) VALUES (?, ?, ?, 0, 0, ?)"
                 " ON CONFLICT (account) DO UPDATE SET balance = balance + excluded.balance,"

@@ -12,10 +12,10 @@ import json
 import sqlite3
 from typing import Any
 
-from kvasir.core.clientauth import ClientAuth, parse_auth
+from kvasir.core.clientauth import MAX_PRICE, ClientAuth, parse_auth
 from kvasir.core.errors import InputError, MarketError
 from kvasir.market.records import CreditReport, ManifestRecord, ReceiptBatch
-from kvasir.market.server.accounts import MAX_BALANCE, balance_of, credit_account
+from kvasir.market.server.accounts import balance_of, credit_account
 from kvasir.market.server.catalog import Catalog
 from kvasir.market.server.demand import add_settled, demand_multiplier, recent_tokens, reward_of
 from kvasir.market.server.leases import LeaseBook
@@ -138,7 +138,7 @@ class CreditBook(StorePart):
         for rank, w in enumerate(manifest.windows):
             _, witness, account, lease_id, *_ = by_rank[rank]
             share = paid * prices[rank]
-            credit_account(db, str(account), min(share, MAX_BALANCE), now, earned=True)
+            credit_account(db, str(account), share, now, earned=True)
             db.execute(
                 'INSERT INTO lease_credits (lease_id, node_id, model, start, "end", tokens, layer_tokens, earned,'
                 " earned_micro, account, ts) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (lease_id)"
@@ -155,7 +155,10 @@ class CreditBook(StorePart):
                     " ON CONFLICT (lease_id, witness) DO UPDATE SET tokens = tokens + excluded.tokens",
                     (lease_id, other, paid),
                 )
-        add_settled(db, manifest.model, paid, now)
+        # Demand counts paid tokens at the base price: a request paid below it (a low price cap) counts for less,
+        # so an authorisation capped at nothing raises no reward.
+        base = sum(window_prices([w.weight for w in manifest.windows], MAX_PRICE))
+        add_settled(db, manifest.model, paid if base == 0 else min(paid, amount // base), now)
         db.execute(
             "INSERT INTO settlements (auth_id, client, model, request, tokens, amount, expires, ts)"
             " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
