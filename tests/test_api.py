@@ -76,6 +76,7 @@ class FakeStage:
 @attrs.frozen
 class FakeManifest:
     model_name: str = MODEL
+    model_sha256: str = "ab" * 32
 
 
 @attrs.define
@@ -319,7 +320,8 @@ async def test_a_client_authorisation_is_forwarded_and_bounds_max_tokens(nursery
         assert assert_error(await post({"max_tokens": 7}, paid), 400, "max_tokens")["code"] == "invalid_client_auth"
         body, sig = paid.rsplit(".", 1)
         forged = f"{body}.{sig[:-4]}AAAA"
-        for bad in (forged, "ka1.x.y", "nonsense"):
+        other = sign_auth(client, market.public, "cd" * 32, max_tokens=6, max_price=10, not_after=2**31)
+        for bad in (forged, "ka1.x.y", "nonsense", other):
             assert assert_error(await post({"max_tokens": 4}, bad), 400)["code"] == "invalid_client_auth"
         assert len(fake.calls) == 2
         assert (

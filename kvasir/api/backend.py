@@ -46,6 +46,9 @@ class ApiManifest(Protocol):
     @property
     def model_name(self) -> str: ...
 
+    @property
+    def model_sha256(self) -> str: ...
+
 
 class ApiBackend(Protocol[HandleT]):
     """A node that accepts requests: ``Node`` is an ``ApiBackend[RequestHandle]``."""

@@ -36,7 +36,7 @@ from kvasir.api.schema import (
     usage,
     usage_chunk,
 )
-from kvasir.core.clientauth import parse_auth
+from kvasir.core.clientauth import ClientAuth, parse_auth
 from kvasir.core.errors import InputError, KvasirError, ProtocolError, RingError
 from kvasir.net.http import ApiLimits, HttpConnection, HttpError, HttpRequest, serve_http
 from kvasir.ring.requests import ClientEvent, EndEvent, TokenEvent
@@ -252,9 +252,16 @@ class ApiServer:
                 code="context_length_exceeded",
             )
 
-    async def _generate(self, http: HttpConnection, req: GenerationRequest, paid: tuple[str, int] | None) -> None:
-        """``paid``: the client's signed authorisation and the tokens it pays for (None: an unpaid request)."""
+    async def _generate(
+        self, http: HttpConnection, req: GenerationRequest, paid: tuple[str, ClientAuth] | None
+    ) -> None:
+        """``paid``: the client's signed authorisation, as text and parsed (None: an unpaid request)."""
         param = "prompt" if req.kind == "completion" else "messages"
+        if paid is not None and paid[1].model != self.node.manifest.model_sha256:
+            raise ApiError.invalid(
+                f"the client authorisation is for model {paid[1].model[:12]}…, not this ring's",
+                code="invalid_client_auth",
+            )
         try:
             prompt = await self._tokens(req)
         except InputError as exc:
@@ -264,13 +271,14 @@ class ApiServer:
         n_ctx = self.node.stage.config.n_ctx
         max_tokens = req.max_tokens if req.max_tokens is not None else n_ctx - len(prompt)
         if paid is not None:  # never generate what the client did not pay for
-            if req.max_tokens is not None and req.max_tokens > paid[1]:
+            pays_for = paid[1].max_tokens
+            if req.max_tokens is not None and req.max_tokens > pays_for:
                 raise ApiError.invalid(
-                    f"max_tokens {req.max_tokens} exceeds the {paid[1]} tokens the client authorisation pays for",
+                    f"max_tokens {req.max_tokens} exceeds the {pays_for} tokens the client authorisation pays for",
                     param="max_tokens",
                     code="invalid_client_auth",
                 )
-            max_tokens = min(max_tokens, paid[1])
+            max_tokens = min(max_tokens, pays_for)
         if len(prompt) + max(max_tokens, 1) > n_ctx:
             asked = max(max_tokens, 1)
             raise ApiError.invalid(
@@ -388,9 +396,9 @@ def _json_body(body: bytes) -> Any:
         raise ApiError.invalid(f"the request body is not valid JSON: {exc}") from None
 
 
-def _client_auth(request: HttpRequest) -> tuple[str, int] | None:
+def _client_auth(request: HttpRequest) -> tuple[str, ClientAuth] | None:
     """The request's ``X-Kvasir-Client-Auth`` (docs/api.md): the client's signed authorisation, which the entry
-    forwards in START for the market to settle, and the tokens it pays for; 400 if it is not one."""
+    forwards in START for the market to settle, as text and parsed; 400 if it is not one."""
     given = [v for k, v in request.headers if k.lower() == CLIENT_AUTH_HEADER]
     if not given:
         return None
@@ -400,4 +408,4 @@ def _client_auth(request: HttpRequest) -> tuple[str, int] | None:
         auth = parse_auth(given[0].strip())
     except InputError as exc:
         raise ApiError.invalid(f"{CLIENT_AUTH_HEADER}: {exc}", param=None, code="invalid_client_auth") from None
-    return given[0].strip(), auth.max_tokens
+    return given[0].strip(), auth
