@@ -42,7 +42,7 @@ def parse_hostport(text: str, flag: str) -> tuple[str, int]:
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("market", help="run the self-enrollment market (or: market publish | market status)")
+    p = sub.add_parser("market", help="run the self-enrollment market (or: market publish | status | fund | authorize)")
     p.add_argument("--listen", default=DEFAULT_LISTEN, metavar="HOST:PORT", help="default %(default)s")
     p.add_argument("--db", type=Path, default=Path("market.sqlite"), help="SQLite database (default %(default)s)")
     p.add_argument(
