@@ -16,7 +16,9 @@ import pytest
 import trio
 
 from kvasir.api import ApiAccess, ApiBackend, ApiLimits, serve_api
+from kvasir.core.clientauth import sign_auth
 from kvasir.core.errors import InputError, RingError
+from kvasir.core.identity import Identity
 from kvasir.net.http import Handler, HttpConnection, HttpError, HttpRequest, serve_http
 from kvasir.ring.requests import ClientEvent, EndEvent, TokenEvent
 from kvasir.wire import SamplingParams
@@ -74,6 +76,7 @@ class FakeStage:
 @attrs.frozen
 class FakeManifest:
     model_name: str = MODEL
+    model_sha256: str = "ab" * 32
 
 
 @attrs.define
@@ -85,6 +88,7 @@ class Call:
     ended: bool = False
     cancelled: bool = False
     speculate: int | None = None
+    client_auth: str = ""
 
 
 @attrs.define
@@ -114,10 +118,11 @@ class FakeBackend:
         stop: Sequence[str] = (),
         *,
         speculate: int | None = None,
+        client_auth: str = "",
     ) -> AsyncIterator[Call]:
         if self.refuse is not None:
             raise self.refuse
-        call = Call(list(prompt), params, max_tokens, tuple(stop), speculate=speculate)
+        call = Call(list(prompt), params, max_tokens, tuple(stop), speculate=speculate, client_auth=client_auth)
         self.calls.append(call)
         try:
             yield call
@@ -289,6 +294,40 @@ async def test_completion_shape(nursery: trio.Nursery) -> None:
         # OpenAI's defaults for OpenAI's fields, llama.cpp's for the extensions
         assert (c.params.temperature, c.params.top_p, c.params.top_k, c.params.min_p) == (1.0, 1.0, 40, 0.05)
         assert c.params.seed is None
+
+
+async def test_a_client_authorisation_is_forwarded_and_bounds_max_tokens(nursery: trio.Nursery) -> None:
+    """docs/api.md § Paid requests: ``X-Kvasir-Client-Auth`` goes to the node as is (START carries it); the entry
+    never asks for more tokens than it pays for; a forged or malformed one is a 400 and nothing is submitted."""
+    client, market = Identity.generate(), Identity.generate()
+    paid = sign_auth(client, market.public, "ab" * 32, max_tokens=6, max_price=10, not_after=2**31)
+    with trio.fail_after(TIMEOUT):
+        fake = FakeBackend()
+        port = await start(nursery, fake)
+
+        async def post(body: dict[str, Any], auth: str) -> Reply:
+            c = await Client.connect(port)
+            try:
+                await c.send("POST", "/v1/completions", {"model": MODEL, "prompt": "say hi", **body},
+                             [("x-kvasir-client-auth", auth)])  # fmt: skip
+                return await c.receive()
+            finally:
+                await c.aclose()
+
+        assert (await post({"max_tokens": 4}, paid)).status == 200
+        assert (await post({"max_tokens": 6}, paid)).status == 200  # all it pays for
+        assert [(c.client_auth, c.max_tokens) for c in fake.calls] == [(paid, 4), (paid, 6)]
+        assert assert_error(await post({"max_tokens": 7}, paid), 400, "max_tokens")["code"] == "invalid_client_auth"
+        body, sig = paid.rsplit(".", 1)
+        forged = f"{body}.{sig[:-4]}AAAA"
+        other = sign_auth(client, market.public, "cd" * 32, max_tokens=6, max_price=10, not_after=2**31)
+        for bad in (forged, "ka1.x.y", "nonsense", other):
+            assert assert_error(await post({"max_tokens": 4}, bad), 400)["code"] == "invalid_client_auth"
+        assert len(fake.calls) == 2
+        assert (
+            await call(port, "POST", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2})
+        ).status == 200
+        assert fake.calls[-1].client_auth == ""  # unpaid: nothing forwarded
 
 
 async def test_completion_params_and_prompt_forms(nursery: trio.Nursery) -> None:

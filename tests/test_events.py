@@ -19,6 +19,8 @@ import trio.testing
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvasir.core.clientauth import sign_auth
+from kvasir.core.identity import Identity
 from kvasir.core.schema import SchemaError
 from kvasir.market.agent.ledger import Ledger
 from kvasir.market.records import CoverageEntry, Receipt
@@ -167,8 +169,9 @@ def listen(ledger: Ledger, node: Node, ended: RequestEnded) -> None:
 
 
 async def test_a_flooded_hub_loses_no_receipt(autojump_clock: trio.testing.MockClock) -> None:
-    """Token events fill a stuck observer's channel; every request still gets its demand record at its entry and a
-    receipt from both of its witnesses (the ledger hears the lossless end listeners, not the hub)."""
+    """Token events fill a stuck observer's channel; every paid request (its client's authorisation in START) still
+    gets a receipt from every window, carrying that authorisation, and an unpaid one gets none (the ledger hears the
+    lossless end listeners, not the hub)."""
     holders = ["node0", "node1", "node2"]
     max_tokens, per_entry = 80, 6  # 18 requests × 80 tokens pass every node: beyond the 1,024 slots
     async with ring() as nodes, AsyncExitStack() as stack:
@@ -181,11 +184,18 @@ async def test_a_flooded_hub_loses_no_receipt(autojump_clock: trio.testing.MockC
             ledgers.append(ledger)
             stuck.append(await stack.enter_async_context(node.hub.subscribe()))  # an observer that never reads
         ids: dict[int, int] = {}  # request id -> entry rank
+        auths: dict[int, str] = {}  # request id -> its client's authorisation (paid requests)
+        client, market = Identity.generate(), Identity.generate()
 
         async def one(entry: Node, k: int) -> None:
             prompt = [1 + k, 2, 3]
-            async with entry.request(prompt, SamplingParams(temperature=0.0), max_tokens, ()) as handle:
+            paid = sign_auth(client, market.public, "0" * 64, max_tokens=max_tokens, max_price=0, not_after=1)
+            paid = paid if k % 3 else ""
+            params = SamplingParams(temperature=0.0)
+            async with entry.request(prompt, params, max_tokens, (), client_auth=paid) as handle:
                 ids[handle.request_id] = entry.rank
+                if paid:
+                    auths[handle.request_id] = paid
                 async for ev in entry.events(handle):
                     if isinstance(ev, EndEvent):
                         assert (ev.reason, ev.generated_tokens) == ("max_tokens", max_tokens), ev
@@ -208,15 +218,9 @@ async def test_a_flooded_hub_loses_no_receipt(autojump_clock: trio.testing.MockC
                     break
             assert node.hub.dropped >= n_requests * (max_tokens + 2) - 1024
             assert seen_ends < n_requests
+        assert len(auths) == len(nodes) * 4
         for rank, ledger in enumerate(ledgers):
-            mine = {r for r, entry in ids.items() if entry == rank}
-            exits = {
-                r
-                for r, entry in ids.items()
-                if entry != rank and ((entry == 2 and rank == 0) or (rank == 2 and entry != 2))
-            }
             got: dict[int, Receipt] = {r.request: r for r in ledger.receipts}
-            assert set(got) == mine | exits, f"rank {rank} lost receipts"
+            assert set(got) == set(auths), f"rank {rank} lost receipts"
             assert all(got[r].tokens == max_tokens and got[r].holders == tuple(holders) for r in got)
-            assert all(got[r].entry is None for r in mine) and all(got[r].entry == holders[ids[r]] for r in exits)
-            assert (ledger.requests, ledger.tokens) == (per_entry, per_entry * max_tokens)
+            assert all(got[r].client_auth == auths[r] for r in got)

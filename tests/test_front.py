@@ -192,10 +192,12 @@ async def test_the_front_checks_the_clients_key_and_sends_its_own() -> None:
         r = await _post(url, {"prompt": "x"})
         assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
         assert r.headers["www-authenticate"] == "Bearer" and good.requests == []
-        r = await _post(url, {"prompt": "x"}, {"authorization": "Bearer key-for-alice-0123456789"})
+        paid = {"x-kvasir-client-auth": "ka1.Ym9keQ.c2ln"}  # a market client's authorisation goes on to the entry
+        r = await _post(url, {"prompt": "x"}, {"authorization": "Bearer key-for-alice-0123456789", **paid})
         assert r.status_code == 200
         (head,) = good.requests
         assert b"authorization: Bearer internal-key-0123456789" in head and b"alice" not in head
+        assert b"x-kvasir-client-auth: ka1.Ym9keQ.c2ln" in head
 
 
 async def test_the_front_caps_each_clients_requests_at_once() -> None:

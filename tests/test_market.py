@@ -16,6 +16,7 @@ import httpx
 import pytest
 import trio
 
+from kvasir.core.clientauth import MICRO, sign_auth
 from kvasir.core.errors import InputError
 from kvasir.core.identity import Identity
 from kvasir.market.agent.choice import choose_window
@@ -55,7 +56,7 @@ def _claim(node: str, layers: tuple[int, int] = (2, 4), **kw: Any) -> dict[str, 
 
 
 OPERATOR = Identity.generate()
-KEYS = {name: Identity.generate() for name in ("n1", "n2", *(f"node{i}" for i in range(16)))}
+KEYS = {name: Identity.generate() for name in ("n1", "n2", "n3", *(f"node{i}" for i in range(16)))}
 
 
 def nid(name: str) -> str:
@@ -99,6 +100,15 @@ async def market(tmp_path: Path, clock: Clock, sign: Any) -> AsyncIterator[httpx
             yield client
         nursery.cancel_scope.cancel()
     store.close()
+
+
+def fund(tmp_path: Path, clock: Clock, who: Identity, credits: int) -> None:
+    """The operator funds ``who``'s account, as ``kvasir market fund`` does: on the market's own database."""
+    store = MarketStore(tmp_path / "m.sqlite", clock=clock)
+    try:
+        store.fund(who.public.to_text(), credits * MICRO)
+    finally:
+        store.close()
 
 
 def _entry(rank: int, nbytes: int, reward: float, holder: str | None = None, model: str = SHA) -> CoverageEntry:
@@ -197,7 +207,7 @@ async def test_concurrent_claims_one_winner(market: httpx.AsyncClient, sign: Any
     assert cov["windows"][1]["holder"] == ok[0].json()["node_id"] and cov["covered"] == 1 and not cov["live"]
 
 
-async def test_lease_lifecycle(market: httpx.AsyncClient, clock: Clock, sign: Any) -> None:
+async def test_lease_lifecycle(market: httpx.AsyncClient, clock: Clock, sign: Any, tmp_path: Path) -> None:
     n1, n2 = nid("n1"), nid("n2")
     lease = (await market.post("/v1/claims", json=_claim(n1), auth=sign("n1"))).json()
     lid = lease["lease_id"]
@@ -211,19 +221,29 @@ async def test_lease_lifecycle(market: httpx.AsyncClient, clock: Clock, sign: An
         assert r.status_code == 409 and r.json()["error"]["code"] == "foreign_lease"
     credit = {"model": SHA, "layers": [2, 4], "node_id": n2, "lease_id": "nope", "tokens": 5}
     assert (await market.post("/v1/credits", json=credit, auth=sign("n2"))).status_code == 409
-    # the holder is credited what another node's receipt confirms: tokens × layers and tokens × reward
+    # the holder earns what a paid request moves from its client, once every window's holder sent its receipt
     credit = {**credit, "node_id": n1, "lease_id": lid}
     r = await market.post("/v1/credits", json=credit, auth=sign("n1"))
-    assert r.json() == {"node_id": n1, "tokens": 0, "layer_tokens": 0, "earned": 0.0}  # nothing confirmed yet
-    own = {"model": SHA, "node_id": n1, "receipts": [{"request": 1, "tokens": 5, "holders": ["", n1, ""]}]}
-    assert (await market.post("/v1/receipts", json=own, auth=sign("n1"))).json() == {"accepted": 1}
-    r = await market.post("/v1/credits", json=credit, auth=sign("n1"))
-    assert r.json()["tokens"] == 0  # nobody confirms their own window
+    assert r.json() == {"node_id": n1, "tokens": 0, "layer_tokens": 0, "earned": 0.0}  # its own word counts nothing
+    client = Identity.generate()
+    fund(tmp_path, clock, client, 100)
+    paid = sign_auth(client, OPERATOR.public, SHA, max_tokens=10, max_price=10 * MICRO, not_after=int(clock.now) + 60)
+    ring = [nid("n3"), n1, n2]
     assert (await market.post("/v1/claims", json=_claim(n2, layers=(4, 6)), auth=sign("n2"))).status_code == 200
-    receipt = {"model": SHA, "node_id": n2, "receipts": [{"request": 1, "tokens": 5, "holders": ["", n1, n2]}]}
-    assert (await market.post("/v1/receipts", json=receipt, auth=sign("n2"))).json() == {"accepted": 1}
+    assert (await market.post("/v1/claims", json=_claim(ring[0], layers=(0, 2)), auth=sign("n3"))).status_code == 200
+    receipt = {"request": 1, "tokens": 5, "holders": ring, "client_auth": paid}
+    for who in ("n1", "n3"):
+        r = await market.post("/v1/receipts", json={"model": SHA, "node_id": nid(who), "receipts": [receipt]},
+                              auth=sign(who))  # fmt: skip
+        assert r.json() == {"accepted": 1, "settled": 0}
     r = await market.post("/v1/credits", json=credit, auth=sign("n1"))
-    assert r.json() == {"node_id": n1, "tokens": 5, "layer_tokens": 10, "earned": 5.0}
+    assert r.json()["tokens"] == 0  # two of three windows: not settled
+    r = await market.post("/v1/receipts", json={"model": SHA, "node_id": n2, "receipts": [receipt]}, auth=sign("n2"))
+    assert r.json() == {"accepted": 1, "settled": 1}
+    r = await market.post("/v1/credits", json=credit, auth=sign("n1"))
+    assert r.json() == {"node_id": n1, "tokens": 5, "layer_tokens": 10, "earned": 5.0}  # 5 tokens × reward 1
+    account = (await market.get("/v1/accounts", params={"key": client.public.to_text()})).json()
+    assert (account["balance"], account["paid"]) == (75 * MICRO, 25 * MICRO)  # 5 tokens × (1 + 1 + 3)
     # expiry: the window turns uncovered, the old lease cannot renew, another node can claim
     clock.now += 6
     cov = (await market.get("/v1/coverage")).json()["models"][0]["windows"][1]
@@ -238,20 +258,35 @@ async def test_lease_lifecycle(market: httpx.AsyncClient, clock: Clock, sign: An
     ref = {"model": SHA, "layers": [2, 4], "node_id": n2, "lease_id": lease2["lease_id"]}
     assert (await market.post("/v1/claims/release", json=ref, auth=sign("n2"))).status_code == 200
     assert (await market.get("/v1/coverage")).json()["models"][0]["windows"][1]["holder"] is None
-    ledger = (await market.get("/v1/ledger")).json()["nodes"]
-    assert ledger == [
-        {"node_id": n1, "tokens": 5, "layer_tokens": 10, "earned": 5.0, "last": ledger[0]["last"],
-         "confirmed_by": {n2: 5}}
-    ]  # fmt: skip
+    ledger = {n["node_id"]: n for n in (await market.get("/v1/ledger")).json()["nodes"]}
+    assert ledger[n1] == {"node_id": n1, "tokens": 5, "layer_tokens": 10, "earned": 5.0, "last": ledger[n1]["last"],
+                          "confirmed_by": {n2: 5, nid("n3"): 5}}  # fmt: skip
+    assert ledger[n2]["earned"] == 15.0 and ledger[nid("n3")]["earned"] == 5.0
 
 
-async def test_demand_raises_rewards(market: httpx.AsyncClient, clock: Clock, sign: Any) -> None:
+async def test_demand_raises_rewards(market: httpx.AsyncClient, clock: Clock, sign: Any, tmp_path: Path) -> None:
+    """Demand is settled client traffic (security N7: one holder's report used to multiply every reward by 1,000):
+    a report is refused, and 500 paid tokens raise rewards by half."""
     before = (await market.get("/v1/coverage")).json()["models"][0]["windows"]
     assert [w["reward"] for w in before] == [1.0, 1.0, 3.0]
     assert (await market.post("/v1/claims", json=_claim(nid("n1")), auth=sign("n1"))).status_code == 200
-    r = await market.post("/v1/demand", json={"model": SHA, "requests": 4, "tokens": 500}, auth=sign("n1"))
-    d = r.json()["models"][0]
-    assert (d["requests"], d["tokens"], d["multiplier"]) == (4, 500, 1.5)
+    r = await market.post("/v1/demand", json={"model": SHA, "requests": 4, "tokens": 10**6}, auth=sign("n1"))
+    assert r.status_code == 410 and r.json()["error"]["code"] == "gone"
+    assert (await market.get("/v1/demand")).json()["models"][0]["multiplier"] == 1.0
+    client = Identity.generate()
+    fund(tmp_path, clock, client, 10_000)
+    ring = [nid("n3"), nid("n1"), nid("n2")]
+    for who, layers in (("n3", (0, 2)), ("n2", (4, 6))):
+        assert (
+            await market.post("/v1/claims", json=_claim(nid(who), layers=layers), auth=sign(who))
+        ).status_code == 200
+    paid = sign_auth(client, OPERATOR.public, SHA, max_tokens=500, max_price=5 * MICRO, not_after=int(clock.now) + 60)
+    for who in ("n3", "n1", "n2"):
+        body = {"model": SHA, "node_id": nid(who), "receipts": [{"request": 9, "tokens": 500, "holders": ring,
+                                                                 "client_auth": paid}]}  # fmt: skip
+        assert (await market.post("/v1/receipts", json=body, auth=sign(who))).status_code == 200
+    d = (await market.get("/v1/demand")).json()["models"][0]
+    assert (d["requests"], d["tokens"], d["multiplier"]) == (1, 500, 1.5)
     after = (await market.get("/v1/coverage")).json()["models"][0]["windows"]
     assert [w["reward"] for w in after] == [1.5, 1.5, 4.5]
     clock.now += 3600  # old demand no longer counts
@@ -277,7 +312,7 @@ async def test_bad_requests_store_nothing(market: httpx.AsyncClient, sign: Any) 
     gap = {"windows": [{"layers": [0, 2]}, {"layers": [4, 6]}]}
     await err(await market.put(f"/v1/models/{SHA}/manifest", json=gap, auth=op), 400, "bad_request")
     await err(await market.get(f"/v1/models/{OTHER}/manifest"), 404, "no_manifest")
-    await err(await market.post("/v1/demand", json={"model": SHA, "tokens": -1}, auth=n1), 400, "bad_request")
+    await err(await market.post("/v1/demand", json={"model": SHA, "tokens": -1}, auth=n1), 410, "gone")
     deep = b"[" * 100_000 + b"]" * 100_000  # json.loads raises RecursionError: a 400, never a 500
     await err(await market.post("/v1/claims", content=deep, auth=n1), 400, "bad_request")
     port = market.base_url.port

@@ -1,10 +1,10 @@
 """Issue 11: the market killed with SIGKILL mid-enrollment and started again on the same database and port.
 
 A real ``kvasir market`` process; nodes are the real client with their own keys (no llama.cpp: the market only
-sees their requests). Before the kill four nodes hold windows, serve, and are credited on an entry node's receipts;
-spares are claiming the last windows when the market dies. After the restart: every lease, ticket and ledger row is
-as it was, the holders renew their own leases (same lease ids, tickets from the same market key), no window has two
-holders, and the spares finish enrolling.
+sees their requests). Before the kill four nodes hold windows and serve, and the operator funds a client's account;
+spares are claiming the last windows when the market dies. After the restart: every lease, ticket, account and ledger
+row is as it was, the holders renew their own leases (same lease ids, tickets from the same market key), no window
+has two holders, the spares finish enrolling, and the client's paid request settles.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 
 import trio
 
+from kvasir.core.clientauth import MICRO, sign_auth
 from kvasir.core.errors import MarketError
 from kvasir.core.identity import Identity, PublicKey, load_or_create_identity
 from kvasir.market.agent.client import MarketClient
@@ -25,7 +26,8 @@ from tests.harness.marketload import publish
 from tests.marketutil import Proc
 
 WINDOWS = 6
-LEASE_S = 30.0  # long enough that nothing expires on a slow machine: this test is about the restart
+LEASE_S = 30.0
+CLIENT = Identity.generate()  # long enough that nothing expires on a slow machine: this test is about the restart
 
 
 def _free_port() -> int:
@@ -53,7 +55,9 @@ def test_kill_9_mid_enrollment_loses_nothing(tmp_path: Path) -> None:
     spares = [Identity.generate() for _ in range(8)]
     market, url = _market(tmp_path, port)
     try:
-        model, leases, tickets, ledger, spare_wins = trio.run(_before_kill, url, operator, holders, spares, market)
+        model, leases, tickets, ledger, spare_wins = trio.run(
+            _before_kill, url, operator, holders, spares, market, tmp_path / "m.sqlite"
+        )
         market.stop()  # already dead: collects its output
         assert market.p.returncode == -signal.SIGKILL
         market, url2 = _market(tmp_path, port)
@@ -64,7 +68,7 @@ def test_kill_9_mid_enrollment_loses_nothing(tmp_path: Path) -> None:
 
 
 async def _before_kill(
-    url: str, operator: Identity, holders: list[Identity], spares: list[Identity], market: Proc
+    url: str, operator: Identity, holders: list[Identity], spares: list[Identity], market: Proc, db: Path
 ) -> tuple[str, list[Lease], list[str], dict[str, object], dict[int, tuple[str, str]]]:
     (model,) = await publish(url, operator, WINDOWS)
     leases = []
@@ -72,18 +76,11 @@ async def _before_kill(
         async with MarketClient(url, identity=node) as c:
             lease = await c.claim(ClaimRequest(model, i, i + 1, node.node_id, LEASE_S))
             leases.append(await c.renew(_serving(lease, node, i)))
-    names = tuple(lease.node_id for lease in leases) + ("",) * (WINDOWS - len(leases))
-    # No window has an exit witness here (the last rank is free), so an entry's receipt settles alone; it confirms
-    # every window but the entry's own, so two entries confirm 40 tokens for each holder.
-    for request, entry_node in enumerate(holders[:2], start=1):
-        async with MarketClient(url, identity=entry_node) as entry:
-            await entry.receipts(ReceiptBatch(model, entry_node.node_id, (Receipt(request, 40, names),)))
-    for node, lease in zip(holders, leases, strict=True):
-        async with MarketClient(url, identity=node) as c:
-            await c.credit(CreditReport(model, lease.start, lease.end, node.node_id, lease.lease_id, 40))
+    # The operator funds a client while the market runs (SQLite takes turns); nothing is settled yet.
+    fund = Proc("market", "fund", "--db", str(db), "--key", CLIENT.public.to_text(), "--credits", "1000")
+    assert await trio.to_thread.run_sync(fund.wait) == 0, fund.err
     async with MarketClient(url) as c:
         ledger = await c.status()
-    assert len(ledger["ledger"]["nodes"]) == len(holders)
 
     # Spares race for the two free windows while the market is killed under them.
     wins: dict[int, tuple[str, str]] = {}
@@ -156,9 +153,6 @@ async def _after_restart(
             again = await c.renew(_serving(lease, node, i))
             assert again.lease_id == lease.lease_id and again.ticket
             assert parse_ticket(again.ticket, market_key).not_after > time.time()
-            # A credit report repeated after the restart adds nothing (cumulative per lease).
-            mine = await c.credit(CreditReport(model, lease.start, lease.end, node.node_id, lease.lease_id, 40))
-            assert mine["tokens"] == 40
     # The spares finish enrolling: each free window goes to exactly one of them.
     got: dict[int, str] = {}
     for node in spares:
@@ -177,3 +171,14 @@ async def _after_restart(
     for window in range(len(holders), WINDOWS):
         holder = final["windows"][window]["holder"]
         assert holder == spare_wins.get(window, (got.get(window),))[0]
+    # The client's account came through the kill: every holder's receipt of its paid request settles it.
+    ring = tuple(w["holder"] for w in final["windows"])
+    paid = sign_auth(CLIENT, market_key, model, max_tokens=40, max_price=10 * MICRO, not_after=int(time.time()) + 600)
+    for node in [*holders, *spares]:
+        if node.node_id in ring:
+            async with MarketClient(url, identity=node) as c:
+                await c.receipts(ReceiptBatch(model, node.node_id, (Receipt(1, 40, ring, client_auth=paid),)))
+    async with MarketClient(url, identity=holders[0]) as c:
+        lease = leases[0]
+        mine = await c.credit(CreditReport(model, lease.start, lease.end, lease.node_id, lease.lease_id, 10**9))
+    assert mine["tokens"] == 40  # what the client's request paid, not what the holder says

@@ -1,11 +1,13 @@
 """End to end on loopback: a market, a model seeder and empty nodes that claim windows, fetch only them, form a
-ring that gives exactly the whole model's tokens, get credited, and heal when a node dies."""
+ring that gives exactly the whole model's tokens, are paid from a client's account for its paid requests, and heal
+when a node dies."""
 
 from __future__ import annotations
 
 import itertools
 import json
 import signal
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,12 +17,14 @@ import httpx
 import pytest
 
 from kvasir.control.client import ControlClient
+from kvasir.core.clientauth import MICRO, sign_auth
+from kvasir.core.identity import Identity, PublicKey
 from kvasir.shard.gguf_io import read_gguf
 from kvasir.shard.slice import window_ranges
 from kvasir.verify.audit import read_json
 from kvasir.verify.commit import WindowReceipt, first_mismatch
 from tests.marketutil import Proc, coverage, procs, wait_for
-from tests.ringutil import ring_generate, whole_model_tokens
+from tests.ringutil import ring_generate, whole_model, whole_model_tokens
 
 PROMPT = "The ring passes the hidden state on"
 WINDOWS = "0:2,2:4,4:6"
@@ -134,19 +138,10 @@ def test_empty_nodes_enroll_serve_earn_and_heal(tiny_model: Callable[..., Path],
                 links = c.status()["links"]
             assert links["predecessor"]["secure"] and links["successor"]["secure"], (name, links)
 
-        def credited() -> list[dict[str, object]] | None:
-            nodes_ = httpx.get(f"{url}/v1/ledger", timeout=10).json()["nodes"]
-            return nodes_ if len(nodes_) == 3 and all(n["tokens"] >= 12 for n in nodes_) else None
-
-        ledger = wait_for(credited, 30, "credits for all three nodes")
-        by_node = {n["node_id"]: n for n in ledger}
-        for s in status.values():
-            n = by_node[s["node_id"]]
-            a, b = s["window"]
-            assert n["layer_tokens"] == n["tokens"] * (b - a) and n["earned"] > 0
-            # confirmed by the request's two witnesses (entry "big", last rank; exit witness "mid", rank 0), and
-            # never by the node itself
-            assert n["confirmed_by"] and s["node_id"] not in n["confirmed_by"], n
+        # Nobody paid for that request: after several report periods nothing is credited (paid requests:
+        # test_a_paid_request_through_a_market_ring_moves_its_price).
+        time.sleep(3)  # reports go every lease / 3 s
+        assert httpx.get(f"{url}/v1/ledger", timeout=10).json()["nodes"] == []
 
         # A node dies without releasing: its window is uncovered once its lease ends, a fresh node claims it.
         nodes["mid"].stop(signal.SIGKILL)
@@ -168,6 +163,81 @@ def test_empty_nodes_enroll_serve_earn_and_heal(tiny_model: Callable[..., Path],
         assert status_cli.wait(60) == 0
         text = "\n".join(status_cli.out)
         assert "2/3 windows covered, not live" in text and "contributions" in text
+
+
+def test_a_paid_request_through_a_market_ring_moves_its_price(tiny_model: Callable[..., Path], tmp_path: Path) -> None:
+    """Issue 24 item 4 end to end: three empty nodes enroll from a real market and form a ring; the operator funds a
+    client (`kvasir market fund`); the client's request with its signed authorisation enters at the last rank's API
+    and is answered bit-exactly; every window's holder sends its receipt, and the market moves exactly tokens ×
+    each window's price from the client's account to each holder's, once. An unpaid request earns nothing."""
+    model = tiny_model("llama", "q8_0")
+    want = whole_model(model, PROMPT, 12)
+    client = Identity.generate()
+    with procs() as ps:
+        db = tmp_path / "market.sqlite"
+        operator = ("--identity", str(tmp_path / "operator.pem"), "--create-identity")
+        market = Proc("market", "--listen", "127.0.0.1:0", "--db", str(db), *operator)
+        ps.append(market)
+        url = market.wait_line(r"listening on (http://\S+)").group(1)
+        key = market.wait_line(r"operator (ed25519:\S+)").group(1)
+        _seed_and_publish(ps, model, url, *operator)
+        port = _free_port()
+        nodes = {
+            name: _node(
+                url, name, tmp_path, budget, "--market-key", key, *(("--api-port", str(port)) if name == "big" else ())
+            )
+            for name, budget in BUDGETS.items()
+        }
+        ps.extend(nodes.values())
+        for p in nodes.values():
+            _enrolled(p)
+        windows = wait_for(lambda: coverage(url)["live"] and coverage(url)["windows"], 120, "full coverage")
+        fund = Proc("market", "fund", "--db", str(db), "--key", client.public.to_text(), "--credits", "1000")
+        assert fund.wait(60) == 0, fund.err
+        sha = httpx.get(f"{url}/v1/models", timeout=10).json()["models"][0]["sha256"]
+        auth = sign_auth(client, PublicKey.from_text(key), sha, max_tokens=12, max_price=100 * MICRO,
+                         not_after=int(time.time()) + 600)  # fmt: skip
+        body = {"model": "m", "prompt": PROMPT, "max_tokens": 12, "temperature": 0.0}
+
+        def paid() -> dict[str, Any] | None:
+            try:
+                r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60,
+                               headers={"x-kvasir-client-auth": auth})  # fmt: skip
+            except httpx.HTTPError:
+                return None
+            return r.json() if r.status_code == 200 else None
+
+        answer = wait_for(paid, 60, "a paid answer from the ring's API")
+        assert answer["choices"][0]["text"] == want.text and answer["usage"]["completion_tokens"] == len(want.tokens)
+        assert ring_generate(tmp_path / "mid.sock", PROMPT, 12)["tokens"] == want.tokens  # unpaid, bit-exact too
+
+        def account(k: str) -> dict[str, Any]:
+            r = httpx.get(f"{url}/v1/accounts", params={"key": k}, timeout=10)
+            return r.json() if r.status_code == 200 else {"balance": 0, "paid": 0, "earned": 0}
+
+        paid_by = wait_for(lambda: account(client.public.to_text())["paid"] or None, 30, "the request to settle")
+        # Weights 2, 1, 3 at no prior demand: 6 credits a token in all, 12 tokens.
+        prices = [2 * MICRO, 1 * MICRO, 3 * MICRO]
+        assert paid_by == 12 * sum(prices)
+        assert account(client.public.to_text())["balance"] == 1000 * MICRO - paid_by
+        assert [account(w["holder_key"])["earned"] for w in windows] == [12 * p for p in prices]
+        time.sleep(2)  # the unpaid request's receipts would have come by now: nothing more moved
+        assert account(client.public.to_text())["paid"] == paid_by
+        ledger = {n["node_id"]: n for n in httpx.get(f"{url}/v1/ledger", timeout=10).json()["nodes"]}
+        for w in windows:
+            row = ledger[w["holder"]]
+            a, b = w["layers"]
+            assert (row["tokens"], row["layer_tokens"]) == (12, 12 * (b - a))
+            assert set(row["confirmed_by"]) == {v["holder"] for v in windows} - {w["holder"]}
+        print(f"settled: client paid {paid_by / MICRO} credits for 12 tokens; holders earned "
+              f"{[account(w['holder_key'])['earned'] / MICRO for w in windows]}")  # fmt: skip
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
 
 
 def _receipts(directory: Path, n: int) -> list[WindowReceipt] | None:

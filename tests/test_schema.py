@@ -373,6 +373,8 @@ EXEMPT: dict[str, str] = {
     "kvasir.api.schema.GenerationRequest": "built from an OpenAI body by hand (unions); _Options is registered",
     "kvasir.api.server.ApiAccess": "the API keys, loaded from a file in process",
     "kvasir.market.tickets": "window tickets: a signed text format (kvasir.core.signed), not JSON",
+    "kvasir.core.clientauth": "client authorisations: a signed text format (kvasir.core.signed), not JSON",
+    "kvasir.market.server.settle": "a paid request's receipts as the settlement rule reads them, in process",
     "kvasir.market.auth.Signed": "a verified request's signer, built from headers",
     "kvasir.market.records.FraudRecord": "the market store keeps it as SQL columns, never as JSON",
     "kvasir.market.agent": "the node agent's in-process state",

@@ -17,6 +17,7 @@ import httpx
 import numpy as np
 import trio
 
+from kvasir.core.clientauth import MICRO, sign_auth
 from kvasir.core.identity import Identity
 from kvasir.market.agent.publish import model_record, parse_windows
 from kvasir.market.server.fraud import ProofJudge, StageJudge
@@ -42,6 +43,7 @@ class Market:
     http: httpx.AsyncClient
     url: str
     sha: str
+    store: MarketStore
 
     async def post(self, path: str, body: Any, who: Identity) -> httpx.Response:
         return await self.http.post(path, json=body, auth=SignAuth(who, time.time))
@@ -60,7 +62,7 @@ async def open_market(tmp: Path, model: Path, judge: ProofJudge | None) -> Async
         )
         url = f"http://127.0.0.1:{port}"
         async with httpx.AsyncClient(base_url=url, timeout=60) as client:
-            m = Market(client, url, record.sha256)
+            m = Market(client, url, record.sha256, store)
             assert (await m.http.put(f"/v1/models/{m.sha}", json=record.to_wire(),
                                      auth=SignAuth(OPERATOR, store.clock))).status_code == 201  # fmt: skip
             manifest = {"origin": "explicit", "windows": [{"layers": list(w)} for w in WINDOWS]}
@@ -76,7 +78,7 @@ def _claim(m: Market, who: Identity, layers: tuple[int, int], **kw: Any) -> dict
 
 
 async def _earn(m: Market) -> list[dict[str, Any]]:
-    """Every holder claims its window and is credited 50 tokens confirmed by the request's two witnesses."""
+    """Every holder claims its window and earns 50 tokens of a client's paid request, confirmed by every window."""
     refs = []
     for who, layers in zip(HOLDERS, WINDOWS, strict=True):
         r = await m.post("/v1/claims", _claim(m, who, layers), who)
@@ -86,11 +88,15 @@ async def _earn(m: Market) -> list[dict[str, Any]]:
         assert (await m.post("/v1/claims/renew", serving, who)).status_code == 200
         refs.append({"model": m.sha, "layers": list(layers), "node_id": who.node_id, "lease_id": lease})
     ring = [h.node_id for h in HOLDERS]
-    entry = {"model": m.sha, "node_id": HOLDERS[0].node_id, "receipts": [{"request": 1, "tokens": 50, "holders": ring}]}
-    exit_ = {"model": m.sha, "node_id": HOLDERS[2].node_id,
-             "receipts": [{"request": 1, "tokens": 50, "holders": ring, "entry": HOLDERS[0].node_id}]}  # fmt: skip
-    assert (await m.post("/v1/receipts", entry, HOLDERS[0])).status_code == 200
-    assert (await m.post("/v1/receipts", exit_, HOLDERS[2])).status_code == 200
+    client = Identity.generate()
+    m.store.fund(client.public.to_text(), 1000 * MICRO)
+    paid = sign_auth(
+        client, OPERATOR.public, m.sha, max_tokens=50, max_price=10 * MICRO, not_after=int(time.time()) + 600
+    )
+    for who in HOLDERS:  # every window's holder sends its receipt of the client's paid request: it settles
+        body = {"model": m.sha, "node_id": who.node_id,
+                "receipts": [{"request": 1, "tokens": 50, "holders": ring, "client_auth": paid}]}  # fmt: skip
+        assert (await m.post("/v1/receipts", body, who)).status_code == 200
     for who, ref in zip(HOLDERS, refs, strict=True):
         r = await m.post("/v1/credits", {**ref, "tokens": 50}, who)
         assert r.json()["earned"] > 0, r.text
@@ -163,6 +169,9 @@ async def test_a_proven_cheater_loses_its_credit_and_window(
         assert '"verdict": "reexecuted"' in out.stdout and '"lease_revoked": true' in out.stdout
         ledger = (await m.http.get("/v1/ledger")).json()
         assert _earned(ledger, CHEATER) == 0 and _earned(ledger, HOLDERS[0]) == _earned(before, HOLDERS[0])
+        # ... and from its account: that credit is out of circulation, nobody's
+        assert m.store.account(CHEATER.public.to_text())["balance"] == 0
+        assert m.store.account(HOLDERS[0].public.to_text())["balance"] == 50 * MICRO
         frauds = (await m.http.get("/v1/fraud")).json()["withdrawals"]
         assert len(frauds) == 1 and frauds[0]["node_id"] == CHEATER.node_id and frauds[0]["withdrawn"] > 0
         again = await m.post("/v1/fraud", proof.to_wire(), HOLDERS[2])

@@ -623,6 +623,29 @@ def test_start_carrying_bad_sampling_is_a_protocol_error() -> None:
         decode_frame(data)
 
 
+def test_start_carries_a_client_authorisation_only_when_there_is_one() -> None:
+    """CLIENT_AUTH (docs/protocol.md): the authorisation string ends the body and round-trips (withheld too); a
+    START without one is the same bytes as before the flag existed; an empty or oversized one is refused."""
+    from kvasir.wire.frames import FLAG_CLIENT_AUTH, MAX_CLIENT_AUTH_BYTES
+
+    auth = "ka1." + "a" * 200 + "." + "b" * 86
+    paid = attrs.evolve(START, client_auth=auth)
+    data = paid.to_wire()
+    assert struct.unpack_from("<H", data, 4)[0] & FLAG_CLIENT_AUTH and data.endswith(auth.encode())
+    assert data[24 : len(START.to_wire())] == START.to_wire()[24:]  # the rest of the body as it was
+    assert decode_frame(data) == paid and decode_frame(paid.withheld().to_wire()) == paid.withheld()
+    assert not struct.unpack_from("<H", START.to_wire(), 4)[0] & FLAG_CLIENT_AUTH
+    with pytest.raises(ProtocolError, match="client authorisation"):
+        attrs.evolve(START, client_auth="x" * (MAX_CLIENT_AUTH_BYTES + 1))
+    with pytest.raises(ProtocolError, match="client authorisation"):
+        attrs.evolve(START, client_auth="has space")
+    empty = bytearray(START.to_wire() + b"\x00\x00")
+    struct.pack_into("<H", empty, 4, FLAG_CLIENT_AUTH)
+    struct.pack_into("<I", empty, 20, struct.unpack_from("<I", empty, 20)[0] + 2)
+    with pytest.raises(ProtocolError, match="empty client authorisation"):
+        decode_frame(bytes(empty))
+
+
 def test_greedy_is_temperature_zero() -> None:
     assert SamplingParams(temperature=0).greedy
     assert not SamplingParams().greedy

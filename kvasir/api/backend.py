@@ -46,6 +46,9 @@ class ApiManifest(Protocol):
     @property
     def model_name(self) -> str: ...
 
+    @property
+    def model_sha256(self) -> str: ...
+
 
 class ApiBackend(Protocol[HandleT]):
     """A node that accepts requests: ``Node`` is an ``ApiBackend[RequestHandle]``."""
@@ -64,9 +67,10 @@ class ApiBackend(Protocol[HandleT]):
         stop: Sequence[str] = ...,
         *,
         speculate: int | None = ...,
+        client_auth: str = ...,
     ) -> AbstractAsyncContextManager[HandleT]:
         """Submit a request; raises InputError (bad input) or RingError (ring trouble) on entry. ``speculate``: drafts
-        per step (None: the node's default).
+        per step (None: the node's default); ``client_auth``: the client's signed authorisation (START carries it).
 
         Leaving the context before the request ended cancels it.
         """

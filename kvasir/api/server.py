@@ -36,6 +36,7 @@ from kvasir.api.schema import (
     usage,
     usage_chunk,
 )
+from kvasir.core.clientauth import ClientAuth, parse_auth
 from kvasir.core.errors import InputError, KvasirError, ProtocolError, RingError
 from kvasir.net.http import ApiLimits, HttpConnection, HttpError, HttpRequest, serve_http
 from kvasir.ring.requests import ClientEvent, EndEvent, TokenEvent
@@ -49,6 +50,8 @@ ROUTES: dict[str, tuple[str, ...]] = {
     "/v1/chat/completions": ("POST",),
 }
 MODELS_PREFIX = "/v1/models/"
+#: A market client's signed request authorisation (kvasir.core.clientauth), forwarded in START.
+CLIENT_AUTH_HEADER = "x-kvasir-client-auth"
 #: Request bodies are parsed in worker threads (a 4 MiB nested body must not stall the node's links); at most this
 #: many at once.
 _JSON_LIMITER_TOKENS = 2
@@ -206,7 +209,7 @@ class ApiServer:
             self.running[client] = self.running.get(client, 0) + 1
             try:
                 body = await trio.to_thread.run_sync(_json_body, request.body, limiter=self._json_limiter)
-                await self._generate(http, parse_generation(kind, body))
+                await self._generate(http, parse_generation(kind, body), _client_auth(request))
             finally:
                 self.running[client] -= 1
                 if not self.running[client]:
@@ -249,8 +252,16 @@ class ApiServer:
                 code="context_length_exceeded",
             )
 
-    async def _generate(self, http: HttpConnection, req: GenerationRequest) -> None:
+    async def _generate(
+        self, http: HttpConnection, req: GenerationRequest, paid: tuple[str, ClientAuth] | None
+    ) -> None:
+        """``paid``: the client's signed authorisation, as text and parsed (None: an unpaid request)."""
         param = "prompt" if req.kind == "completion" else "messages"
+        if paid is not None and paid[1].model != self.node.manifest.model_sha256:
+            raise ApiError.invalid(
+                f"the client authorisation is for model {paid[1].model[:12]}…, not this ring's",
+                code="invalid_client_auth",
+            )
         try:
             prompt = await self._tokens(req)
         except InputError as exc:
@@ -259,6 +270,15 @@ class ApiServer:
             raise ApiError.invalid("the prompt is empty after tokenization", param=param)
         n_ctx = self.node.stage.config.n_ctx
         max_tokens = req.max_tokens if req.max_tokens is not None else n_ctx - len(prompt)
+        if paid is not None:  # never generate what the client did not pay for
+            pays_for = paid[1].max_tokens
+            if req.max_tokens is not None and req.max_tokens > pays_for:
+                raise ApiError.invalid(
+                    f"max_tokens {req.max_tokens} exceeds the {pays_for} tokens the client authorisation pays for",
+                    param="max_tokens",
+                    code="invalid_client_auth",
+                )
+            max_tokens = min(max_tokens, pays_for)
         if len(prompt) + max(max_tokens, 1) > n_ctx:
             asked = max(max_tokens, 1)
             raise ApiError.invalid(
@@ -271,7 +291,14 @@ class ApiServer:
         created = int(time.time())
         model = self.node.manifest.model_name
         try:
-            async with self.node.request(prompt, req.params, max_tokens, req.stop, speculate=req.speculate) as handle:
+            submitted = (
+                self.node.request(prompt, req.params, max_tokens, req.stop, speculate=req.speculate)
+                if paid is None
+                else self.node.request(
+                    prompt, req.params, max_tokens, req.stop, speculate=req.speculate, client_auth=paid[0]
+                )
+            )
+            async with submitted as handle:
                 if req.stream:
                     await self._stream(http, req, handle, rid, created, model)
                     return
@@ -367,3 +394,18 @@ def _json_body(body: bytes) -> Any:
         return json.loads(body)
     except (ValueError, RecursionError) as exc:
         raise ApiError.invalid(f"the request body is not valid JSON: {exc}") from None
+
+
+def _client_auth(request: HttpRequest) -> tuple[str, ClientAuth] | None:
+    """The request's ``X-Kvasir-Client-Auth`` (docs/api.md): the client's signed authorisation, which the entry
+    forwards in START for the market to settle, as text and parsed; 400 if it is not one."""
+    given = [v for k, v in request.headers if k.lower() == CLIENT_AUTH_HEADER]
+    if not given:
+        return None
+    try:
+        if len(given) > 1:
+            raise InputError("more than one client authorisation")
+        auth = parse_auth(given[0].strip())
+    except InputError as exc:
+        raise ApiError.invalid(f"{CLIENT_AUTH_HEADER}: {exc}", param=None, code="invalid_client_auth") from None
+    return given[0].strip(), auth

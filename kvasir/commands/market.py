@@ -5,7 +5,11 @@
 * ``kvasir market publish MODEL.gguf --url URL --source URL (--windows A:B,… [--weights …] | --devices FILE)``
   offers a model: its record (identity, sources, byte profile, stage hashes) and its rank manifest, both signed
   with this machine's identity (the operator's);
-* ``kvasir market status [--url URL] [--json]`` prints coverage, demand and contributions.
+* ``kvasir market status [--url URL] [--json]`` prints coverage, demand and contributions;
+* ``kvasir market fund --db market.sqlite --key KEY --credits N`` adds credits to a client's account (the
+  operator: it writes the market's database); ``kvasir market authorize --market-key KEY --model SHA
+  --max-tokens N --max-price CREDITS`` signs one paid request's authorisation with this machine's identity (the
+  client's), for the API's ``X-Kvasir-Client-Auth`` header (docs/market.md § Credit).
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ def parse_hostport(text: str, flag: str) -> tuple[str, int]:
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser("market", help="run the self-enrollment market (or: market publish | market status)")
+    p = sub.add_parser("market", help="run the self-enrollment market (or: market publish | status | fund | authorize)")
     p.add_argument("--listen", default=DEFAULT_LISTEN, metavar="HOST:PORT", help="default %(default)s")
     p.add_argument("--db", type=Path, default=Path("market.sqlite"), help="SQLite database (default %(default)s)")
     p.add_argument(
@@ -80,6 +84,19 @@ def add_parser(sub: Any) -> None:
     )
     add_identity_argument(pub)
     pub.set_defaults(run=run_publish)
+    fund = actions.add_parser("fund", help="add credits to a client's account (the operator, on the market's database)")
+    fund.add_argument("--db", type=Path, default=Path("market.sqlite"), help="SQLite database (default %(default)s)")
+    fund.add_argument("--key", required=True, metavar="KEY", help="the client's public key (ed25519:…)")
+    fund.add_argument("--credits", required=True, metavar="N", help="credits to add (decimal, to 1e-6)")
+    fund.set_defaults(run=run_fund)
+    pay = actions.add_parser("authorize", help="sign a client authorisation for one paid request (prints it)")
+    pay.add_argument("--market-key", required=True, metavar="KEY", help="the market's key (ed25519:…)")
+    pay.add_argument("--model", required=True, metavar="SHA256", help="the model's sha256")
+    pay.add_argument("--max-tokens", type=int, required=True, metavar="N", help="tokens it pays for at most")
+    pay.add_argument("--max-price", required=True, metavar="CREDITS", help="credits per token at most")
+    pay.add_argument("--ttl", type=float, default=600.0, metavar="S", help="valid for (default %(default)s s)")
+    add_identity_argument(pay)
+    pay.set_defaults(run=run_authorize)
 
 
 def add_tls_arguments(p: argparse.ArgumentParser, what: str) -> None:
@@ -185,6 +202,57 @@ def run_publish(args: argparse.Namespace) -> int:
 
     trio.run(publish)
     print(f"published {record.name} ({record.sha256[:12]}…): {len(windows)} windows ({origin}) on {args.url}")
+    return 0
+
+
+def micro_credits(text: str, flag: str) -> int:
+    """``--credits``-style text as micro-credits, exactly; InputError for anything but a non-negative decimal."""
+    from decimal import Decimal, InvalidOperation
+
+    from kvasir.core.clientauth import MICRO
+    from kvasir.core.errors import InputError
+
+    try:
+        value = Decimal(text) * MICRO
+    except InvalidOperation:
+        raise InputError(f"{flag} must be a decimal number, not {text[:40]!r}") from None
+    if not value.is_finite() or value < 0 or value != value.to_integral_value() or value > 10**18:
+        raise InputError(f"{flag} must be 0-10^12 credits in steps of 0.000001")
+    return int(value)
+
+
+def run_fund(args: argparse.Namespace) -> int:
+    """Fund an account on the market's database directly (SQLite takes turns with a running market): only who can
+    write the database (the operator) mints credit."""
+    from kvasir.core.errors import InputError
+    from kvasir.market.server.accounts import AccountBook
+    from kvasir.market.server.sqlite import Database
+
+    micro = micro_credits(args.credits, "--credits")
+    if not args.db.is_file():
+        raise InputError(f"{args.db}: no market database there")
+    db = Database(args.db, resume=False)
+    try:
+        account = AccountBook(db).fund(args.key, micro)
+    finally:
+        db.close()
+    print_json(account)
+    return 0
+
+
+def run_authorize(args: argparse.Namespace) -> int:
+    from kvasir.core.clientauth import sign_auth
+    from kvasir.core.identity import PublicKey
+
+    token = sign_auth(
+        identity_from_args(args),
+        PublicKey.from_text(args.market_key),
+        args.model,
+        max_tokens=args.max_tokens,
+        max_price=micro_credits(args.max_price, "--max-price"),
+        not_after=int(time.time() + args.ttl),
+    )
+    print(token)
     return 0
 
 

@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Literal, Self
 
 import attrs
 
+from kvasir.core.clientauth import MAX_AUTH_CHARS
 from kvasir.core.errors import InputError
 from kvasir.core.identity import Identity, PublicKey
 from kvasir.core.schema import FieldError, Json, register_record, structure, unstructure
@@ -31,8 +32,7 @@ MAX_SOURCES = 16
 MAX_TEXT = 512
 #: Largest file a model record may describe (bytes); keeps every sum of sizes far from 2^63.
 MAX_FILE_BYTES = 2**50
-#: Per demand report: requests and tokens (more is refused; one report cannot move the market by itself).
-MAX_REPORT_REQUESTS = 10_000
+#: Tokens one receipt counts at most.
 MAX_REPORT_TOKENS = 1_000_000
 #: A credit report's cumulative tokens for one lease (the market bounds credit by time served anyway).
 MAX_LEASE_TOKENS = 10**12
@@ -60,6 +60,10 @@ _state = rule(lambda v: v in LEASE_STATES, f"must be one of {', '.join(LEASE_STA
 
 
 _ticket = rule(lambda v: isinstance(v, str) and len(v) <= 4096, "must be a string of at most 4096 characters")
+_client_auth = rule(
+    lambda v: isinstance(v, str) and 0 < len(v) <= MAX_AUTH_CHARS and v.isascii(),
+    f"must be a client authorisation of at most {MAX_AUTH_CHARS} ASCII characters",
+)
 
 
 def _window_end(instance: Any, _: attrs.Attribute[int], end: Any) -> None:
@@ -311,17 +315,6 @@ class Lease(_Body):
 
 
 @attrs.frozen
-class DemandReport(_Body):
-    """Requests that entered the ring at the reporting node (a lease holder), and the tokens they generated."""
-
-    WHERE: ClassVar[str] = "demand"
-
-    model: str = attrs.field(validator=_sha256)
-    requests: int = attrs.field(default=0, validator=int_in(0, MAX_REPORT_REQUESTS))
-    tokens: int = attrs.field(default=0, validator=int_in(0, MAX_REPORT_TOKENS))
-
-
-@attrs.frozen
 class CreditReport(_Body):
     """Tokens a lease holder served on its window under this lease, in all (cumulative: a repeated report is
     idempotent, and the market credits at most what the window could have served since the claim)."""
@@ -338,12 +331,11 @@ class CreditReport(_Body):
 
 @attrs.frozen
 class Receipt(_Body):
-    """One request the reporting node witnessed: its id, the tokens the ring generated for it, and the node id
-    holding each window (in rank order; "" where none) while it ran.
-
-    ``entry`` is None in the entry node's own receipt (the request entered the ring there). The request's *exit
-    witness* (the last rank, or rank 0 when the request entered at the last rank) sends one too, naming the entry
-    node in ``entry``: the market credits a window only with both (docs/market.md § Credit)."""
+    """One request a holder served on its window: its id, the tokens the ring generated for it, the node id holding
+    each window (in rank order; "" where none) while it ran, and the client's signed authorisation that START
+    carried (kvasir.core.clientauth). The market settles a request once the holder of every window sent a receipt
+    for its authorisation (docs/market.md § Credit); a receipt without one settles nothing. ``entry``: unused (a
+    receipt of an older node named its request's entry node)."""
 
     WHERE: ClassVar[str] = "receipt"
 
@@ -351,6 +343,7 @@ class Receipt(_Body):
     tokens: int = attrs.field(validator=int_in(0, MAX_REPORT_TOKENS))
     holders: tuple[str, ...]
     entry: str | None = attrs.field(default=None, validator=optional(_node_id))
+    client_auth: str | None = attrs.field(default=None, validator=optional(_client_auth))
 
     def __attrs_post_init__(self) -> None:
         if len(self.holders) > MAX_WINDOWS or not all(
@@ -443,8 +436,7 @@ register_record(Lease, window=True, omit_if_none=("ticket",), omit_if_empty=("gr
 register_record(ClaimRequest, window=True, omit_if_none=("lease_id",))
 register_record(ModelRecord, rename={"n_layers": "layers"}, omit_if_none=("signature",))
 register_record(ManifestRecord, key_order=("model", "origin", "windows"))
-register_record(DemandReport)
-register_record(Receipt)
+register_record(Receipt, omit_if_none=("entry", "client_auth"))
 register_record(ReceiptBatch)
 
 

@@ -57,6 +57,8 @@ class RequestEnded:
     generated: int = 0
     error: str | None = None
     entry_rank: int | None = None
+    #: The client's signed authorisation from START (the lossless end listeners only: observers never see it).
+    client_auth: str | None = None
 
 
 @attrs.frozen
@@ -84,7 +86,7 @@ _BY_TAG: dict[tuple[str, object], type[Any]] = {(tag["type"], tag.get("state")):
 
 
 def _register(cls: type[Any], tag: dict[str, str]) -> None:
-    register_record(cls)
+    register_record(cls, omit_if_none=("client_auth",) if cls is RequestEnded else ())
     fields = converter.get_unstructure_hook(cls)
     converter.register_unstructure_hook(cls, lambda event: {**tag, **fields(event)})
 

@@ -209,8 +209,7 @@ class Node:
             self.links.redial_successor()
 
     async def shutdown(self) -> None:
-        """Refuse new requests, fail every in-flight one with an error reply (not silence); ``open_node`` calls it on
-        the way out."""
+        """Refuse new requests, fail every in-flight one with an error reply (not silence) (``open_node``'s exit)."""
         self._closing = True
         for state in self.requests:
             if not state.done:
@@ -350,11 +349,12 @@ class Node:
         stop: Sequence[str] = (),
         *,
         speculate: int | None = None,
+        client_auth: str = "",
     ) -> AsyncIterator[RequestHandle]:
-        """Submit a request at this node; iterate ``handle.events``. Leaving early cancels it. ``speculate``: up to
-        this many drafts per step (None: the node's ``speculate``)."""
+        """Submit a request at this node; iterate ``handle.events``. Leaving early cancels it. ``speculate``: drafts
+        per step (None: the node's); ``client_auth``: the client's signed authorisation, which START carries round."""
         speculate = self.config.speculate if speculate is None else speculate
-        start = client_start(prompt, params, max_tokens, stop, speculate, self.rank, self.config.node_id)
+        start = client_start(prompt, params, max_tokens, stop, speculate, self.rank, self.config.node_id, client_auth)
         if self._closing:
             raise RequestRefused(ErrorCode.SHUTTING_DOWN, f"node rank {self.rank} is shutting down")
         self._failover.refuse_if_given_up(self.links)

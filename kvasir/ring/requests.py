@@ -186,9 +186,10 @@ def client_start(
     speculate: int,
     entry_rank: int,
     entry_node_id: str,
+    client_auth: str = "",
 ) -> StartRequest:
     """A client's request as its START (a fresh request id); InputError (InvalidRequest past a wire limit) when the
-    client asked for something no ring serves."""
+    client asked for something no ring serves. ``client_auth``: the client's signed authorisation, carried as is."""
     if not prompt:
         raise InputError("empty prompt")
     if max_tokens < 1:
@@ -206,6 +207,7 @@ def client_start(
             sampling=params,
             stop=tuple(stop),
             speculate=speculate,
+            client_auth=client_auth,
         )
     except ProtocolError as exc:  # beyond a wire limit (prompt length, stop strings…): the client's input
         raise InvalidRequest(ErrorCode.BAD_REQUEST, str(exc)) from None
@@ -389,7 +391,8 @@ class RequestTable:
             if state.entry is not None:
                 state.entry.finish(reason, state.prompt_len, state.seen, error, code.name.lower() if code else None)
         ended = RequestEnded(state.request_id, reason, state.seen, error, state.start.entry_rank)
-        self.on_end.emit(ended)  # lossless, before the observers' lossy copy
+        # Lossless, before the observers' lossy copy; only the market's ledger needs the client's authorisation.
+        self.on_end.emit(attrs.evolve(ended, client_auth=state.start.client_auth or None))
         self.hub.publish(ended)
 
     async def reap(self, limit: float) -> None:

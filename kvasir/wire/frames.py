@@ -56,6 +56,11 @@ FLAG_DRAFTS = 0x0004
 #: BOUNDARY only: the body ends (after the row and drafts, if any) with the sender's output hash-chain head after
 #: this frame, :data:`CHAIN_BYTES` bytes: set by a recording node, checked by a recording successor (docs/protocol.md).
 FLAG_CHAIN = 0x0008
+#: START only: the body ends (after the stop strings) with the client's signed request authorisation (a string of
+#: at most MAX_CLIENT_AUTH_BYTES, kvasir.core.clientauth): a market ring's receipts carry it, and the market settles it.
+#: Bit 5: bit 4 is left to the next START flag.
+FLAG_CLIENT_AUTH = 0x0020
+MAX_CLIENT_AUTH_BYTES = 1024
 #: Size of the chain head a FLAG_CHAIN boundary carries (a sha256).
 CHAIN_BYTES = 32
 #: Drafts one verify batch may carry (a TOKEN's or a BOUNDARY's); ``--speculate K`` never asks more.
@@ -116,8 +121,8 @@ def _check_text(kind: str, field: str, value: object, max_bytes: int, *, allow_e
     return value
 
 
-def _check_id(kind: str, field: str, value: object) -> None:
-    value = _check_text(kind, field, value, MAX_ID_BYTES)
+def _check_id(kind: str, field: str, value: object, max_bytes: int = MAX_ID_BYTES) -> None:
+    value = _check_text(kind, field, value, max_bytes)
     # Ids end up in logs, the TUI and error messages: no whitespace or control characters.
     if not value.isprintable() or any(ch.isspace() for ch in value):
         raise ProtocolError(f"{kind} frame: {field} {value!r} must be printable with no whitespace")
@@ -172,7 +177,7 @@ _BODY_SIZES: dict[FrameType, tuple[int, int | None]] = {
 _LINK_FRAMES = frozenset({FrameType.HELLO, FrameType.KEEPALIVE})
 _ALLOWED_FLAGS: dict[FrameType, int] = {
     FrameType.BOUNDARY: FLAG_FINAL | FLAG_DRAFTS | FLAG_CHAIN,
-    FrameType.START: FLAG_WITHHELD,
+    FrameType.START: FLAG_WITHHELD | FLAG_CLIENT_AUTH,
 }
 _TYPE_CODES = frozenset(t.value for t in FrameType)
 
@@ -365,6 +370,8 @@ class StartRequest:
     withheld_length: int = 0
     #: Speculative decoding: up to this many prompt-lookup drafts per verify batch (0: plain one-token steps).
     speculate: int = 0
+    #: FLAG_CLIENT_AUTH: the client's signed authorisation of this request (opaque here; "" when none).
+    client_auth: str = attrs.field(default="", repr=lambda a: f"<{len(a)} chars>" if a else "''")
 
     @property
     def latest_token(self) -> int:
@@ -399,6 +406,8 @@ class StartRequest:
         for i, s in enumerate(self.stop):
             _check_text(k, f"stop[{i}]", s, MAX_STOP_BYTES)
         _check_int(k, "speculate", self.speculate, 0, MAX_DRAFTS)
+        if self.client_auth:
+            _check_id(k, "client authorisation", self.client_auth, MAX_CLIENT_AUTH_BYTES)
 
     def to_wire(self) -> bytes:
         parts = [
@@ -409,8 +418,9 @@ class StartRequest:
             pack_text(self.entry_node_id),
             np.asarray(self.prompt, dtype="<i4").tobytes(),
             *(pack_text(s) for s in self.stop),
+            pack_text(self.client_auth) if self.client_auth else b"",
         ]
-        flags = FLAG_WITHHELD if self.withheld_length else 0
+        flags = (FLAG_WITHHELD if self.withheld_length else 0) | (FLAG_CLIENT_AUTH if self.client_auth else 0)
         return _pack(self.TYPE, b"".join(parts), request_id=self.request_id, flags=flags)
 
     @classmethod
@@ -434,10 +444,13 @@ class StartRequest:
             bad = int(np.argmax(tokens < 0))
             raise r.fail(f"prompt[{bad}] = {int(tokens[bad])} is negative")
         stop = tuple(r.text(f"stop[{i}]", MAX_STOP_BYTES) for i in range(n_stop))
+        client_auth = r.text("client authorisation", MAX_CLIENT_AUTH_BYTES) if header.flags & FLAG_CLIENT_AUTH else ""
         r.finish()
+        if header.flags & FLAG_CLIENT_AUTH and not client_auth:
+            raise r.fail("CLIENT_AUTH set with an empty client authorisation")
         return cls(
             header.request_id, tuple(tokens.tolist()), max_tokens, entry_rank, entry_node_id,
-            sampling, stop, n_prompt if withheld else 0, speculate,
+            sampling, stop, n_prompt if withheld else 0, speculate, client_auth,
         )  # fmt: skip
 
     @classmethod

@@ -29,7 +29,6 @@ from kvasir.market.records import (
     ClaimRequest,
     CoverageEntry,
     CreditReport,
-    DemandReport,
     Lease,
     LeaseRef,
     ManifestRecord,
@@ -261,11 +260,10 @@ class MarketClient:
     async def release(self, ref: LeaseRef) -> None:
         await self._call("POST", "/v1/claims/release", ref.to_wire())
 
-    async def demand(self, report: DemandReport) -> None:
-        await self._call("POST", "/v1/demand", report.to_wire())
-
-    async def receipts(self, batch: ReceiptBatch) -> None:
-        await self._call("POST", "/v1/receipts", batch.to_wire())
+    async def receipts(self, batch: ReceiptBatch) -> dict[str, Any]:
+        """Send a witness's receipts: the market's reply (how many were new, how many requests it settled)."""
+        result: dict[str, Any] = await self._call("POST", "/v1/receipts", batch.to_wire())
+        return result
 
     async def credit(self, report: CreditReport) -> dict[str, Any]:
         result: dict[str, Any] = await self._call("POST", "/v1/credits", report.to_wire())

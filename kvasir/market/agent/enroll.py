@@ -11,10 +11,10 @@ One :class:`Enrollment` runs one loop (``run``), from these parts:
    verified against the signed record's hash), load it, start the :class:`~kvasir.ring.node.Node` and renew the
    lease as ``serving`` with its link endpoint;
 4. while serving: renew the lease every third of its time, follow the coverage map (the node's manifest is
-   rebuilt from it, so a replacement neighbour is dialled at its new address), and report demand, receipts and
-   the tokens served (:mod:`~kvasir.market.agent.ledger`, fed by the node's lossless request-end listener);
+   rebuilt from it, so a replacement neighbour is dialled at its new address), and send the receipts of paid
+   requests (:mod:`~kvasir.market.agent.ledger`, fed by the node's lossless request-end listener);
 5. a lost lease (expired and taken by another node, or a window gone from the manifest) stops the node and goes
-   back to 1; shutdown fails in-flight requests, credits what is left and releases the lease.
+   back to 1; shutdown fails in-flight requests, sends the receipts left and releases the lease.
 
 Timeouts live in the child tasks that wait (every market call is bounded by the client's timeout).
 
@@ -43,7 +43,6 @@ from kvasir.core.identity import PublicKey
 from kvasir.market.agent.client import MarketClient, is_transient
 from kvasir.market.agent.config import EnrollConfig, is_public_host
 from kvasir.market.agent.lease import LeaseKeeper, LeaseLost, LeaseTaken
-from kvasir.market.agent.ledger import exit_rank
 from kvasir.market.agent.policy import Claim, OwnState, WindowKey, decide, next_look, window_key
 from kvasir.market.agent.ringmap import manifest_from_coverage
 from kvasir.market.agent.session import Agent, NodeHandler, Progress, Serving, serve_window
@@ -58,7 +57,6 @@ __all__ = [
     "EnrollConfig",
     "Enrollment",
     "LeaseLost",
-    "exit_rank",
     "is_public_host",
     "manifest_from_coverage",
 ]

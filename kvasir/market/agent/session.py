@@ -102,10 +102,10 @@ class Serving:
     view: MarketView
 
     async def report(self) -> None:
-        """Report demand and receipts, and credit the tokens served under the current lease."""
+        """Send the receipts of paid requests (the market settles them: docs/market.md § Credit)."""
         lease = self.keeper.lease
         if lease is not None:
-            await self.ledger.report(self.agent.market, lease, self.node.requests.tokens)
+            await self.ledger.report(self.agent.market, lease)
 
     async def report_every(self, seconds: float) -> NoReturn:
         while True:

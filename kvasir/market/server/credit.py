@@ -1,5 +1,10 @@
-"""Credit: witnesses' receipts, settled into what they confirm for each lease, and the ledger that pays for it
-(docs/market.md § Credit)."""
+"""Credit: paid requests settled from their receipts, moving the client's credit to the windows that served, and
+the ledger of what each node earned (docs/market.md § Credit).
+
+Credit is moved, never minted: a window earns only what a client's signed authorisation pays, once the holder of
+every window of the ring sent a receipt carrying it (at least two distinct holders), and each authorisation settles
+at most once. Demand (which raises the price of a model's windows) is the settled traffic, never a holder's word.
+"""
 
 from __future__ import annotations
 
@@ -7,20 +12,23 @@ import json
 import sqlite3
 from typing import Any
 
-from kvasir.core.errors import MarketError
-from kvasir.market.records import MAX_LEASE_TOKENS, CreditReport, ReceiptBatch
+from kvasir.core.clientauth import MAX_PRICE, ClientAuth, parse_auth
+from kvasir.core.errors import InputError, MarketError
+from kvasir.market.records import CreditReport, ManifestRecord, ReceiptBatch
+from kvasir.market.server.accounts import balance_of, credit_account
 from kvasir.market.server.catalog import Catalog
-from kvasir.market.server.demand import demand_multiplier, recent_tokens, reward_of
+from kvasir.market.server.demand import add_settled, demand_multiplier, recent_tokens, reward_of
 from kvasir.market.server.leases import LeaseBook
+from kvasir.market.server.settle import Witnessed, affordable_tokens, settled_tokens, window_prices
 from kvasir.market.server.sqlite import Database, StorePart
 
-#: Tokens per second one window can be credited for at most, and the seconds of slack a fresh lease starts with.
-MAX_TOKENS_PER_S = 2000.0
-CREDIT_SLACK_S = 10.0
-#: Receipts are remembered (so a repeated one counts once) this long, and at most this many at once.
-RECEIPT_HORIZON_S = 3600.0
-MAX_RECEIPTS_SEEN = 1_000_000
-#: Receipts one witness may have waiting for their partner (what a node keeps while the market is away).
+#: Receipts of a paid request are taken until this long after its authorisation expires (a node that lost the
+#: market for a while sends them late); the market remembers a settlement as long, so it never settles twice.
+RECEIPT_GRACE_S = 3600.0
+#: An authorisation valid for longer than this from now is refused (what the market must remember stays bounded).
+MAX_AUTH_S = 24 * 3600.0
+#: Receipts waiting for the rest of their ring, at most in all and per witness (oldest first out).
+MAX_PENDING = 1_000_000
 MAX_PENDING_PER_WITNESS = 4096
 #: Ledger rows in one reply at most.
 MAX_LEDGER_ROWS = 1000
@@ -28,162 +36,147 @@ MAX_LEDGER_ROWS = 1000
 LEDGER_WITNESSES = 8
 
 
-def exit_witness(entry: str, holders: list[str | None]) -> str | None:
-    """The second witness of a request that entered at node ``entry``, given the live holder of each rank (pure):
-    the last rank, which samples every token; or, when the entry holds the last rank, rank 0, which embeds every
-    token. None when there is none other than the entry (a one-window ring, an uncovered rank)."""
-    if not holders:
-        return None
-    witness = holders[-1] if holders[-1] != entry else holders[0]
-    return witness if witness != entry else None
-
-
-def confirmed_tokens(holder: str, rank: int, witnessed: list[tuple[str, int, list[str]]]) -> int:
-    """What one request's receipts confirm for the window at ``rank`` held by ``holder`` (pure). ``witnessed``:
-    (witness, tokens, holders named) per receipt. Every receipt must name the holder (receipts that disagree about
-    who held it confirm nothing) and at least one must come from a witness other than the holder (nobody confirms
-    their own window); then the smallest token count is confirmed."""
-    if not witnessed or all(w == holder for w, _, _ in witnessed):
-        return 0
-    if any(rank >= len(named) or named[rank] != holder for _, _, named in witnessed):
-        return 0
-    return min(t for _, t, _ in witnessed)
-
-
 class CreditBook(StorePart):
-    def __init__(
-        self, base: Database, models: Catalog, leases: LeaseBook, *, max_tokens_per_s: float = MAX_TOKENS_PER_S
-    ) -> None:
+    def __init__(self, base: Database, models: Catalog, leases: LeaseBook) -> None:
         super().__init__(base)
         self.catalog = models
         self.leases = leases
-        self.max_tokens_per_s = max_tokens_per_s
 
-    def add_receipts(self, batch: ReceiptBatch) -> dict[str, Any]:
-        """A witness's receipts (docs/market.md § Credit). An entry receipt (``entry`` None) is the signer's own; an
-        exit receipt names the entry node and counts only from that request's exit witness (the live holder of the
-        last window, or of window 0 when the entry holds the last one). Each (entry, request) is settled once: when
-        both receipts are in, or at once when the request has no exit witness. Replies with how many were new."""
+    def add_receipts(self, batch: ReceiptBatch, holder_key: str | None, market_key: str) -> dict[str, Any]:
+        """A holder's receipts (docs/market.md § Credit): each counts for the windows the sender holds now and the
+        receipt names it holding, if it carries a valid authorisation for this market and model that has not
+        settled or expired, from a client with an account. A request settles when every window's receipt is in.
+        Replies with how many receipts were new and how many requests settled."""
         manifest = self.catalog.manifest(batch.model)
         now = self.clock()
-        if not self.leases.holds_lease(batch.node_id, batch.model):
-            raise MarketError(403, "not_a_holder", f"node {batch.node_id} holds no window of {batch.model[:12]}…")
-        new = 0
         with self._write() as db:
-            db.execute("DELETE FROM receipts WHERE ts < ?", (now - RECEIPT_HORIZON_S,))
-            (seen,) = db.execute("SELECT COUNT(*) FROM receipts").fetchone()
-            if seen + len(batch.receipts) > MAX_RECEIPTS_SEEN:
-                raise MarketError(503, "busy", "too many receipts in the last hour; retry later")
             live = {
-                (r[0], r[1]): (str(r[2]), str(r[3]))
+                (r[0], r[1]): (str(r[2]), str(r[3]), r[4])
                 for r in db.execute(
-                    'SELECT start, "end", node_id, lease_id FROM leases WHERE model = ? AND expires_at > ?',
+                    'SELECT start, "end", node_id, lease_id, holder_key FROM leases WHERE model = ? AND expires_at > ?',
                     (batch.model, now),
                 )
             }
-            holders: list[tuple[str, str] | None] = [live.get((w.start, w.end)) for w in manifest.windows]
+            held = {
+                rank: live[(w.start, w.end)]
+                for rank, w in enumerate(manifest.windows)
+                if (w.start, w.end) in live
+                and live[(w.start, w.end)][0] == batch.node_id
+                and holder_key in (None, live[(w.start, w.end)][2])
+            }
+            if not held:
+                raise MarketError(403, "not_a_holder", f"node {batch.node_id} holds no window of {batch.model[:12]}…")
+            db.execute("DELETE FROM paid_receipts WHERE expires < ?", (now,))
+            db.execute("DELETE FROM settlements WHERE expires < ?", (now,))
+            (pending,) = db.execute("SELECT COUNT(*) FROM paid_receipts").fetchone()
+            if pending + len(batch.receipts) > MAX_PENDING:
+                raise MarketError(503, "busy", "too many receipts awaiting their ring; retry later")
+            new = settled = 0
             for receipt in batch.receipts:
-                if len(receipt.holders) != len(holders):
-                    continue  # not this manifest's ring
-                entry = receipt.entry if receipt.entry is not None else batch.node_id
-                exit_ = exit_witness(entry, [h[0] if h else None for h in holders])
-                if receipt.entry is not None and (receipt.entry == batch.node_id or exit_ != batch.node_id):
-                    continue  # not this request's exit witness: it confirms nothing
-                role = "entry" if receipt.entry is None else "exit"
-                key = (batch.model, entry, str(receipt.request))
-                fresh = db.execute(
-                    "INSERT OR IGNORE INTO receipts (model, entry, request, role, witness, tokens, holders, settled,"
-                    " ts) VALUES (?, ?, ?, ?, ?, ?, ?, 0, ?)",
-                    (*key, role, batch.node_id, receipt.tokens, json.dumps(receipt.holders), now),
-                ).rowcount
-                if not fresh:
-                    continue
-                new += 1
-                rows = db.execute(
-                    "SELECT witness, tokens, holders, settled FROM receipts WHERE model = ? AND entry = ?"
-                    " AND request = ?",
-                    key,
-                ).fetchall()
-                settled = any(r[3] for r in rows)  # a late partner of a request settled alone confirms nothing
-                if not settled and (len(rows) == 2 or (role == "entry" and exit_ is None)):
-                    witnessed = [(str(r[0]), int(r[1]), list(json.loads(r[2]))) for r in rows]
-                    self._settle(db, witnessed, holders, now)
-                    settled = True
-                if settled:  # the holders are not needed again, only the request's id (counted once)
-                    db.execute(
-                        "UPDATE receipts SET settled = 1, holders = '' WHERE model = ? AND entry = ? AND request = ?",
-                        key,
-                    )
-            # A witness's unsettled receipts (awaiting their partner; invented ones never get one) are capped: the
-            # oldest go first.
+                auth = self._auth(db, receipt.client_auth, batch.model, market_key, now)
+                if auth is None or len(receipt.holders) != len(manifest.windows):
+                    continue  # unpaid, not payable here, or not this manifest's ring: it settles nothing
+                for rank, (node_id, lease_id, key) in held.items():
+                    if receipt.holders[rank] != node_id:
+                        continue
+                    new += db.execute(
+                        "INSERT OR IGNORE INTO paid_receipts (auth_id, rank, witness, account, lease_id, request,"
+                        " tokens, holders, expires, ts) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                        (auth.auth_id, rank, node_id, key or node_id, lease_id, str(receipt.request), receipt.tokens,
+                         json.dumps(receipt.holders), auth.not_after + RECEIPT_GRACE_S, now),
+                    ).rowcount  # fmt: skip
+                settled += self._settle(db, manifest, auth, now)
+            # A witness's receipts awaiting their ring (invented ones never complete) are capped: the oldest go first.
             db.execute(
-                "DELETE FROM receipts WHERE rowid IN (SELECT rowid FROM receipts WHERE witness = ? AND settled = 0"
+                "DELETE FROM paid_receipts WHERE rowid IN (SELECT rowid FROM paid_receipts WHERE witness = ?"
                 " ORDER BY ts DESC, rowid DESC LIMIT -1 OFFSET ?)",
                 (batch.node_id, MAX_PENDING_PER_WITNESS),
             )
-        return {"accepted": new}
+        return {"accepted": new, "settled": settled}
 
     @staticmethod
-    def _settle(
-        db: sqlite3.Connection,
-        witnessed: list[tuple[str, int, list[str]]],
-        holders: list[tuple[str, str] | None],
-        now: float,
-    ) -> None:
-        """Confirm one request's tokens (:func:`confirmed_tokens`) into each live lease it pays, noting who confirmed
-        them."""
-        for rank, holder in enumerate(holders):
-            if holder is None:
-                continue
-            tokens = confirmed_tokens(holder[0], rank, witnessed)
-            if not tokens:
-                continue
+    def _auth(db: sqlite3.Connection, text: str | None, model: str, market_key: str, now: float) -> ClientAuth | None:
+        """The receipt's authorisation if it can still settle here: signed by its client, for this market and
+        model, not expired (past the grace), not too long-lived, not settled, from a client with an account."""
+        if text is None:
+            return None
+        try:
+            auth = parse_auth(text)
+        except InputError:
+            return None
+        if auth.market.to_text() != market_key or auth.model != model:
+            return None
+        if not now - RECEIPT_GRACE_S <= auth.not_after <= now + MAX_AUTH_S:
+            return None
+        if db.execute("SELECT 1 FROM settlements WHERE auth_id = ?", (auth.auth_id,)).fetchone() is not None:
+            return None
+        if balance_of(db, auth.client.to_text()) is None:
+            return None
+        return auth
+
+    def _settle(self, db: sqlite3.Connection, manifest: ManifestRecord, auth: ClientAuth, now: float) -> int:
+        """Settle ``auth`` if its receipts are complete (:func:`~kvasir.market.server.settle.settled_tokens`): move
+        what its tokens cost from the client's account to each window's holder, once. 1 if it settled, else 0."""
+        rows = db.execute(
+            "SELECT rank, witness, account, lease_id, request, tokens, holders FROM paid_receipts WHERE auth_id = ?",
+            (auth.auth_id,),
+        ).fetchall()
+        witnessed = [Witnessed(int(r[0]), str(r[1]), int(r[4]), int(r[5]), tuple(json.loads(r[6]))) for r in rows]
+        tokens = settled_tokens(len(manifest.windows), witnessed, auth.max_tokens)
+        if tokens is None:
+            return 0
+        mult = demand_multiplier(recent_tokens(db, manifest.model, now))
+        prices = window_prices([reward_of(w.weight, mult) for w in manifest.windows], auth.max_price)
+        client = auth.client.to_text()
+        paid = affordable_tokens(tokens, sum(prices), balance_of(db, client) or 0)
+        amount = paid * sum(prices)
+        db.execute(
+            "UPDATE accounts SET balance = balance - ?, paid = paid + ?, ts = ? WHERE account = ?",
+            (amount, amount, now, client),
+        )
+        by_rank = {int(r[0]): r for r in rows}
+        for rank, w in enumerate(manifest.windows):
+            _, witness, account, lease_id, *_ = by_rank[rank]
+            share = paid * prices[rank]
+            credit_account(db, str(account), share, now, earned=True)
             db.execute(
-                "INSERT INTO lease_confirmed (lease_id, tokens, ts) VALUES (?, MIN(?, ?), ?)"
-                " ON CONFLICT (lease_id) DO UPDATE SET tokens = MIN(tokens + excluded.tokens, ?), ts = ?",
-                (holder[1], tokens, MAX_LEASE_TOKENS, now, MAX_LEASE_TOKENS, now),
-            )
-            for witness, _, _ in witnessed:
-                if witness != holder[0]:
-                    db.execute(
-                        "INSERT INTO lease_witnesses (lease_id, witness, tokens) VALUES (?, ?, MIN(?, ?))"
-                        " ON CONFLICT (lease_id, witness) DO UPDATE SET tokens = MIN(tokens + excluded.tokens, ?)",
-                        (holder[1], witness, tokens, MAX_LEASE_TOKENS, MAX_LEASE_TOKENS),
-                    )
+                'INSERT INTO lease_credits (lease_id, node_id, model, start, "end", tokens, layer_tokens, earned,'
+                " earned_micro, account, ts) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (lease_id)"
+                " DO UPDATE SET"
+                " tokens = tokens + excluded.tokens, layer_tokens = layer_tokens + excluded.layer_tokens,"
+                " earned_micro = earned_micro + excluded.earned_micro,"
+                " earned = (earned_micro + excluded.earned_micro) / 1e6, ts = excluded.ts",
+                (lease_id, witness, manifest.model, w.start, w.end, paid, paid * (w.end - w.start), share / 1e6,
+                 share, account, now),
+            )  # fmt: skip
+            for other in {str(r[1]) for r in rows} - {str(witness)}:
+                db.execute(
+                    "INSERT INTO lease_witnesses (lease_id, witness, tokens) VALUES (?, ?, ?)"
+                    " ON CONFLICT (lease_id, witness) DO UPDATE SET tokens = tokens + excluded.tokens",
+                    (lease_id, other, paid),
+                )
+        # Demand counts paid tokens at the base price: a request paid below it (a low price cap) counts for less,
+        # so an authorisation capped at nothing raises no reward.
+        base = sum(window_prices([w.weight for w in manifest.windows], MAX_PRICE))
+        add_settled(db, manifest.model, paid if base == 0 else min(paid, amount // base), now)
+        db.execute(
+            "INSERT INTO settlements (auth_id, client, model, request, tokens, amount, expires, ts)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (auth.auth_id, client, manifest.model, str(witnessed[0].request), paid, amount,
+             auth.not_after + RECEIPT_GRACE_S, now),
+        )  # fmt: skip
+        db.execute("DELETE FROM paid_receipts WHERE auth_id = ?", (auth.auth_id,))
+        return 1
 
     def credit(self, report: CreditReport, holder_key: str | None = None) -> dict[str, Any]:
-        """Credit a lease holder: ``report.tokens`` is its cumulative count under this lease, so a repeated report
-        adds nothing. The count is cut to what witnesses' receipts confirmed for this lease and to what one
-        window could serve since the claim (MAX_TOKENS_PER_S); each new token earns layers (layer_tokens) and the
-        window's reward now (earned). Replies with the lease's totals."""
-        manifest, rank = self.catalog.window(report.model, report.start, report.end)
-        now = self.clock()
-        reward = reward_of(manifest.windows[rank].weight, demand_multiplier(recent_tokens(self.db, report.model, now)))
-        layers = report.end - report.start
+        """A lease holder's totals under this lease (what settled requests paid it). The report's own count is
+        ignored: a holder's word credits nothing (security N7)."""
         with self._write() as db:
-            self.leases.check_lease(db, report, now, holder_key)
-            (claimed_at,) = db.execute(
-                'SELECT claimed_at FROM leases WHERE model = ? AND start = ? AND "end" = ?',
-                (report.model, report.start, report.end),
-            ).fetchone()
-            cap = int((max(0.0, now - claimed_at) + CREDIT_SLACK_S) * self.max_tokens_per_s)
-            confirmed = db.execute(
-                "SELECT tokens FROM lease_confirmed WHERE lease_id = ?", (report.lease_id,)
-            ).fetchone()
-            cap = min(cap, confirmed[0] if confirmed is not None else 0)
-            prior = db.execute(
+            self.leases.check_lease(db, report, self.clock(), holder_key)
+            row = db.execute(
                 "SELECT tokens, layer_tokens, earned FROM lease_credits WHERE lease_id = ?", (report.lease_id,)
             ).fetchone()
-            tokens, layer_tokens, earned = prior if prior is not None else (0, 0, 0.0)
-            new = max(0, min(report.tokens, cap) - tokens)
-            tokens, layer_tokens, earned = tokens + new, layer_tokens + new * layers, earned + new * reward
-            db.execute(
-                'INSERT INTO lease_credits (lease_id, node_id, model, start, "end", tokens, layer_tokens, earned, ts)'
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (lease_id) DO UPDATE SET tokens = excluded.tokens,"
-                " layer_tokens = excluded.layer_tokens, earned = excluded.earned, ts = excluded.ts",
-                (report.lease_id, report.node_id, report.model, report.start, report.end, tokens, layer_tokens,
-                 earned, now),
-            )  # fmt: skip
+        tokens, layer_tokens, earned = row if row is not None else (0, 0, 0.0)
         return {"node_id": report.node_id, "tokens": tokens, "layer_tokens": layer_tokens, "earned": earned}
 
     def ledger(self) -> dict[str, Any]:

@@ -1,14 +1,14 @@
-"""Demand: how many tokens each model served lately, which raises the rewards of its windows."""
+"""Demand: how many paid tokens each model settled lately, which raises the rewards of its windows. Only settlement
+(kvasir.market.server.credit) adds to it: no holder's report counts (security N7)."""
 
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Callable
 from contextlib import suppress
 from typing import Any
 
 from kvasir.core.errors import MarketError
-from kvasir.market.records import MAX_REWARD, DemandReport
+from kvasir.market.records import MAX_REWARD
 from kvasir.market.server import catalog
 from kvasir.market.server.sqlite import Database, StorePart
 
@@ -48,28 +48,23 @@ def recent_tokens(db: sqlite3.Connection, model: str, now: float) -> int:
     return int(row[0])
 
 
-class DemandBook(StorePart):
-    """Demand reports (from lease holders only: ``holds_lease(node_id, model)``) and the demand summary."""
+def add_settled(db: sqlite3.Connection, model: str, tokens: int, now: float) -> None:
+    """One settled request of ``tokens`` paid tokens, into the current bucket (sums clamped); drop old buckets."""
+    db.execute(
+        "INSERT INTO demand_buckets (model, bucket, requests, tokens) VALUES (?, ?, 1, ?)"
+        " ON CONFLICT (model, bucket) DO UPDATE SET requests = MIN(requests + 1, ?),"
+        " tokens = MIN(tokens + excluded.tokens, ?)",
+        (model, bucket(now), tokens, BUCKET_MAX_REQUESTS, BUCKET_MAX_TOKENS),
+    )
+    db.execute("DELETE FROM demand_buckets WHERE bucket < ?", (bucket(now - DEMAND_HORIZON_S),))
 
-    def __init__(self, base: Database, models: catalog.Catalog, holds_lease: Callable[[str, str], bool]) -> None:
+
+class DemandBook(StorePart):
+    """The demand summary (``GET /v1/demand``)."""
+
+    def __init__(self, base: Database, models: catalog.Catalog) -> None:
         super().__init__(base)
         self.catalog = models
-        self.holds_lease = holds_lease
-
-    def add_demand(self, report: DemandReport, node_id: str) -> None:
-        """Add a lease holder's report to the current bucket (sums clamped); drop buckets past the horizon."""
-        self.catalog.model(report.model)
-        now = self.clock()
-        if not self.holds_lease(node_id, report.model):
-            raise MarketError(403, "not_a_holder", f"node {node_id} holds no window of model {report.model[:12]}…")
-        with self._write() as db:
-            db.execute(
-                "INSERT INTO demand_buckets (model, bucket, requests, tokens) VALUES (?, ?, ?, ?)"
-                " ON CONFLICT (model, bucket) DO UPDATE SET requests = MIN(requests + excluded.requests, ?),"
-                " tokens = MIN(tokens + excluded.tokens, ?)",
-                (report.model, bucket(now), report.requests, report.tokens, BUCKET_MAX_REQUESTS, BUCKET_MAX_TOKENS),
-            )
-            db.execute("DELETE FROM demand_buckets WHERE bucket < ?", (bucket(now - DEMAND_HORIZON_S),))
 
     def demand(self) -> dict[str, Any]:
         """Recent demand per model, with each window's reward (window lists stop at MAX_COVERAGE_WINDOWS in all)."""

@@ -5,7 +5,7 @@ thread, at most ``store.concurrency`` at once (the SQLite store's one connection
 once). The routes know the store only as :class:`~kvasir.market.server.backend.MarketBackend`.
 
 Every write is signed (kvasir.market.auth): models, manifests and the delegation by the operator's key; claims,
-renewals, releases, demand and credit reports by the node whose ``node_id`` is its key's fingerprint; fraud proofs
+renewals, releases, receipts and credit reads by the node whose ``node_id`` is its key's fingerprint; fraud proofs
 by the operator or another holder of the model (kvasir.market.server.fraud).
 """
 
@@ -31,7 +31,6 @@ from kvasir.market import auth, replies
 from kvasir.market.records import (
     ClaimRequest,
     CreditReport,
-    DemandReport,
     FraudRecord,
     Lease,
     LeaseRef,
@@ -193,12 +192,13 @@ class MarketService:
             only = sha256_field(query, "model", "query") if "model" in query else None
             return 200, await self._db(self.store.coverage, only)
         if path == "/v1/demand":
-            allow("GET", "POST")
-            if method == "POST":
-                signed = self._signed(request)
-                report = DemandReport.from_wire(_body(request))
-                await self._db(self.store.add_demand, report, signed.node_id)
+            if method == "POST":  # demand is settled client traffic, never a holder's report (security N7)
+                raise MarketError(410, "gone", "demand derives from settled client traffic; nobody reports it")
+            allow("GET")
             return 200, await self._db(self.store.demand)
+        if path == "/v1/accounts":
+            allow("GET")
+            return 200, await self._db(self.store.account, _key_query(query))
         if path == "/v1/claims":
             allow("POST")
             req = ClaimRequest.from_wire(_body(request))
@@ -220,8 +220,9 @@ class MarketService:
         if path == "/v1/receipts":
             allow("POST")
             batch = ReceiptBatch.from_wire(_body(request))
-            self._signed(request, node_id=batch.node_id)
-            return 200, await self._db(self.store.add_receipts, batch)
+            signed = self._signed(request, node_id=batch.node_id)
+            market = self.identity.public.to_text()
+            return 200, await self._db(self.store.add_receipts, batch, signed.key.to_text(), market)
         if path == "/v1/credits":
             allow("POST")
             credit = CreditReport.from_wire(_body(request))
@@ -329,6 +330,12 @@ def machine_identity() -> Identity:
     from kvasir.core.identity import IDENTITY_FILE, load_or_create_identity
 
     return load_or_create_identity(Path(platformdirs.user_data_dir("kvasir", appauthor=False)) / IDENTITY_FILE)
+
+
+def _key_query(query: dict[str, str]) -> str:
+    key = query.get("key", "")
+    PublicKey.from_text(key)  # InputError: 400
+    return key
 
 
 def _query(target: str) -> dict[str, str]:

@@ -31,16 +31,24 @@ CREATE TABLE IF NOT EXISTS demand_buckets (
 CREATE TABLE IF NOT EXISTS lease_credits (
     lease_id TEXT PRIMARY KEY, node_id TEXT NOT NULL, model TEXT NOT NULL, start INTEGER NOT NULL,
     "end" INTEGER NOT NULL, tokens INTEGER NOT NULL, layer_tokens INTEGER NOT NULL, earned REAL NOT NULL,
-    ts REAL NOT NULL);
+    ts REAL NOT NULL, earned_micro INTEGER NOT NULL DEFAULT 0, account TEXT);
 CREATE INDEX IF NOT EXISTS lease_credits_node ON lease_credits (node_id);
 DROP TABLE IF EXISTS receipts_seen;
-CREATE TABLE IF NOT EXISTS receipts (
-    model TEXT NOT NULL, entry TEXT NOT NULL, request TEXT NOT NULL, role TEXT NOT NULL, witness TEXT NOT NULL,
-    tokens INTEGER NOT NULL, holders TEXT NOT NULL, settled INTEGER NOT NULL, ts REAL NOT NULL,
-    PRIMARY KEY (model, entry, request, role));
-CREATE INDEX IF NOT EXISTS receipts_ts ON receipts (ts);
-CREATE INDEX IF NOT EXISTS receipts_pending ON receipts (witness, settled, ts);
-CREATE TABLE IF NOT EXISTS lease_confirmed (lease_id TEXT PRIMARY KEY, tokens INTEGER NOT NULL, ts REAL NOT NULL);
+DROP TABLE IF EXISTS receipts;
+DROP TABLE IF EXISTS lease_confirmed;
+CREATE TABLE IF NOT EXISTS accounts (
+    account TEXT PRIMARY KEY, balance INTEGER NOT NULL, funded INTEGER NOT NULL, paid INTEGER NOT NULL,
+    earned INTEGER NOT NULL, ts REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS paid_receipts (
+    auth_id TEXT NOT NULL, rank INTEGER NOT NULL, witness TEXT NOT NULL, account TEXT NOT NULL,
+    lease_id TEXT NOT NULL, request TEXT NOT NULL, tokens INTEGER NOT NULL, holders TEXT NOT NULL,
+    expires REAL NOT NULL, ts REAL NOT NULL, PRIMARY KEY (auth_id, rank));
+CREATE INDEX IF NOT EXISTS paid_receipts_witness ON paid_receipts (witness, ts);
+CREATE INDEX IF NOT EXISTS paid_receipts_expires ON paid_receipts (expires);
+CREATE TABLE IF NOT EXISTS settlements (
+    auth_id TEXT PRIMARY KEY, client TEXT NOT NULL, model TEXT NOT NULL, request TEXT NOT NULL,
+    tokens INTEGER NOT NULL, amount INTEGER NOT NULL, expires REAL NOT NULL, ts REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS settlements_expires ON settlements (expires);
 CREATE TABLE IF NOT EXISTS lease_witnesses (
     lease_id TEXT NOT NULL, witness TEXT NOT NULL, tokens INTEGER NOT NULL, PRIMARY KEY (lease_id, witness));
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -56,12 +64,18 @@ CREATE TABLE IF NOT EXISTS bans (
 
 
 class Database:
-    """One connection; the service never runs two calls at once. Time is market time
+    """One connection; the service never runs two calls at once (``resume=False``: a tool beside a running
+    market, which leaves its leases alone). Time is market time
     (:class:`~kvasir.market.server.clock.MarketClock` on ``wall``, anchored no earlier than the last write), or
     ``clock`` (unix seconds) where tests move it by hand."""
 
     def __init__(
-        self, path: Path | str, *, clock: Callable[[], float] | None = None, wall: Callable[[], float] = time.time
+        self,
+        path: Path | str,
+        *,
+        clock: Callable[[], float] | None = None,
+        wall: Callable[[], float] = time.time,
+        resume: bool = True,
     ) -> None:
         self.clock: Callable[[], float] = clock or wall
         try:
@@ -72,10 +86,15 @@ class Database:
             columns = {r[1] for r in self.db.execute("PRAGMA table_info(leases)")}
             if "holder_key" not in columns:  # a database from before signed claims
                 self.db.execute("ALTER TABLE leases ADD COLUMN holder_key TEXT")
+            credits = {r[1] for r in self.db.execute("PRAGMA table_info(lease_credits)")}
+            if "account" not in credits:  # a database from before client accounts
+                self.db.execute("ALTER TABLE lease_credits ADD COLUMN earned_micro INTEGER NOT NULL DEFAULT 0")
+                self.db.execute("ALTER TABLE lease_credits ADD COLUMN account TEXT")
             if clock is None:
                 alive_at = self.get_meta("alive_at")
                 self.clock = MarketClock(wall, floor=0.0 if alive_at is None else float(alive_at))
-            self._resume()
+            if resume:  # not beside a running market (``kvasir market fund``): its leases are not ours to move
+                self._resume()
         except sqlite3.Error as exc:
             raise InputError(f"{path}: cannot open the market database ({exc})") from None
 

@@ -9,7 +9,8 @@ through a limiter of one, so the single connection is never used concurrently. T
 :class:`MarketStore` is the engine's face; each concern is a part on the one shared database
 (:mod:`~kvasir.market.server.sqlite`): the catalog of models and manifests (:mod:`~kvasir.market.server.catalog`),
 leases and the coverage map (:mod:`~kvasir.market.server.leases`), demand (:mod:`~kvasir.market.server.demand`),
-receipts, credit and the ledger (:mod:`~kvasir.market.server.credit`), and fraud withdrawals and bans
+client and holder accounts (:mod:`~kvasir.market.server.accounts`), receipts, settlement and the ledger
+(:mod:`~kvasir.market.server.credit`), and fraud withdrawals and bans
 (:mod:`~kvasir.market.server.withdrawals`).
 """
 
@@ -25,7 +26,6 @@ from typing import Any
 from kvasir.market.records import (
     ClaimRequest,
     CreditReport,
-    DemandReport,
     FraudRecord,
     Lease,
     LeaseRef,
@@ -33,14 +33,15 @@ from kvasir.market.records import (
     ModelRecord,
     ReceiptBatch,
 )
+from kvasir.market.server.accounts import AccountBook
 from kvasir.market.server.catalog import Catalog
-from kvasir.market.server.credit import MAX_TOKENS_PER_S, CreditBook, exit_witness
+from kvasir.market.server.credit import CreditBook
 from kvasir.market.server.demand import BUCKET_MAX_TOKENS, DemandBook, demand_multiplier
 from kvasir.market.server.leases import LeaseBook
 from kvasir.market.server.sqlite import Database
 from kvasir.market.server.withdrawals import Withdrawals
 
-__all__ = ["BUCKET_MAX_TOKENS", "MAX_TOKENS_PER_S", "MarketStore", "demand_multiplier", "exit_witness"]
+__all__ = ["BUCKET_MAX_TOKENS", "MarketStore", "demand_multiplier"]
 
 
 class MarketStore:
@@ -53,7 +54,6 @@ class MarketStore:
         *,
         clock: Callable[[], float] | None = None,
         wall: Callable[[], float] = time.time,
-        max_tokens_per_s: float = MAX_TOKENS_PER_S,
     ) -> None:
         self.base = Database(path, clock=clock, wall=wall)
         #: Market time (kvasir.market.server.clock): the host's ``wall`` clock read at start, then monotonic.
@@ -62,8 +62,9 @@ class MarketStore:
         self.db: sqlite3.Connection = self.base.db
         self.catalog = Catalog(self.base)
         self.leases = LeaseBook(self.base, self.catalog)
-        self.demand_book = DemandBook(self.base, self.catalog, self.leases.holds_lease)
-        self.credits = CreditBook(self.base, self.catalog, self.leases, max_tokens_per_s=max_tokens_per_s)
+        self.demand_book = DemandBook(self.base, self.catalog)
+        self.credits = CreditBook(self.base, self.catalog, self.leases)
+        self.accounts = AccountBook(self.base)
         self.withdrawals = Withdrawals(self.base, self.catalog)
 
     def close(self) -> None:
@@ -118,16 +119,19 @@ class MarketStore:
     def holder_key(self, model: str, start: int, end: int) -> str | None:
         return self.leases.holder_key(model, start, end)
 
-    # Demand and the ledger.
+    # Accounts, demand and the ledger.
 
-    def add_demand(self, report: DemandReport, node_id: str) -> None:
-        self.demand_book.add_demand(report, node_id)
+    def fund(self, key: str, micro: int) -> dict[str, Any]:
+        return self.accounts.fund(key, micro)
+
+    def account(self, key: str) -> dict[str, Any]:
+        return self.accounts.account(key)
 
     def demand(self) -> dict[str, Any]:
         return self.demand_book.demand()
 
-    def add_receipts(self, batch: ReceiptBatch) -> dict[str, Any]:
-        return self.credits.add_receipts(batch)
+    def add_receipts(self, batch: ReceiptBatch, holder_key: str | None, market_key: str) -> dict[str, Any]:
+        return self.credits.add_receipts(batch, holder_key, market_key)
 
     def credit(self, report: CreditReport, holder_key: str | None = None) -> dict[str, Any]:
         return self.credits.credit(report, holder_key)

@@ -1,5 +1,6 @@
-"""Fraud: what a proven cheat loses (its credit on the window, its lease there, its claims on the model for a
-while), and the record of every withdrawal (``GET /v1/fraud``). kvasir.market.server.fraud judges the proof."""
+"""Fraud: what a proven cheat loses (its credit on the window, in the ledger and in its account; its lease there;
+its claims on the model for a while), and the record of every withdrawal (``GET /v1/fraud``).
+kvasir.market.server.fraud judges the proof."""
 
 from __future__ import annotations
 
@@ -47,8 +48,19 @@ class Withdrawals(StorePart):
                 ' AND "end" = ?',
                 window,
             ).fetchone()
+            # What the window earned leaves the cheat's account too (as much as is left there): withdrawn from
+            # circulation, paid to nobody.
+            for account, micro in db.execute(
+                "SELECT account, SUM(earned_micro) FROM lease_credits WHERE node_id = ? AND model = ? AND start = ?"
+                ' AND "end" = ? AND account IS NOT NULL GROUP BY account',
+                window,
+            ).fetchall():
+                db.execute(
+                    "UPDATE accounts SET balance = balance - MIN(balance, ?), ts = ? WHERE account = ?",
+                    (micro, now, account),
+                )
             db.execute(
-                "UPDATE lease_credits SET tokens = 0, layer_tokens = 0, earned = 0, ts = ?"
+                "UPDATE lease_credits SET tokens = 0, layer_tokens = 0, earned = 0, earned_micro = 0, ts = ?"
                 ' WHERE node_id = ? AND model = ? AND start = ? AND "end" = ?',
                 (now, *window),
             )
@@ -62,8 +74,8 @@ class Withdrawals(StorePart):
                     'DELETE FROM leases WHERE model = ? AND start = ? AND "end" = ? AND node_id = ?',
                     (fraud.model, fraud.start, fraud.end, fraud.node_id),
                 )
-            for lease in set(leases):  # nothing it was confirmed for under those leases can be credited again
-                db.execute("DELETE FROM lease_confirmed WHERE lease_id = ?", (lease,))
+            for lease in set(leases):  # its receipts awaiting their ring settle nothing now
+                db.execute("DELETE FROM paid_receipts WHERE lease_id = ?", (lease,))
             until = now + FRAUD_BAN_S
             db.execute(
                 "INSERT INTO bans (model, node_id, until, proof_id) VALUES (?, ?, ?, ?) ON CONFLICT (model, node_id)"
