@@ -59,6 +59,7 @@ _text = rule(lambda v: isinstance(v, str) and 0 < len(v) <= MAX_TEXT,
 _state = rule(lambda v: v in LEASE_STATES, f"must be one of {', '.join(LEASE_STATES)}")
 
 
+_bool = rule(lambda v: isinstance(v, bool), "must be true or false")
 _ticket = rule(lambda v: isinstance(v, str) and len(v) <= 4096, "must be a string of at most 4096 characters")
 
 
@@ -289,6 +290,37 @@ class LeaseRef(_Body):
 
 
 @attrs.frozen
+class LinkVouch(_Body):
+    """Body of vouch: the holder of a window says it has an authenticated link from ``predecessor``, the key that
+    holds the window before its own (its link checked that key's market ticket for exactly that window). A vouch
+    from a holder of a distinct key confirms the predecessor's lease (docs/market.md § Leases must become service)."""
+
+    WHERE: ClassVar[str] = "vouch"
+
+    model: str = attrs.field(validator=_sha256)
+    start: int
+    end: int = attrs.field(validator=_window_end)
+    node_id: str = attrs.field(validator=_node_id)
+    lease_id: str = attrs.field(validator=_text)
+    #: The predecessor's whole public key (``ed25519:…``), as its link authenticated it.
+    predecessor: str = attrs.field(validator=_key_text)
+
+
+_nonce = rule(lambda v: isinstance(v, str) and 0 < len(v) <= 64 and v.isascii() and v.isalnum(),
+              "must be 1-64 ASCII letters or digits")  # fmt: skip
+
+
+@attrs.frozen
+class AdmissionRequest(_Body):
+    """Body of admission: the proof of work (:mod:`kvasir.market.work`) that admits the signing key to claim."""
+
+    WHERE: ClassVar[str] = "admission"
+
+    node_id: str = attrs.field(validator=_node_id)
+    nonce: str = attrs.field(validator=_nonce)
+
+
+@attrs.frozen
 class Lease(_Body):
     """A granted lease: the holder owns the window until ``expires_at`` (unix seconds) unless it renews."""
 
@@ -399,6 +431,11 @@ class CoverageEntry(_Body):
     endpoint: str | None = attrs.field(default=None, validator=_endpoint)
     #: The holder's whole public key (``ed25519:…``): a neighbour dials it with the key pinned (protocol v2).
     holder_key: str | None = attrs.field(default=None, validator=optional(_key_text))
+    #: A neighbour of a distinct key vouched lately for the holder's link (docs/market.md § Leases must become
+    #: service).
+    confirmed: bool = attrs.field(default=False, validator=_bool)
+    #: The holder is past its deadline and unconfirmed: another key's claim takes the window.
+    claimable: bool = attrs.field(default=False, validator=_bool)
 
     @property
     def covered(self) -> bool:
@@ -434,8 +471,9 @@ def coverage_from_wire(data: Any, skipped: list[str] | None = None) -> list[Cove
     return out
 
 
-for _cls in (WindowSpec, LeaseRef, CreditReport):
+for _cls in (WindowSpec, LeaseRef, CreditReport, LinkVouch):
     register_record(_cls, window=True)
+register_record(AdmissionRequest)
 register_record(Probe)
 register_record(StageHash, window=True, omit_if_empty=("probes",))
 register_record(CoverageEntry, window=True, omit_if_none=("holder_key",))

@@ -29,12 +29,14 @@ from kvasir.core.errors import InputError, MarketError
 from kvasir.core.identity import Identity, PublicKey
 from kvasir.market import auth
 from kvasir.market.records import (
+    AdmissionRequest,
     ClaimRequest,
     CreditReport,
     DemandReport,
     FraudRecord,
     Lease,
     LeaseRef,
+    LinkVouch,
     ManifestRecord,
     ModelRecord,
     ReceiptBatch,
@@ -42,6 +44,7 @@ from kvasir.market.records import (
 )
 from kvasir.market.server.backend import MarketBackend
 from kvasir.market.server.fraud import ProofJudge
+from kvasir.market.server.gate import ClaimGate, RateLimited
 from kvasir.market.server.proofmemo import ProofMemo
 from kvasir.market.tickets import MAX_TICKET_S, WindowTicket, issue_ticket
 from kvasir.net.http import ApiLimits, HttpConnection, HttpError, HttpRequest, serve_http
@@ -69,8 +72,11 @@ class MarketService:
         identity: Identity,
         operator: PublicKey | None = None,
         judge: ProofJudge | None = None,
+        gate: ClaimGate | None = None,
     ) -> None:
         self.store = store
+        #: Claims' rate limits and new keys' proof of work (security N6).
+        self.gate = gate or ClaimGate(identity.public.to_text())
         self.judge = judge
         #: Re-executing a proof loads a window and runs llama.cpp: one at a time, beside the store's threads.
         self.judge_limiter = trio.CapacityLimiter(1)
@@ -124,7 +130,10 @@ class MarketService:
 
     async def handle(self, http: HttpConnection, request: HttpRequest) -> None:
         try:
-            status, body = await self._route(request)
+            status, body = await self._route(request, http.peer)
+        except RateLimited as exc:
+            headers = [("retry-after", str(exc.retry_after)), *self._time_header()]
+            raise HttpError(exc.status, exc.code, str(exc), headers) from None
         except InputError as exc:
             raise HttpError(400, "bad_request", str(exc), self._time_header()) from None
         except MarketError as exc:
@@ -135,7 +144,7 @@ class MarketService:
         """The market's time on every reply: nodes sign with their estimate of it (docs/protocol.md § Market time)."""
         return [(auth.H_MARKET_TIME, auth.format_market_time(self.store.clock()))]
 
-    async def _route(self, request: HttpRequest) -> tuple[int, Any]:
+    async def _route(self, request: HttpRequest, peer: str = "?") -> tuple[int, Any]:
         method, path = request.method, request.path
         query = _query(request.target)
 
@@ -195,6 +204,9 @@ class MarketService:
             allow("POST")
             req = ClaimRequest.from_wire(_body(request))
             signed = self._signed(request, node_id=req.node_id)
+            self.gate.count_claim(signed.key.to_text(), peer, self.store.clock())
+            if self.gate.work_bits:
+                self.gate.require_admission(await self._db(self.store.admitted, signed.key.to_text()))
             lease = await self._db(self.store.claim, req, signed.key.to_text())
             return 200, (await self._db(self._ticketed, lease, signed.key)).to_wire()
         if path == "/v1/claims/renew":
@@ -209,6 +221,21 @@ class MarketService:
             signed = self._signed(request, node_id=ref.node_id)
             await self._db(self.store.release, ref, signed.key.to_text())
             return 200, {"released": True}
+        if path == "/v1/vouch":
+            allow("POST")
+            vouch = LinkVouch.from_wire(_body(request))
+            signed = self._signed(request, node_id=vouch.node_id)
+            return 200, await self._db(self.store.vouch, vouch, signed.key.to_text())
+        if path == "/v1/admission":
+            allow("GET", "POST")
+            if method == "GET":
+                return 200, self.gate.info()
+            admission = AdmissionRequest.from_wire(_body(request))
+            signed = self._signed(request, node_id=admission.node_id)
+            self.gate.count_admission(peer, self.store.clock())
+            self.gate.check_work(signed.key.to_text(), admission.nonce)
+            await self._db(self.store.admit, signed.key.to_text(), self.gate.work_bits)
+            return 200, {"admitted": True, **self.gate.info()}
         if path == "/v1/receipts":
             allow("POST")
             batch = ReceiptBatch.from_wire(_body(request))
@@ -338,6 +365,7 @@ async def serve_market(
     operator: PublicKey | None = None,
     tls: ssl.SSLContext | None = None,
     judge: ProofJudge | None = None,
+    gate: Callable[[Identity], ClaimGate] | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the market on ``host:port`` (0: any free port) with its state in ``db`` (SQLite) or in ``store`` (any
@@ -345,7 +373,8 @@ async def serve_market(
 
     ``identity``: the market's key (default: this machine's node identity); ``operator``: the publisher's key
     (default: the market's own); ``tls``: serve HTTPS (kvasir.util.tls.server_context); ``judge``: re-executes
-    fraud proofs (kvasir.market.server.fraud.StageJudge).
+    fraud proofs (kvasir.market.server.fraud.StageJudge); ``gate``: builds the claims' rate limits and admission
+    from the market's identity (default: :class:`~kvasir.market.server.gate.ClaimGate`'s defaults, no work asked).
     """
     if identity is None:
         identity = await trio.to_thread.run_sync(machine_identity)
@@ -354,7 +383,7 @@ async def serve_market(
         from kvasir.market.server.store import MarketStore  # the default engine: SQLite at ``db``
 
         store = await trio.to_thread.run_sync(MarketStore, db)
-    service = MarketService(store, identity, operator, judge)
+    service = MarketService(store, identity, operator, judge, None if gate is None else gate(identity))
     try:
         await serve_http(
             service.handle, host, port, limits=MARKET_LIMITS, name="market", tls=tls, task_status=task_status
