@@ -388,3 +388,59 @@ def test_market_refuses_bad_settings() -> None:
         ClaimGate("k", 4).require_admission(False)
     assert exc.value.status == 403
     ClaimGate("k", 0).require_admission(False)
+
+
+# ---------------------------------------------------------------------------------------------- real ring
+
+
+@pytest.mark.slow
+def test_squatted_windows_go_to_honest_nodes_that_serve_the_model(
+    tiny_model: Callable[..., Path], tmp_path: Path
+) -> None:
+    """N6 with a real ``kvasir market`` (``--serve-deadline 5``) and three real empty nodes: three squatter keys
+    hold every window (``fetching``, 3,600 s leases, never serving). Before, the nodes waited the hour out. Now they
+    take the windows once the deadline passes, fetch, link, vouch for each other and answer exactly the whole
+    model's tokens; the squatters cannot come back, and the ring stays confirmed past several deadlines."""
+    import time
+
+    from tests.marketutil import Proc, coverage, procs, wait_for
+    from tests.ringutil import ring_generate, whole_model_tokens
+    from tests.test_market_ring import BUDGETS, PROMPT, _enrolled, _node, _seed_and_publish
+
+    model = tiny_model("llama", "q8_0")
+    want = whole_model_tokens(model, PROMPT, 12)
+    with procs() as ps:
+        operator = ("--identity", str(tmp_path / "operator.pem"), "--create-identity")
+        market = Proc("market", "--listen", "127.0.0.1:0", "--db", str(tmp_path / "market.sqlite"), *operator,
+                      "--serve-deadline", "5")  # fmt: skip
+        ps.append(market)
+        url = market.wait_line(r"listening on (http://\S+)").group(1)
+        key = market.wait_line(r"operator (ed25519:\S+)").group(1)
+        _seed_and_publish(ps, model, url, *operator)
+        cov = coverage(url)
+        squatters = [Identity.generate() for _ in cov["windows"]]
+        for s, w in zip(squatters, cov["windows"], strict=True):
+            body = {"model": cov["model"], "layers": w["layers"], "node_id": s.node_id, "lease_s": 3600}
+            r = httpx.post(f"{url}/v1/claims", json=body, auth=SignAuth(s), timeout=10)
+            assert r.status_code == 200, r.text
+        t0 = time.monotonic()
+        nodes = {name: _node(url, name, tmp_path, budget, "--market-key", key) for name, budget in BUDGETS.items()}
+        ps.extend(nodes.values())
+        status = {name: _enrolled(p) for name, p in nodes.items()}
+        honest = {s["node_id"] for s in status.values()}
+
+        def confirmed() -> bool:
+            c = coverage(url)
+            return bool(c["live"]) and all(w["confirmed"] and w["holder"] in honest for w in c["windows"])
+
+        wait_for(confirmed, 120, "honest holders on every window, each vouched for")
+        print(f"squatted model served by honest nodes {time.monotonic() - t0:.2f} s after they started")
+        got = wait_for(lambda: ring_generate(tmp_path / "big.sock", PROMPT, 12), 60, "a ring reply")
+        assert got["tokens"] == want
+        for s, w in zip(squatters, cov["windows"], strict=True):
+            body = {"model": cov["model"], "layers": w["layers"], "node_id": s.node_id, "lease_s": 3600}
+            r = httpx.post(f"{url}/v1/claims", json=body, auth=SignAuth(s), timeout=10)
+            assert r.status_code == 403 and r.json()["error"]["code"] == "idle_cooldown", r.text
+        time.sleep(12)  # more than two deadlines: the vouches keep every lease confirmed
+        assert confirmed()
+        assert {w["holder"] for w in coverage(url)["windows"]} == honest
