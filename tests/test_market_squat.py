@@ -23,7 +23,7 @@ from kvasir.core.identity import Identity
 from kvasir.market.agent.choice import choose_window
 from kvasir.market.agent.client import MarketClient
 from kvasir.market.agent.lease import LeaseKeeper
-from kvasir.market.agent.vouch import vouch_for
+from kvasir.market.agent.vouch import vouches_for
 from kvasir.market.records import CoverageEntry, Lease
 from kvasir.market.server.gate import ClaimGate
 from kvasir.market.server.ratelimit import Bucket, ClaimLimits, Rate, RateLimiter, take
@@ -77,9 +77,11 @@ class Market:
                 "lease_id": lease["lease_id"], "state": "serving", "endpoint": f"127.0.0.1:{port}"}  # fmt: skip
         return await self.post("/v1/claims/renew", body, who)
 
-    async def vouch(self, who: Identity, lease: dict[str, Any], predecessor: Identity) -> httpx.Response:
+    async def vouch(
+        self, who: Identity, lease: dict[str, Any], neighbour: Identity, side: str = "predecessor"
+    ) -> httpx.Response:
         body = {"model": SHA, "layers": lease["layers"], "node_id": who.node_id, "lease_id": lease["lease_id"],
-                "predecessor": predecessor.public.to_text()}  # fmt: skip
+                "key": neighbour.public.to_text(), "side": side}  # fmt: skip
         return await self.post("/v1/vouch", body, who)
 
     async def windows(self) -> list[dict[str, Any]]:
@@ -212,6 +214,10 @@ async def test_vouches_need_a_serving_predecessor_of_a_distinct_key(market: Mark
     assert r.status_code == 409 and _code(r) == "not_holder", r.text  # c holds nothing before b's window
     r = await market.vouch(a, la, b)
     assert r.status_code == 409 and _code(r) == "not_holder", r.text  # b is a's successor, not its predecessor
+    r = await market.vouch(a, la, b, "successor")  # a dialled b: that confirms b
+    assert r.status_code == 200 and r.json()["confirmed"] == list(WINDOWS[1]), r.text
+    r = await market.vouch(a, la, b, "sideways")
+    assert r.status_code == 400, r.text
     r = await market.vouch(c, lb, a)  # c signs for b's lease
     assert r.status_code in (403, 409), r.text
     r = await market.vouch(b, lb, a)
@@ -373,12 +379,13 @@ def test_choice_prefers_uncovered_windows_to_claimable_ones() -> None:
     assert choose_window(ws, 10_000, random.Random(0)) is None
 
 
-def test_a_node_vouches_only_for_a_linked_predecessor() -> None:
+def test_a_node_vouches_only_for_linked_neighbours() -> None:
     lease = Lease(SHA, 2, 4, "n", "L", 1.0)
-    key = Identity.generate().public
-    assert vouch_for(None, "n", key) is None and vouch_for(lease, "n", None) is None
-    v = vouch_for(lease, "n", key)
-    assert v is not None and (v.start, v.end, v.lease_id, v.predecessor) == (2, 4, "L", key.to_text())
+    pred, succ = Identity.generate().public, Identity.generate().public
+    assert vouches_for(None, "n", (pred, succ)) == [] and vouches_for(lease, "n", (None, None)) == []
+    (v,) = vouches_for(lease, "n", (None, succ))
+    assert (v.start, v.end, v.lease_id, v.key, v.side) == (2, 4, "L", succ.to_text(), "successor")
+    assert [v.side for v in vouches_for(lease, "n", (pred, succ))] == ["predecessor", "successor"]
 
 
 def test_market_refuses_bad_settings() -> None:

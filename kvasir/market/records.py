@@ -291,9 +291,10 @@ class LeaseRef(_Body):
 
 @attrs.frozen
 class LinkVouch(_Body):
-    """Body of vouch: the holder of a window says it has an authenticated link from ``predecessor``, the key that
-    holds the window before its own (its link checked that key's market ticket for exactly that window). A vouch
-    from a holder of a distinct key confirms the predecessor's lease (docs/market.md § Leases must become service)."""
+    """Body of vouch: the holder of a window says it has a live authenticated link with ``key``, the holder of the
+    window before its own (``side`` "predecessor": the link checked that key's market ticket for exactly that
+    window) or after it ("successor": the node dialled that window's endpoint with that key pinned). A vouch from a
+    holder of a distinct key confirms that neighbour's lease (docs/market.md § Leases must become service)."""
 
     WHERE: ClassVar[str] = "vouch"
 
@@ -302,8 +303,12 @@ class LinkVouch(_Body):
     end: int = attrs.field(validator=_window_end)
     node_id: str = attrs.field(validator=_node_id)
     lease_id: str = attrs.field(validator=_text)
-    #: The predecessor's whole public key (``ed25519:…``), as its link authenticated it.
-    predecessor: str = attrs.field(validator=_key_text)
+    #: The neighbour's whole public key (``ed25519:…``), as its link authenticated it.
+    key: str = attrs.field(validator=_key_text)
+    side: Literal["predecessor", "successor"] = attrs.field(
+        default="predecessor", validator=rule(lambda v: v in ("predecessor", "successor"),
+                                              "must be 'predecessor' or 'successor'"),
+    )  # fmt: skip
 
 
 _nonce = rule(lambda v: isinstance(v, str) and 0 < len(v) <= 64 and v.isascii() and v.isalnum(),

@@ -2,7 +2,7 @@
 them (``GET /v1/coverage``).
 
 A lease must turn into service (security N6, :mod:`~kvasir.market.server.standing`): a holder that is neither
-fresh nor vouched for by its successor's holder is overdue, and another key's claim takes its window."""
+fresh nor vouched for by a neighbour window's holder is overdue, and another key's claim takes its window."""
 
 from __future__ import annotations
 
@@ -162,32 +162,32 @@ class LeaseBook(StorePart):
             )  # fmt: skip
 
     def vouch(self, v: LinkVouch, holder_key: str | None = None) -> dict[str, Any]:
-        """The holder of ``v``'s window vouches for its link from the holder of the window before it: that lease is
-        confirmed (both must be serving; the two keys must differ)."""
+        """The holder of ``v``'s window vouches for its link with the holder of the window before (or after) it:
+        that lease is confirmed (both must be serving; the two keys must differ)."""
         manifest, rank = self.catalog.window(v.model, v.start, v.end)
         now = self.clock()
         if len(manifest.windows) <= 1:
-            raise MarketError(409, "no_neighbour", "a model of one window has no predecessor to vouch for")
-        pred = manifest.windows[(rank - 1) % len(manifest.windows)]
+            raise MarketError(409, "no_neighbour", "a model of one window has no neighbour to vouch for")
+        other = manifest.windows[(rank + (1 if v.side == "successor" else -1)) % len(manifest.windows)]
         with self._write() as db:
             self.check_lease(db, LeaseRef(v.model, v.start, v.end, v.node_id, v.lease_id), now, holder_key)
             own = db.execute(_CLAIM_ROW, (v.model, v.start, v.end)).fetchone()
-            row = db.execute(_CLAIM_ROW, (v.model, pred.start, pred.end)).fetchone()
+            row = db.execute(_CLAIM_ROW, (v.model, other.start, other.end)).fetchone()
             if own[6] != "serving":
-                raise MarketError(409, "not_serving", "only a serving holder vouches for its predecessor")
-            if row is None or row[2] <= now or row[3] != v.predecessor:
+                raise MarketError(409, "not_serving", "only a serving holder vouches for its neighbours")
+            if row is None or row[2] <= now or row[3] != v.key:
                 raise MarketError(
-                    409, "not_holder", f"window [{pred.start}, {pred.end}) is not held by the key that vouch names"
+                    409, "not_holder", f"window [{other.start}, {other.end}) is not held by the key that vouch names"
                 )
-            if v.predecessor == (holder_key or own[3]):
+            if v.key == (holder_key or own[3]):
                 raise MarketError(409, "own_key", "a holder cannot vouch for its own key")
             if row[6] != "serving":
-                raise MarketError(409, "not_serving", f"the holder of [{pred.start}, {pred.end}) is not serving")
+                raise MarketError(409, "not_serving", f"the holder of [{other.start}, {other.end}) is not serving")
             db.execute(
                 'UPDATE leases SET confirmed_at = ? WHERE model = ? AND start = ? AND "end" = ?',
-                (now, v.model, pred.start, pred.end),
+                (now, v.model, other.start, other.end),
             )
-        return {"confirmed": [pred.start, pred.end], "holder": row[0], "until": now + self.rules.confirm_ttl_s}
+        return {"confirmed": [other.start, other.end], "holder": row[0], "until": now + self.rules.confirm_ttl_s}
 
     @staticmethod
     def check_ban(db: sqlite3.Connection, model: str, node_id: str, now: float) -> None:
