@@ -144,6 +144,7 @@ class LeaseBook(StorePart):
     def _evict_overdue(self, db: sqlite3.Connection, req: ClaimRequest, holder: str, now: float) -> None:
         """The window's overdue holder gives way to ``req``; its key may not claim on the model for a while."""
         until = now + self.rules.idle_cooldown_s
+        db.execute("DELETE FROM idle_keys WHERE until <= ?", (now,))  # bounded: only cooldowns still running
         db.execute(
             "INSERT OR REPLACE INTO idle_keys (model, node_id, until) VALUES (?, ?, ?)", (req.model, holder, until)
         )
