@@ -451,3 +451,18 @@ def test_squatted_windows_go_to_honest_nodes_that_serve_the_model(
         time.sleep(12)  # more than two deadlines: the vouches keep every lease confirmed
         assert confirmed()
         assert {w["holder"] for w in coverage(url)["windows"]} == honest
+
+
+def test_the_market_command_refuses_bad_settings(tmp_path: Path) -> None:
+    """One clear line and exit 2, before anything is created."""
+    import subprocess
+    import sys
+
+    for flag, value, said in (("--work-bits", "40", "--work-bits must be 0..32"),
+                              ("--serve-deadline", "nan", "--serve-deadline must be 0..86400")):  # fmt: skip
+        r = subprocess.run(
+            [sys.executable, "-m", "kvasir", "market", flag, value, "--db", str(tmp_path / "m.sqlite")],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert r.returncode == 2 and said in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (tmp_path / "m.sqlite").exists()
