@@ -404,10 +404,11 @@ def test_market_refuses_bad_settings() -> None:
 def test_squatted_windows_go_to_honest_nodes_that_serve_the_model(
     tiny_model: Callable[..., Path], tmp_path: Path
 ) -> None:
-    """N6 with a real ``kvasir market`` (``--serve-deadline 5``) and three real empty nodes: three squatter keys
-    hold every window (``fetching``, 3,600 s leases, never serving). Before, the nodes waited the hour out. Now they
-    take the windows once the deadline passes, fetch, link, vouch for each other and answer exactly the whole
-    model's tokens; the squatters cannot come back, and the ring stays confirmed past several deadlines."""
+    """N6 with a real ``kvasir market`` (``--serve-deadline 5 --work-bits 8``) and three real empty nodes: three
+    squatter keys, each admitted with its work, hold every window (``fetching``, 3,600 s leases, never serving).
+    Before, the nodes waited the hour out. Now they do the admission work by themselves, take the windows once the
+    deadline passes, fetch, link, vouch for each other and answer exactly the whole model's tokens; the squatters
+    cannot come back, and the ring stays confirmed past several deadlines."""
     import time
 
     from tests.marketutil import Proc, coverage, procs, wait_for
@@ -419,14 +420,17 @@ def test_squatted_windows_go_to_honest_nodes_that_serve_the_model(
     with procs() as ps:
         operator = ("--identity", str(tmp_path / "operator.pem"), "--create-identity")
         market = Proc("market", "--listen", "127.0.0.1:0", "--db", str(tmp_path / "market.sqlite"), *operator,
-                      "--serve-deadline", "5")  # fmt: skip
+                      "--serve-deadline", "5", "--work-bits", "8")  # fmt: skip
         ps.append(market)
         url = market.wait_line(r"listening on (http://\S+)").group(1)
         key = market.wait_line(r"operator (ed25519:\S+)").group(1)
         _seed_and_publish(ps, model, url, *operator)
         cov = coverage(url)
         squatters = [Identity.generate() for _ in cov["windows"]]
+        market_key = httpx.get(f"{url}/v1/admission", timeout=10).json()["market"]
         for s, w in zip(squatters, cov["windows"], strict=True):
+            work = {"node_id": s.node_id, "nonce": mint_work(market_key, s.public.to_text(), 8)}
+            assert httpx.post(f"{url}/v1/admission", json=work, auth=SignAuth(s), timeout=10).status_code == 200
             body = {"model": cov["model"], "layers": w["layers"], "node_id": s.node_id, "lease_s": 3600}
             r = httpx.post(f"{url}/v1/claims", json=body, auth=SignAuth(s), timeout=10)
             assert r.status_code == 200, r.text
