@@ -470,3 +470,27 @@ def test_the_market_command_refuses_bad_settings(tmp_path: Path) -> None:
         )  # fmt: skip
         assert r.returncode == 2 and said in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not (tmp_path / "m.sqlite").exists()
+
+
+def test_market_status_marks_claimable_windows() -> None:
+    import io
+
+    from rich.console import Console
+
+    from kvasir.commands.market import print_status
+
+    def text(claimable: object) -> str:
+        w = {"rank": 0, "layers": [0, 2], "bytes": 10, "reward": 1.0, "holder": "h", "lease_expires": None,
+             "state": "fetching", "endpoint": None, "claimable": claimable}  # fmt: skip
+        st = {
+            "coverage": {"now": 0.0, "models": [{"name": "m", "model": SHA, "covered": 1, "windows_total": 1,
+                                                 "live": False, "windows": [w]}]},
+            "demand": {"horizon_s": 600, "models": []},
+            "ledger": {"nodes": []},
+        }  # fmt: skip
+        out = io.StringIO()
+        print_status(st, Console(file=out, width=200, color_system=None))
+        return out.getvalue()
+
+    assert "fetching (claimable)" in text(True)
+    assert "claimable" not in text(False) and "claimable" not in text("yes")  # only a real true

@@ -283,13 +283,16 @@ def print_status(st: dict[str, Any], c: Console) -> None:
                 else Text("-")
             )
             layers = w["layers"]
+            state = shown(w["state"] or "-")
+            if w.get("claimable") is True:  # overdue: no neighbour vouched in time (docs/market.md)
+                state = Text.assemble(state, Text(" (claimable)", "yellow"))
             t.add_row(
                 _num(w["rank"], "d"),
                 Text.assemble(_num(layers[0], "d"), ":", _num(layers[1], "d")),
                 _num(w["bytes"], ","),
                 _num(w["reward"], ".3g"),
                 shown(w["holder"]) if w["holder"] else Text("uncovered", "red"),
-                shown(w["state"] or "-"),
+                state,
                 shown(w["endpoint"] or "-"),
                 left,
             )
