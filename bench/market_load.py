@@ -43,7 +43,7 @@ from tests.harness.marketload import (  # noqa: E402
 def start_market(tmp: Path) -> tuple[subprocess.Popen[str], str]:
     p = subprocess.Popen(
         [sys.executable, "-m", "kvasir", "market", "--listen", "127.0.0.1:0", "--db", str(tmp / "m.sqlite"),
-         "--identity", str(tmp / "operator.pem"), "--create-identity"],
+         "--identity", str(tmp / "operator.pem"), "--create-identity", "--no-claim-limits"],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     assert p.stdout is not None

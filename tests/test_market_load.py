@@ -12,6 +12,8 @@ import trio
 from kvasir.core.identity import Identity
 from kvasir.market.records import ClaimRequest, Lease
 from kvasir.market.server.backend import MarketBackend
+from kvasir.market.server.gate import ClaimGate
+from kvasir.market.server.ratelimit import ClaimLimits
 from kvasir.market.server.service import serve_market
 from kvasir.market.server.store import MarketStore
 from tests.harness.marketload import (
@@ -31,11 +33,16 @@ SMALL = LoadConfig(nodes=50, models=2, windows=5, duration_s=6.0, ramp_s=0.5, le
 WINDOWS = SMALL.models * SMALL.windows
 
 
+def unlimited(market: Identity) -> ClaimGate:
+    """Fifty simulated machines share one loopback address here: no per-address claim limit (security N6)."""
+    return ClaimGate(market.public.to_text(), limits=ClaimLimits.off())
+
+
 async def _load(db: Path, store: MarketStore, cfg: LoadConfig) -> Tally:
     async with trio.open_nursery() as nursery:
         port = await nursery.start(
             lambda task_status: serve_market(
-                db, "127.0.0.1", 0, store=store, identity=OPERATOR, task_status=task_status
+                db, "127.0.0.1", 0, store=store, identity=OPERATOR, gate=unlimited, task_status=task_status
             )
         )
         url = f"http://127.0.0.1:{port}"

@@ -169,7 +169,7 @@ def test_market_records_keep_their_json_shape() -> None:
     assert ClaimRequest.from_wire(renew.to_wire(), renew=True) == renew
     assert ClaimRequest.from_wire(renew.to_wire()).lease_id is None  # only a renewal names its lease
     entry = CoverageEntry(SHA, 1, 2, 4, 1.0, 1.5, 10, SHA, "a", 5.0, "serving", "h:1")
-    keys = "model rank layers weight reward bytes sha256 holder lease_expires state endpoint"
+    keys = "model rank layers weight reward bytes sha256 holder lease_expires state endpoint confirmed claimable"
     assert list(entry.to_wire()) == keys.split()
     assert CoverageEntry.from_wire(entry.to_wire()) == entry
 
@@ -378,6 +378,8 @@ EXEMPT: dict[str, str] = {
     "kvasir.market.auth.Signed": "a verified request's signer, built from headers",
     "kvasir.market.records.FraudRecord": "the market store keeps it as SQL columns, never as JSON",
     "kvasir.market.agent": "the node agent's in-process state",
+    "kvasir.market.server.ratelimit": "rate-limit buckets and rates, in process (built from the market's settings)",
+    "kvasir.market.server.standing.LeaseRules": "the market's lease rules, built from `kvasir market` flags",
     "kvasir.verify.select": "which requests to keep for audit, in process",
     "kvasir.verify.audit.StepOutput": "a step computed in process; logged as LoggedInput (registered)",
     "kvasir.verify.audit.AuditResult": "an audit's verdict, printed, never parsed",

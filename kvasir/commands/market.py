@@ -58,6 +58,26 @@ def add_parser(sub: Any) -> None:
         metavar="DIR",
         help="stage files the market re-executes fraud proofs on (default: act only on the operator's proofs)",
     )
+    p.add_argument(
+        "--serve-deadline",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="seconds a claim has to serve and be vouched for by its neighbour before other claims may take it "
+        "(0: off; default %(default)s)",
+    )
+    p.add_argument(
+        "--work-bits",
+        type=int,
+        default=0,
+        metavar="N",
+        help="proof of work (bits) a new key must show before its first claim, 0-32 (0: none; default %(default)s)",
+    )
+    p.add_argument(
+        "--no-claim-limits",
+        action="store_true",
+        help="no rate limits on claims and admissions per key and address (benchmarks of many nodes on one host)",
+    )
     add_tls_arguments(p, "serve https:// (needs --tls-key)")
     add_identity_argument(p)
     p.set_defaults(run=run_serve)
@@ -126,12 +146,21 @@ def add_ca_argument(p: argparse.ArgumentParser) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from kvasir.core.errors import InputError
     from kvasir.core.identity import PublicKey
     from kvasir.market.server.clock import MarketClock, wall_clock_from_env
+    from kvasir.market.server.gate import ClaimGate
+    from kvasir.market.server.ratelimit import ClaimLimits
     from kvasir.market.server.service import serve_market
+    from kvasir.market.server.standing import LeaseRules
     from kvasir.market.server.store import MarketStore
+    from kvasir.market.work import MAX_WORK_BITS
 
     host, port = parse_hostport(args.listen, "--listen")
+    if not 0 <= args.work_bits <= MAX_WORK_BITS:
+        raise InputError(f"--work-bits must be 0..{MAX_WORK_BITS}, not {args.work_bits}")
+    if not 0 <= args.serve_deadline <= 86_400:  # also refuses nan
+        raise InputError(f"--serve-deadline must be 0..86400 seconds, not {args.serve_deadline}")
     tls = server_tls(args)
     scheme = "https" if tls is not None else "http"
     identity = identity_from_args(args)
@@ -153,7 +182,9 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"kvasir market: judging fraud proofs on {len(judge.stages)} stage file(s)", flush=True)
     # Market time: the host's clock read at start, then monotonic (kvasir.market.server.clock); the wall clock
     # it starts from may be skewed by the KVASIR_MARKET_WALL_SKEW_FILE test hook.
-    store = MarketStore(args.db, wall=wall_clock_from_env())
+    rules = LeaseRules(serve_deadline_s=args.serve_deadline)
+    limits = ClaimLimits.off() if args.no_claim_limits else ClaimLimits()
+    store = MarketStore(args.db, wall=wall_clock_from_env(), rules=rules)
     if isinstance(store.clock, MarketClock) and store.clock.behind_at_start > 1:
         print(
             f"kvasir market: this host's clock is {store.clock.behind_at_start:.0f} s behind the market's last time;"
@@ -171,6 +202,7 @@ def run_serve(args: argparse.Namespace) -> int:
         operator=operator,
         tls=tls,
         judge=judge,
+        gate=lambda market: ClaimGate(market.public.to_text(), args.work_bits, limits),
         task_status=Announce(),
     )
     try:
@@ -319,13 +351,16 @@ def print_status(st: dict[str, Any], c: Console) -> None:
                 else Text("-")
             )
             layers = w["layers"]
+            state = shown(w["state"] or "-")
+            if w.get("claimable") is True:  # overdue: no neighbour vouched in time (docs/market.md)
+                state = Text.assemble(state, Text(" (claimable)", "yellow"))
             t.add_row(
                 _num(w["rank"], "d"),
                 Text.assemble(_num(layers[0], "d"), ":", _num(layers[1], "d")),
                 _num(w["bytes"], ","),
                 _num(w["reward"], ".3g"),
                 shown(w["holder"]) if w["holder"] else Text("uncovered", "red"),
-                shown(w["state"] or "-"),
+                state,
                 shown(w["endpoint"] or "-"),
                 left,
             )

@@ -59,6 +59,7 @@ _text = rule(lambda v: isinstance(v, str) and 0 < len(v) <= MAX_TEXT,
 _state = rule(lambda v: v in LEASE_STATES, f"must be one of {', '.join(LEASE_STATES)}")
 
 
+_bool = rule(lambda v: isinstance(v, bool), "must be true or false")
 _ticket = rule(lambda v: isinstance(v, str) and len(v) <= 4096, "must be a string of at most 4096 characters")
 _client_auth = rule(
     lambda v: isinstance(v, str) and 0 < len(v) <= MAX_AUTH_CHARS and v.isascii(),
@@ -293,6 +294,42 @@ class LeaseRef(_Body):
 
 
 @attrs.frozen
+class LinkVouch(_Body):
+    """Body of vouch: the holder of a window says it has a live authenticated link with ``key``, the holder of the
+    window before its own (``side`` "predecessor": the link checked that key's market ticket for exactly that
+    window) or after it ("successor": the node dialled that window's endpoint with that key pinned). A vouch from a
+    holder of a distinct key confirms that neighbour's lease (docs/market.md § Leases must become service)."""
+
+    WHERE: ClassVar[str] = "vouch"
+
+    model: str = attrs.field(validator=_sha256)
+    start: int
+    end: int = attrs.field(validator=_window_end)
+    node_id: str = attrs.field(validator=_node_id)
+    lease_id: str = attrs.field(validator=_text)
+    #: The neighbour's whole public key (``ed25519:…``), as its link authenticated it.
+    key: str = attrs.field(validator=_key_text)
+    side: Literal["predecessor", "successor"] = attrs.field(
+        default="predecessor", validator=rule(lambda v: v in ("predecessor", "successor"),
+                                              "must be 'predecessor' or 'successor'"),
+    )  # fmt: skip
+
+
+_nonce = rule(lambda v: isinstance(v, str) and 0 < len(v) <= 64 and v.isascii() and v.isalnum(),
+              "must be 1-64 ASCII letters or digits")  # fmt: skip
+
+
+@attrs.frozen
+class AdmissionRequest(_Body):
+    """Body of admission: the proof of work (:mod:`kvasir.market.work`) that admits the signing key to claim."""
+
+    WHERE: ClassVar[str] = "admission"
+
+    node_id: str = attrs.field(validator=_node_id)
+    nonce: str = attrs.field(validator=_nonce)
+
+
+@attrs.frozen
 class Lease(_Body):
     """A granted lease: the holder owns the window until ``expires_at`` (unix seconds) unless it renews."""
 
@@ -392,6 +429,11 @@ class CoverageEntry(_Body):
     endpoint: str | None = attrs.field(default=None, validator=_endpoint)
     #: The holder's whole public key (``ed25519:…``): a neighbour dials it with the key pinned (protocol v2).
     holder_key: str | None = attrs.field(default=None, validator=optional(_key_text))
+    #: A neighbour of a distinct key vouched lately for the holder's link (docs/market.md § Leases must become
+    #: service).
+    confirmed: bool = attrs.field(default=False, validator=_bool)
+    #: The holder is past its deadline and unconfirmed: another key's claim takes the window.
+    claimable: bool = attrs.field(default=False, validator=_bool)
 
     @property
     def covered(self) -> bool:
@@ -427,8 +469,9 @@ def coverage_from_wire(data: Any, skipped: list[str] | None = None) -> list[Cove
     return out
 
 
-for _cls in (WindowSpec, LeaseRef, CreditReport):
+for _cls in (WindowSpec, LeaseRef, CreditReport, LinkVouch):
     register_record(_cls, window=True)
+register_record(AdmissionRequest)
 register_record(Probe)
 register_record(StageHash, window=True, omit_if_empty=("probes",))
 register_record(CoverageEntry, window=True, omit_if_none=("holder_key",))

@@ -1,4 +1,6 @@
-"""Which window a node claims (pure): the best reward per byte among uncovered windows that fit its budget.
+"""Which window a node claims (pure): the best reward per byte among uncovered windows that fit its budget, or,
+when none is uncovered, among windows whose holder is overdue (``claimable``: it neither serves nor was vouched
+for in time, security N6), so a squatted window goes to a node that will serve it.
 
 Rewards come from the market's coverage map (weight × demand multiplier, credits per token served). Dividing by
 the window's stage bytes prefers windows that pay the most for the memory and download they cost. Ties (e.g. a
@@ -24,11 +26,12 @@ def fits(window: CoverageEntry, budget_bytes: int) -> bool:
 def choose_window(
     windows: Sequence[CoverageEntry], budget_bytes: int, draw: random.Random, *, exclude: frozenset[str] = frozenset()
 ) -> CoverageEntry | None:
-    """The window to claim, or None when no uncovered window fits ``budget_bytes``.
+    """The window to claim, or None when no uncovered (or else claimable) window fits ``budget_bytes``.
 
     ``exclude`` names models (sha256) to leave out. Deterministic for a given ``draw`` state.
     """
-    open_ = [w for w in windows if not w.covered and fits(w, budget_bytes) and w.model not in exclude]
+    ok = [w for w in windows if fits(w, budget_bytes) and w.model not in exclude]
+    open_ = [w for w in ok if not w.covered] or [w for w in ok if w.claimable]
     if not open_:
         return None
     best = max(w.reward / w.bytes for w in open_)

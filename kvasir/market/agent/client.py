@@ -26,11 +26,13 @@ from kvasir.core.errors import InputError, MarketError
 from kvasir.core.identity import Identity, PublicKey
 from kvasir.market import auth, replies
 from kvasir.market.records import (
+    AdmissionRequest,
     ClaimRequest,
     CoverageEntry,
     CreditReport,
     Lease,
     LeaseRef,
+    LinkVouch,
     ManifestRecord,
     ModelRecord,
     ReceiptBatch,
@@ -259,6 +261,21 @@ class MarketClient:
 
     async def release(self, ref: LeaseRef) -> None:
         await self._call("POST", "/v1/claims/release", ref.to_wire())
+
+    async def vouch(self, vouch: LinkVouch) -> dict[str, Any]:
+        """Vouch for the link from the predecessor's holder (``POST /v1/vouch``)."""
+        result: dict[str, Any] = await self._call("POST", "/v1/vouch", vouch.to_wire())
+        return result
+
+    async def admission(self) -> dict[str, Any]:
+        """What the market asks of a new key (``GET /v1/admission``: ``market``, ``work_bits``)."""
+        result = await self._call("GET", "/v1/admission")
+        if not isinstance(result, dict):
+            raise InputError("market: /v1/admission is not an object")
+        return result
+
+    async def admit(self, request: AdmissionRequest) -> None:
+        await self._call("POST", "/v1/admission", request.to_wire())
 
     async def receipts(self, batch: ReceiptBatch) -> dict[str, Any]:
         """Send a witness's receipts: the market's reply (how many were new, how many requests it settled)."""

@@ -186,7 +186,12 @@ class Enrollment:
                 decision = decide(coverage, own, cfg.budget_bytes, self.agent.draw)
                 if isinstance(decision, Claim):
                     choice = decision.window
-                    await self.keeper.claim(choice)
+                    try:
+                        await self.keeper.claim(choice)
+                    except MarketError as exc:
+                        if exc.code == "idle_cooldown":  # this key let the window idle: others' turn for a while
+                            self._avoid[window_key(choice)] = time.monotonic() + AVOID_S
+                        raise
                     log.info("node %s claimed window %d:%d", cfg.node_id, choice.start, choice.end)
                     self.window = choice
                     return choice

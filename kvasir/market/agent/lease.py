@@ -13,6 +13,7 @@ import attrs
 import trio
 
 from kvasir.core.errors import KvasirError, MarketError
+from kvasir.market.agent.admission import admit
 from kvasir.market.agent.client import MarketClient
 from kvasir.market.records import ClaimRequest, CoverageEntry, Lease, LeaseRef
 
@@ -40,9 +41,16 @@ class LeaseKeeper:
         self.endpoint: str | None = None
 
     async def claim(self, window: CoverageEntry) -> Lease:
-        """Claim ``window`` as ``fetching`` (MarketError 409 when another node was faster)."""
+        """Claim ``window`` as ``fetching`` (MarketError 409 when another node was faster). A market that asks work
+        of new keys (403 ``admission_required``) gets it, once, before the claim is made again."""
         req = ClaimRequest(window.model, window.start, window.end, self.node_id, self.lease_s)
-        self.lease = await self.market.claim(req)
+        try:
+            self.lease = await self.market.claim(req)
+        except MarketError as exc:
+            if exc.code != "admission_required":
+                raise
+            await admit(self.market)
+            self.lease = await self.market.claim(req)
         return self.lease
 
     async def renew(self) -> None:

@@ -32,6 +32,7 @@ from kvasir.market.agent.ledger import Ledger
 from kvasir.market.agent.policy import OwnState, Release, decide, window_key
 from kvasir.market.agent.ringmap import keep_known, manifest_from_coverage, with_port
 from kvasir.market.agent.trust import Trust
+from kvasir.market.agent.vouch import Linked, LinkedKeys, vouch_every
 from kvasir.market.records import CoverageEntry
 from kvasir.market.tickets import TicketPolicy, predecessor_ticket_policy
 from kvasir.relay.ringlink import market_grant_connector, secret_connector
@@ -227,6 +228,7 @@ async def serve_window(
                 )  # fmt: skip
                 tasks.start_soon(serving.follow_coverage)
                 tasks.start_soon(serving.report_every, cfg.report_s)
+                tasks.start_soon(vouch_every, agent.market, lambda: keeper.lease, cfg.node_id, _linked(node))
                 if handler is not None:
                     tasks.start_soon(handler, node)
                 try:
@@ -259,6 +261,19 @@ def ticket_policy(
     window (not the next one: issue 24 N2), its expiry checked against ``clock`` (the node's estimate of the market's
     time, which issued it)."""
     return predecessor_ticket_policy(issuer, window.model, node.manifest, window.rank, clock)
+
+
+def _linked(node: Node) -> Linked:
+    """The keys on the node's live links: the predecessor's (its ticket checked for the window before), the
+    successor's (the key the link was dialled with: the manifest's, from the market's map)."""
+
+    def keys() -> LinkedKeys:
+        links = node.links
+        pred = links.predecessor_key if links.predecessor is not None else None
+        succ = node.manifest.successor(node.rank).key if links.successor is not None else None
+        return pred, succ
+
+    return keys
 
 
 def _relay_connect(cfg: EnrollConfig, keeper: LeaseKeeper) -> RelayConnect | None:

@@ -9,8 +9,12 @@ an engine. Every method is synchronous and is one transaction; the service runs 
 Contracts an engine must keep (tests/test_market*.py check them through the SQLite store):
 
 - ``claim`` is one atomic compare-and-set: a window with a live lease of another node (or of another key with the
-  same fingerprint) is refused with MarketError 409 ``window_taken``; two callers never both get a lease on one
-  window, whatever the interleaving.
+  same fingerprint) is refused with MarketError 409 ``window_taken`` unless that lease is overdue (neither fresh nor
+  vouched for, :mod:`~kvasir.market.server.standing`): then the claim takes it and the overdue key is refused on the
+  model (403 ``idle_cooldown``) for a while; two callers never both get a lease on one window, whatever the
+  interleaving.
+- ``vouch`` confirms the lease of the window before the voucher's when both serve and their keys differ (409
+  ``not_holder``, ``not_serving``, ``own_key``, ``no_neighbour`` otherwise).
 - ``renew``, ``release`` and ``credit`` act only on the caller's own live lease (409 ``lease_expired`` or
   ``foreign_lease`` otherwise).
 - A published model record is immutable (409 ``model_immutable``); a manifest replaces the last one and drops
@@ -32,6 +36,7 @@ from kvasir.market.records import (
     FraudRecord,
     Lease,
     LeaseRef,
+    LinkVouch,
     ManifestRecord,
     ModelRecord,
     ReceiptBatch,
@@ -69,6 +74,11 @@ class MarketBackend(Protocol):
     def claim(self, req: ClaimRequest, holder_key: str | None = None) -> Lease: ...
     def renew(self, req: ClaimRequest, holder_key: str | None = None) -> Lease: ...
     def release(self, ref: LeaseRef, holder_key: str | None = None) -> None: ...
+    def vouch(self, vouch: LinkVouch, holder_key: str | None = None) -> dict[str, Any]: ...
+
+    # Admission (kvasir.market.work): keys that paid their proof of work.
+    def admitted(self, holder_key: str) -> bool: ...
+    def admit(self, holder_key: str, bits: int) -> None: ...
 
     # Accounts (micro-credits, keyed by public key text), demand and the ledger (docs/market.md § Credit).
     def fund(self, key: str, micro: int) -> dict[str, Any]: ...

@@ -29,11 +29,13 @@ from kvasir.core.errors import InputError, MarketError
 from kvasir.core.identity import Identity, PublicKey
 from kvasir.market import auth, replies
 from kvasir.market.records import (
+    AdmissionRequest,
     ClaimRequest,
     CreditReport,
     FraudRecord,
     Lease,
     LeaseRef,
+    LinkVouch,
     ManifestRecord,
     ModelRecord,
     ReceiptBatch,
@@ -41,6 +43,7 @@ from kvasir.market.records import (
 )
 from kvasir.market.server.backend import MarketBackend
 from kvasir.market.server.fraud import ProofJudge
+from kvasir.market.server.gate import ClaimGate, RateLimited
 from kvasir.market.server.proofmemo import ProofMemo
 from kvasir.market.tickets import MAX_TICKET_S, WindowTicket, issue_ticket
 from kvasir.net.http import ApiLimits, HttpConnection, HttpError, HttpRequest, json_bytes, serve_http
@@ -68,8 +71,11 @@ class MarketService:
         identity: Identity,
         operator: PublicKey | None = None,
         judge: ProofJudge | None = None,
+        gate: ClaimGate | None = None,
     ) -> None:
         self.store = store
+        #: Claims' rate limits and new keys' proof of work (security N6).
+        self.gate = gate or ClaimGate(identity.public.to_text())
         self.judge = judge
         #: Re-executing a proof loads a window and runs llama.cpp: one at a time, beside the store's threads.
         self.judge_limiter = trio.CapacityLimiter(1)
@@ -124,9 +130,12 @@ class MarketService:
     async def handle(self, http: HttpConnection, request: HttpRequest) -> None:
         extra: tuple[tuple[str, str], ...] = ()
         try:
-            status, body = await self._route(request)
+            status, body = await self._route(request, http.peer)
         except HttpError as exc:  # 404, 405 (with its ``allow``)
             status, body, extra = exc.status, exc.body(), exc.headers
+        except RateLimited as exc:  # claims and admissions over their rate (kvasir.market.server.gate)
+            status, body = exc.status, HttpError(exc.status, exc.code, str(exc)).body()
+            extra = (("retry-after", str(exc.retry_after)),)
         except InputError as exc:
             status, body = 400, HttpError(400, "bad_request", str(exc)).body()
         except MarketError as exc:
@@ -142,7 +151,7 @@ class MarketService:
         sig = replies.sign_reply(self.identity, request.method, request.target, status, nonce, when, body)
         return [(auth.H_MARKET_TIME, when), (replies.H_REPLY_SIG, sig)]
 
-    async def _route(self, request: HttpRequest) -> tuple[int, Any]:
+    async def _route(self, request: HttpRequest, peer: str = "?") -> tuple[int, Any]:
         method, path = request.method, request.path
         query = _query(request.target)
 
@@ -203,6 +212,9 @@ class MarketService:
             allow("POST")
             req = ClaimRequest.from_wire(_body(request))
             signed = self._signed(request, node_id=req.node_id)
+            self.gate.count_claim(signed.key.to_text(), peer, self.store.clock())
+            if self.gate.work_bits:
+                self.gate.require_admission(await self._db(self.store.admitted, signed.key.to_text()))
             lease = await self._db(self.store.claim, req, signed.key.to_text())
             return 200, (await self._db(self._ticketed, lease, signed.key)).to_wire()
         if path == "/v1/claims/renew":
@@ -217,6 +229,21 @@ class MarketService:
             signed = self._signed(request, node_id=ref.node_id)
             await self._db(self.store.release, ref, signed.key.to_text())
             return 200, {"released": True}
+        if path == "/v1/vouch":
+            allow("POST")
+            vouch = LinkVouch.from_wire(_body(request))
+            signed = self._signed(request, node_id=vouch.node_id)
+            return 200, await self._db(self.store.vouch, vouch, signed.key.to_text())
+        if path == "/v1/admission":
+            allow("GET", "POST")
+            if method == "GET":
+                return 200, self.gate.info()
+            admission = AdmissionRequest.from_wire(_body(request))
+            signed = self._signed(request, node_id=admission.node_id)
+            self.gate.count_admission(peer, self.store.clock())
+            self.gate.check_work(signed.key.to_text(), admission.nonce)
+            await self._db(self.store.admit, signed.key.to_text(), self.gate.work_bits)
+            return 200, {"admitted": True, **self.gate.info()}
         if path == "/v1/receipts":
             allow("POST")
             batch = ReceiptBatch.from_wire(_body(request))
@@ -353,6 +380,7 @@ async def serve_market(
     operator: PublicKey | None = None,
     tls: ssl.SSLContext | None = None,
     judge: ProofJudge | None = None,
+    gate: Callable[[Identity], ClaimGate] | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the market on ``host:port`` (0: any free port) with its state in ``db`` (SQLite) or in ``store`` (any
@@ -360,7 +388,8 @@ async def serve_market(
 
     ``identity``: the market's key (default: this machine's node identity); ``operator``: the publisher's key
     (default: the market's own); ``tls``: serve HTTPS (kvasir.util.tls.server_context); ``judge``: re-executes
-    fraud proofs (kvasir.market.server.fraud.StageJudge).
+    fraud proofs (kvasir.market.server.fraud.StageJudge); ``gate``: builds the claims' rate limits and admission
+    from the market's identity (default: :class:`~kvasir.market.server.gate.ClaimGate`'s defaults, no work asked).
     """
     if identity is None:
         identity = await trio.to_thread.run_sync(machine_identity)
@@ -369,7 +398,7 @@ async def serve_market(
         from kvasir.market.server.store import MarketStore  # the default engine: SQLite at ``db``
 
         store = await trio.to_thread.run_sync(MarketStore, db)
-    service = MarketService(store, identity, operator, judge)
+    service = MarketService(store, identity, operator, judge, None if gate is None else gate(identity))
     try:
         await serve_http(
             service.handle, host, port, limits=MARKET_LIMITS, name="market", tls=tls, task_status=task_status

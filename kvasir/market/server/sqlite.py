@@ -23,8 +23,11 @@ CREATE TABLE IF NOT EXISTS manifests (model TEXT PRIMARY KEY, body TEXT NOT NULL
 CREATE TABLE IF NOT EXISTS leases (
     model TEXT NOT NULL, start INTEGER NOT NULL, "end" INTEGER NOT NULL,
     node_id TEXT NOT NULL, lease_id TEXT NOT NULL, expires_at REAL NOT NULL,
-    endpoint TEXT, state TEXT NOT NULL, claimed_at REAL NOT NULL, holder_key TEXT,
+    endpoint TEXT, state TEXT NOT NULL, claimed_at REAL NOT NULL, holder_key TEXT, confirmed_at REAL,
     PRIMARY KEY (model, start, "end"));
+CREATE TABLE IF NOT EXISTS idle_keys (
+    model TEXT NOT NULL, node_id TEXT NOT NULL, until REAL NOT NULL, PRIMARY KEY (model, node_id));
+CREATE TABLE IF NOT EXISTS admitted (holder_key TEXT PRIMARY KEY, bits INTEGER NOT NULL, ts REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS demand_buckets (
     model TEXT NOT NULL, bucket INTEGER NOT NULL, requests INTEGER NOT NULL, tokens INTEGER NOT NULL,
     PRIMARY KEY (model, bucket));
@@ -90,6 +93,8 @@ class Database:
             if "account" not in credits:  # a database from before client accounts
                 self.db.execute("ALTER TABLE lease_credits ADD COLUMN earned_micro INTEGER NOT NULL DEFAULT 0")
                 self.db.execute("ALTER TABLE lease_credits ADD COLUMN account TEXT")
+            if "confirmed_at" not in columns:  # a database from before neighbours vouched (security N6)
+                self.db.execute("ALTER TABLE leases ADD COLUMN confirmed_at REAL")
             if clock is None:
                 alive_at = self.get_meta("alive_at")
                 self.clock = MarketClock(wall, floor=0.0 if alive_at is None else float(alive_at))
@@ -110,8 +115,11 @@ class Database:
         if row is not None and now > float(row[0]):
             alive_at = float(row[0])
             with self.write() as db:
+                # Nobody could serve or vouch meanwhile: deadlines and confirmations move by the downtime too.
                 db.execute(
-                    "UPDATE leases SET expires_at = expires_at + ? WHERE expires_at > ?", (now - alive_at, alive_at)
+                    "UPDATE leases SET expires_at = expires_at + ?1, claimed_at = claimed_at + ?1,"
+                    " confirmed_at = confirmed_at + ?1 WHERE expires_at > ?2",
+                    (now - alive_at, alive_at),
                 )
 
     def close(self) -> None:

@@ -8,7 +8,8 @@ through a limiter of one, so the single connection is never used concurrently. T
 
 :class:`MarketStore` is the engine's face; each concern is a part on the one shared database
 (:mod:`~kvasir.market.server.sqlite`): the catalog of models and manifests (:mod:`~kvasir.market.server.catalog`),
-leases and the coverage map (:mod:`~kvasir.market.server.leases`), demand (:mod:`~kvasir.market.server.demand`),
+leases and the coverage map (:mod:`~kvasir.market.server.leases`), admitted keys
+(:mod:`~kvasir.market.server.admission`), demand (:mod:`~kvasir.market.server.demand`),
 client and holder accounts (:mod:`~kvasir.market.server.accounts`), receipts, settlement and the ledger
 (:mod:`~kvasir.market.server.credit`), and fraud withdrawals and bans
 (:mod:`~kvasir.market.server.withdrawals`).
@@ -29,16 +30,19 @@ from kvasir.market.records import (
     FraudRecord,
     Lease,
     LeaseRef,
+    LinkVouch,
     ManifestRecord,
     ModelRecord,
     ReceiptBatch,
 )
 from kvasir.market.server.accounts import AccountBook
+from kvasir.market.server.admission import Admissions
 from kvasir.market.server.catalog import Catalog
 from kvasir.market.server.credit import CreditBook
 from kvasir.market.server.demand import BUCKET_MAX_TOKENS, DemandBook, demand_multiplier
 from kvasir.market.server.leases import LeaseBook
 from kvasir.market.server.sqlite import Database
+from kvasir.market.server.standing import LeaseRules
 from kvasir.market.server.withdrawals import Withdrawals
 
 __all__ = ["BUCKET_MAX_TOKENS", "MarketStore", "demand_multiplier"]
@@ -54,6 +58,7 @@ class MarketStore:
         *,
         clock: Callable[[], float] | None = None,
         wall: Callable[[], float] = time.time,
+        rules: LeaseRules | None = None,
     ) -> None:
         self.base = Database(path, clock=clock, wall=wall)
         #: Market time (kvasir.market.server.clock): the host's ``wall`` clock read at start, then monotonic.
@@ -61,7 +66,8 @@ class MarketStore:
         #: The connection (tests read the tables directly).
         self.db: sqlite3.Connection = self.base.db
         self.catalog = Catalog(self.base)
-        self.leases = LeaseBook(self.base, self.catalog)
+        self.leases = LeaseBook(self.base, self.catalog, rules)
+        self.admissions = Admissions(self.base)
         self.demand_book = DemandBook(self.base, self.catalog)
         self.credits = CreditBook(self.base, self.catalog, self.leases)
         self.accounts = AccountBook(self.base)
@@ -115,6 +121,15 @@ class MarketStore:
 
     def holds_lease(self, node_id: str, model: str) -> bool:
         return self.leases.holds_lease(node_id, model)
+
+    def vouch(self, vouch: LinkVouch, holder_key: str | None = None) -> dict[str, Any]:
+        return self.leases.vouch(vouch, holder_key)
+
+    def admitted(self, holder_key: str) -> bool:
+        return self.admissions.admitted(holder_key)
+
+    def admit(self, holder_key: str, bits: int) -> None:
+        self.admissions.admit(holder_key, bits)
 
     def holder_key(self, model: str, start: int, end: int) -> str | None:
         return self.leases.holder_key(model, start, end)
