@@ -32,7 +32,8 @@ from tests.harness.marketattack import (
     phase_row,
 )
 
-PHASES = ("squat", "baseline", "sybil", "start", "slots")
+PHASES = ("squat", "baseline", "sybil", "start", "slots", "after")
+CALM = ("baseline", "after")
 
 
 def test_classify_tells_identical_different_and_failed() -> None:
@@ -120,7 +121,7 @@ def test_the_bench_reports_every_phase(bench_run: dict[str, Any]) -> None:
     for r in bench_run["rows"]:
         assert check_row(r) == [], r
         assert r["requests"] == 2 and sum(r[k] for k in OUTCOMES) == 2
-        assert (r["attack"] is None) == (r["phase"] == "baseline")
+        assert (r["attack"] is None) == (r["phase"] in ("baseline", "after"))
         if r["attack"] is not None:
             assert isinstance(r["attack"]["succeeded"], bool), r["attack"]
     base = _row(bench_run, "baseline")
@@ -151,7 +152,7 @@ def test_every_honest_request_is_served(bench_run: dict[str, Any], phase: str) -
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "phase",
-    [p for p in _open("squat", "sybil", "start", why="N6, N7, N8 are open on this code") if p != "baseline"],
+    [p for p in _open("squat", "sybil", "start", why="N6, N7, N8 are open on this code") if p not in CALM],
 )
 def test_every_attack_is_refused(bench_run: dict[str, Any], phase: str) -> None:
     attack = _row(bench_run, phase)["attack"]

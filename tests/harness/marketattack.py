@@ -406,7 +406,10 @@ async def publish_sybil_model(url: str, operator: Identity, windows: int = 3) ->
 
 async def _multiplier(c: MarketClient, model: str) -> float:
     """The demand multiplier the market applies to ``model``'s rewards now (reward / weight of its first window)."""
-    w = (await c.coverage(model))[0]
+    try:
+        w = (await c.coverage(model))[0]
+    except (KvasirError, IndexError):  # a market that no longer shows it (or answers otherwise): unknown
+        return float("nan")
     return w.reward / w.weight if w.weight else float("nan")
 
 
