@@ -560,7 +560,8 @@ class SlotHolders(_Background):
                 t_cut = time.monotonic()
                 self.cut_result = await trio.to_thread.run_sync(cut_links, self.port)
                 self.ready.set()
-                self.relink_s = await self._relinked(t_cut)
+                if self.cut_ok:
+                    self.relink_s = await self._relinked(t_cut)
             self.ready.set()
 
     async def _hold(self, source: str) -> None:
@@ -597,8 +598,13 @@ class SlotHolders(_Background):
             await trio.sleep(0.2)
         return None
 
+    @property
+    def cut_ok(self) -> bool:
+        return self.cut_result.startswith("ss -K")
+
     def report(self) -> dict[str, Any]:
         relink = "never (in 120 s)" if self.relink_s is None else f"{self.relink_s:.1f} s"
+        relink = relink if self.cut_ok else "not measured (no cut)"
         return {
             "attempted": f"{self.conns} silent connections from {self.groups} /24s to port {self.port},"
             f" {self.connects} connects in all; predecessor link cut: {self.cut_result}",
@@ -606,8 +612,8 @@ class SlotHolders(_Background):
             "connects": self.connects,
             "cut": self.cut_result,
             "relink_s": self.relink_s,
-            # The bench adds the honest side: refused requests, or a relink past RELINK_OK_S.
-            "succeeded": self.relink_s is None or self.relink_s > RELINK_OK_S,
+            # Kept out: no relink within RELINK_OK_S of the cut. The bench adds the honest side (failed requests).
+            "succeeded": self.cut_ok and (self.relink_s is None or self.relink_s > RELINK_OK_S),
         }
 
 
