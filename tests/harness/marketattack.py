@@ -6,7 +6,7 @@ cleans up, returns what it attempted and achieved). They do each attack the way 
 whether the code it runs refuses them:
 
 - :class:`Squatters` (N6): one free key per window claims it before any honest node, says it serves at a dead
-  endpoint, renews, and claims again whatever comes free;
+  endpoint, renews, and claims again whatever comes free (with a fresh key when a claim is refused);
 - :class:`SybilPair` (N7): two free keys hold two windows of a model nobody serves, one reports invented requests
   that pay the other, both ask for credit, and one reports a million tokens of demand;
 - :class:`StartRewriter` (N8): switches on a ring member that rewrites START (``tests/harness/evil_start.py``);
@@ -263,12 +263,15 @@ def _tally(counts: dict[str, int], key: str) -> None:
 
 class Squatters(_Background):
     """N6: ``keys`` free keys, one per window of ``model``, claim before the honest nodes, say they serve at
-    ``dead_endpoint`` and hold on; whatever comes free (a lease released by the market) they claim again."""
+    ``dead_endpoint`` and hold on; whatever comes free (a lease released by the market) they claim again, with a
+    fresh key whenever a claim was refused other than by a race (a per-key limit; a cost of new keys stops that)."""
 
     name = "squat"
     before_ring = True
     #: How often a squatter renews (its leases are MAX_LEASE_S long: it may renew far less often).
     RENEW_S = 10.0
+    #: Keys used at most: a squatter whose claim is refused (not lost to a race) comes back with a fresh key.
+    MAX_KEYS = 64
 
     def __init__(self, url: str, model: str, keys: int, dead_endpoint: str, *, poll_s: float = 1.0) -> None:
         super().__init__()
@@ -308,7 +311,7 @@ class Squatters(_Background):
                 renew = now - renewed >= self.RENEW_S
                 renewed = now if renew else renewed
                 free = [w for w in cov if w.holder is None]
-                for c in clients:
+                for k, c in enumerate(clients):
                     assert c.identity is not None
                     me = c.identity.node_id
                     if me in self.leases:
@@ -316,21 +319,28 @@ class Squatters(_Background):
                             await self._renew(c, self.leases[me])
                     elif free:
                         w = free.pop(0)
-                        await self._claim(c, ClaimRequest(self.model, w.start, w.end, me, MAX_LEASE_S))
+                        refused = await self._claim(c, ClaimRequest(self.model, w.start, w.end, me, MAX_LEASE_S))
+                        if refused and len(self.ids) < self.MAX_KEYS:  # limited per key? a fresh key is free
+                            fresh = Identity.generate()
+                            self.ids.append(fresh)
+                            self.node_ids.add(fresh.node_id)
+                            clients[k] = MarketClient(self.url, identity=fresh, client=http)
                 self.peak = max(self.peak, len(self.leases))
                 if len(self.leases) == self.keys or (self.leases and not free):
                     self.ready.set()
                 await trio.sleep(self.poll_s)
 
-    async def _claim(self, c: MarketClient, req: ClaimRequest) -> None:
+    async def _claim(self, c: MarketClient, req: ClaimRequest) -> bool:
+        """Claim a free window; whether the market refused the claim for anything but a race (409)."""
         try:
             lease = await c.claim(req)
         except (MarketError, KvasirError) as exc:
             _tally(self.claims, _code(exc))
-            return
+            return not (isinstance(exc, MarketError) and exc.status == 409)
         _tally(self.claims, "granted")
         self.leases[req.node_id] = lease
         await self._renew(c, lease)  # at once: "serving", at an endpoint that never answers
+        return False
 
     async def _renew(self, c: MarketClient, lease: Lease) -> None:
         assert c.identity is not None
@@ -359,7 +369,9 @@ class Squatters(_Background):
     def report(self) -> dict[str, Any]:
         held = time.monotonic() - self.started if self.started else 0.0
         return {
-            "attempted": f"{self.keys} free keys claim every window, announce a dead endpoint, renew, re-claim",
+            "attempted": f"{self.keys} free keys claim every window, announce a dead endpoint, renew, re-claim"
+            f" (a fresh key after a refusal: {len(self.ids)} keys used)",
+            "keys_used": len(self.ids),
             "achieved": f"held {self.peak} windows at most, {self.held_at_stop} at the end; {self.window_s:.0f}"
             f" window-seconds in {held:.0f} s; lost {self.lost} leases",
             "claims": self.claims,
