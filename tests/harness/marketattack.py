@@ -33,7 +33,7 @@ import httpx
 import trio
 
 from kvasir.control.client import ControlClient
-from kvasir.core.errors import KvasirError, MarketError
+from kvasir.core.errors import InputError, KvasirError, MarketError
 from kvasir.core.identity import Identity
 from kvasir.core.sampling import SamplingParams
 from kvasir.market.agent.client import MarketClient
@@ -242,6 +242,10 @@ class _Background(Attacker):
         raise NotImplementedError
 
 
+#: The lease an attacker falls back to when the market refuses MAX_LEASE_S (``kvasir node``'s default).
+SHORT_LEASE_S = 30.0
+
+
 def _http(source: str) -> httpx.AsyncClient:
     """An HTTP client whose connections come from loopback address ``source``."""
     return httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(local_address=source), timeout=10.0)
@@ -268,7 +272,7 @@ class Squatters(_Background):
 
     name = "squat"
     before_ring = True
-    #: How often a squatter renews (its leases are MAX_LEASE_S long: it may renew far less often).
+    #: How often a squatter renews (a third of SHORT_LEASE_S: in time whichever lease the market grants).
     RENEW_S = 10.0
     #: Keys used at most: a squatter whose claim is refused (not lost to a race) comes back with a fresh key.
     MAX_KEYS = 64
@@ -278,6 +282,7 @@ class Squatters(_Background):
         self.url, self.model, self.keys, self.dead_endpoint, self.poll_s = url, model, keys, dead_endpoint, poll_s
         self.ids = [Identity.generate() for _ in range(keys)]
         self.node_ids = {i.node_id for i in self.ids}
+        self.lease_s = MAX_LEASE_S
         self.leases: dict[str, Lease] = {}
         self.claims: dict[str, int] = {}
         self.renewals: dict[str, int] = {}
@@ -319,7 +324,7 @@ class Squatters(_Background):
                             await self._renew(c, self.leases[me])
                     elif free:
                         w = free.pop(0)
-                        refused = await self._claim(c, ClaimRequest(self.model, w.start, w.end, me, MAX_LEASE_S))
+                        refused = await self._claim(c, ClaimRequest(self.model, w.start, w.end, me, self.lease_s))
                         if refused and len(self.ids) < self.MAX_KEYS:  # limited per key? a fresh key is free
                             fresh = Identity.generate()
                             self.ids.append(fresh)
@@ -336,6 +341,8 @@ class Squatters(_Background):
             lease = await c.claim(req)
         except (MarketError, KvasirError) as exc:
             _tally(self.claims, _code(exc))
+            if isinstance(exc, InputError):  # the lease asked for is too long now: ask for the node's default
+                self.lease_s = SHORT_LEASE_S
             return not (isinstance(exc, MarketError) and exc.status == 409)
         _tally(self.claims, "granted")
         self.leases[req.node_id] = lease
@@ -344,13 +351,15 @@ class Squatters(_Background):
 
     async def _renew(self, c: MarketClient, lease: Lease) -> None:
         assert c.identity is not None
-        req = ClaimRequest(self.model, lease.start, lease.end, c.identity.node_id, MAX_LEASE_S, state="serving",
+        req = ClaimRequest(self.model, lease.start, lease.end, c.identity.node_id, self.lease_s, state="serving",
                            endpoint=self.dead_endpoint, lease_id=lease.lease_id)  # fmt: skip
         try:
             self.leases[req.node_id] = await c.renew(req)
             _tally(self.renewals, "renewed")
         except (MarketError, KvasirError) as exc:
             _tally(self.renewals, _code(exc))
+            if isinstance(exc, InputError):
+                self.lease_s = SHORT_LEASE_S
             if isinstance(exc, MarketError) and exc.status in (403, 404, 409):
                 self.leases.pop(req.node_id, None)
                 self.lost += 1
@@ -453,13 +462,17 @@ class SybilPair(_Background):
                 self.mult_before = await _multiplier(a, self.model)
                 for c, rank in ((a, 0), (b, 1)):
                     assert c.identity is not None
-                    try:
-                        self.leases[c.identity.node_id] = await c.claim(
-                            ClaimRequest(self.model, rank, rank + 1, c.identity.node_id, MAX_LEASE_S)
-                        )
-                        _tally(self.calls, "claim granted")
-                    except (MarketError, KvasirError) as exc:
-                        _tally(self.calls, f"claim {_code(exc)}")
+                    for lease_s in (MAX_LEASE_S, SHORT_LEASE_S):  # the longest lease, else the node's default
+                        try:
+                            self.leases[c.identity.node_id] = await c.claim(
+                                ClaimRequest(self.model, rank, rank + 1, c.identity.node_id, lease_s)
+                            )
+                            _tally(self.calls, "claim granted")
+                            break
+                        except (MarketError, KvasirError) as exc:
+                            _tally(self.calls, f"claim {_code(exc)}")
+                            if not isinstance(exc, InputError):
+                                break
                 await self._call("demand", a.demand(DemandReport(self.model, requests=1000, tokens=MAX_REPORT_TOKENS)))
                 self.mult_after = await _multiplier(a, self.model)
             finally:
