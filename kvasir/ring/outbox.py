@@ -121,7 +121,19 @@ class Outbox:
 
     async def end(self, state: RequestState, reason: EndReason, latest: int) -> None:
         """The request ends here (the last rank decided it): END round the ring."""
-        frame = End(state.request_id, reason, state.prompt_len, state.generated, self.rank, latest)
+        # The START's parameters hash echoed (every node checked it against the parameters), and this rank's output
+        # chain head when it records (the head its receipt signs): issue 24, N8 and N9.
+        head = self._observer.head(state.request_id)
+        frame = End(
+            state.request_id,
+            reason,
+            state.prompt_len,
+            state.generated,
+            self.rank,
+            latest,
+            state.start.params_hash,
+            head,
+        )
         await self._requests.finish(state, REASONS[reason])
         await self.terminal(frame)
 
