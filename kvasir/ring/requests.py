@@ -93,7 +93,7 @@ class EntryStream:
         beyond ``max_tokens`` or after a stop string (an honest last rank ends the request there, so a member altered
         the START). Nothing past it reaches the client or the token count."""
         if index >= self.max_tokens or self.stopped:
-            past = f"its max_tokens {self.max_tokens}" if index >= self.max_tokens else "its stop string"
+            past = f"max_tokens {self.max_tokens}" if index >= self.max_tokens else "stop string"
             raise RequestRefused(
                 ErrorCode.PARAMS_MISMATCH,
                 f"the ring sent token {index} past the client's {past}: the START was altered on the way",
@@ -238,6 +238,12 @@ def params_problem(start: StartRequest) -> str | None:
     return "the START's parameters are not the ones its entry committed to (altered on the way)"
 
 
+def check_params(start: StartRequest, rank: int) -> None:
+    """RequestRefused (PARAMS_MISMATCH) when ``start`` reached rank ``rank`` altered (:func:`params_problem`)."""
+    if (problem := params_problem(start)) is not None:
+        raise RequestRefused(ErrorCode.PARAMS_MISMATCH, f"rank {rank}: {problem}")
+
+
 def end_problem(start: StartRequest, end: End) -> str | None:
     """At the entry: why an END does not echo the parameters hash this entry committed to, or None (pure)."""
     if not start.params_hash or end.params_hash == start.params_hash:
@@ -350,8 +356,7 @@ class RequestTable:
                 ErrorCode.CONTEXT_FULL,
                 f"prompt ({start.prompt_length}) + max_tokens ({start.max_tokens}) exceed the context of {n_ctx}",
             )
-        if (problem := params_problem(start)) is not None:
-            raise RequestRefused(ErrorCode.PARAMS_MISMATCH, f"rank {self.rank}: {problem}")
+        check_params(start, self.rank)
         if check_vocab and start.prompt:  # a withheld START was checked by the nodes that hold the tokens
             try:
                 self.stage.vocab.check_tokens(start.prompt)
