@@ -303,3 +303,27 @@ async def test_a_dropped_stop_string_ends_the_request_at_the_clients_stop(
         assert end.text == text and end.generated_tokens == len(expected)
         await all_freed(nodes)
         await honest_answer(nodes, honest, honest_text)
+
+
+async def test_a_members_injected_start_never_closes_an_honest_link(
+    tiny_model: Callable[..., Path], cache_dir: Path
+) -> None:
+    """A neighbour's frames never raise into a link task. Review 2, N21: the last rank (a member) injects a START of
+    its own whose entry node id is one byte long; rank 0 forwards it to rank 1 without the prompt's ids, a 67-byte
+    body every decoder used to refuse (``body length 67 invalid``), so rank 1 closed its honest predecessor link to
+    rank 0, and again at each replay of that START after a relink: the honest client got no answer (60 s). Now the
+    frame decodes: the
+    injected request is served (or refused) alone, the link 0 → 1 stays the same link, and an honest client gets the
+    whole model's answer."""
+    model = tiny_model("llama", "f32")
+    expected, text = await trio.to_thread.run_sync(reference, model, HONEST_MAX)
+    async with three_nodes(model, cache_dir) as nodes:
+        link = nodes[1].links.predecessor
+        errors = nodes[1].requests.errors
+        forged = StartRequest(0x5EED, tuple(PROMPT), 8, 2, "x", GREEDY)
+        await nodes[2].links.send(forged)
+        with trio.fail_after(30):
+            while nodes[1].requests.get(forged.request_id) is None:  # noqa: ASYNC110
+                await trio.sleep(0.01)
+        await honest_answer(nodes, expected, text)
+        assert nodes[1].links.predecessor is link and nodes[1].requests.errors == errors

@@ -299,6 +299,17 @@ def test_a_parameters_hash_commits_to_every_field_a_node_acts_on() -> None:
         End.from_wire(_rebody(echo, 0, flags=FLAG_PARAMS | FLAG_CHAIN))
 
 
+def test_a_withheld_start_with_a_one_byte_entry_id_decodes() -> None:
+    """Review 2, N21: a withheld START whose entry node id is under 5 bytes encoded to a 67-70 byte body that every
+    decoder refused (``body length 70 invalid``), so a member injecting one made an honest node close the link it
+    forwarded it on. The smallest withheld body is 67 bytes now; one with token ids still needs one id."""
+    start = StartRequest(5, (1, 2), 4, 0, "x", SamplingParams(temperature=0.0)).withheld()
+    assert decode_header(start.to_wire()).body_length == 67
+    assert StartRequest.from_wire(start.to_wire()) == start
+    with pytest.raises(ProtocolError, match="body"):
+        decode_frame(_rebody(attrs.evolve(start, withheld_length=0, prompt=(1,)), -4, flags=0))
+
+
 def test_chunk_size_leaves_room_for_a_chain_head() -> None:
     n = max_chunk_tokens(MIN_FRAME_LIMIT, 1, BoundaryDType.F32)
     longest = attrs.evolve(Boundary.from_array(1, 0, _hidden(n, 1)), chain=b"\0" * CHAIN_BYTES)

@@ -169,7 +169,8 @@ _ERROR_FIXED = struct.Struct("<HHI")
 
 _BODY_SIZES: dict[FrameType, tuple[int, int | None]] = {
     FrameType.HELLO: (_HELLO_FIXED.size + 2 * (2 + 1), _HELLO_FIXED.size + 2 * (2 + MAX_ID_BYTES)),
-    FrameType.START: (_START_FIXED.size + _SAMPLING.size + 2 + 1 + 4, None),
+    # A withheld START has no token ids: its smallest body ends after a 1-byte entry node id (review 2, N21).
+    FrameType.START: (_START_FIXED.size + _SAMPLING.size + 2 + 1, None),
     FrameType.BOUNDARY: (_BOUNDARY_FIXED.size + 2, None),
     FrameType.TOKEN: (_TOKEN.size, _TOKEN.size + 4 * MAX_DRAFTS),
     FrameType.END: (_END.size, _END.size + PARAMS_BYTES + CHAIN_BYTES),
