@@ -29,6 +29,8 @@ from kvasir.ring.events import RequestEnded
 
 log = logging.getLogger("kvasir.enroll")
 
+#: How a request ends when the ring completed it (an END went round), as RequestEnded names it.
+COMPLETED = frozenset({"eog", "max_tokens", "stop"})
 #: Receipts kept for the market at most (while it cannot be reached), and how often to re-report unconfirmed work.
 MAX_PENDING_RECEIPTS = 4096
 CREDIT_RETRY_S = 5.0
@@ -70,6 +72,10 @@ class Ledger:
         a receipt if this node witnesses it (its entry, or its exit witness naming the entry node)."""
         entry_rank = ended.entry_rank
         if entry_rank is None or (entry_rank != rank and exit_rank(entry_rank, size) != rank):
+            return
+        if ended.reason not in COMPLETED:
+            # Only a request the ring completed (END, its chain heads all checked: issue 24, N9) has a receipt from
+            # every window it went through; a failed or cancelled one earns nobody anything.
             return
         generated = min(ended.generated, MAX_REPORT_TOKENS)
         entry: str | None = None
