@@ -124,9 +124,10 @@ async def all_freed(nodes: list[Node]) -> None:
             await trio.sleep(0.01)
 
 
-async def honest_answer(nodes: list[Node], expected: list[int], expected_text: str) -> None:
-    """An honest client of the same ring, through the same member: the whole model's exact answer."""
-    tokens, end = await ask(nodes[0], HONEST_MAX)
+async def honest_answer(nodes: list[Node], expected: list[int], expected_text: str, entry: int = 0) -> None:
+    """An honest client of the same ring (entering at rank ``entry``), through the same member: the whole model's
+    exact answer."""
+    tokens, end = await ask(nodes[entry], HONEST_MAX)
     assert end.reason == "max_tokens" and end.error is None, end
     assert [t.token for t in tokens if t.index >= 0] == expected
     assert end.text == expected_text and end.generated_tokens == HONEST_MAX
@@ -205,6 +206,26 @@ async def test_a_consistent_rewrite_is_caught_at_the_entry_and_signed_by_the_las
     assert last.params_hash != committed[0].hex() and last.sampling is not None and last.sampling.temperature == 1.5
     honest = [WindowReceipt.from_wire(read_json(p)) for p in (tmp_path / "receipts").glob("*-4-6.json")]
     assert all(r.params_hash == committed[1].hex() for r in honest if r.request != altered[0])
+
+
+async def test_a_last_rank_that_forwards_another_prompt_is_caught_by_rank_0(
+    tiny_model: Callable[..., Path], cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """N8, the prompt: a request entering at rank 1 reaches rank 0 (which embeds the prompt) through the last rank.
+    A last rank that serves the START it got but forwards rank 0 other prompt ids, with a parameters hash to match,
+    used to make the ring answer another prompt unseen. Now rank 0 compares the hash the last rank echoes in END with
+    its own START's and fails the request (PARAMS_MISMATCH, from rank 0); an honest client entering at rank 1 gets
+    the whole model's answer."""
+    model = tiny_model("llama", "f32")
+    expected, text = await trio.to_thread.run_sync(reference, model, HONEST_MAX)
+    async with three_nodes(model, cache_dir) as nodes:
+        altered = rewrite_starts(nodes[2], monkeypatch, {"prompt": tuple(reversed(PROMPT))}, rehash=True)
+        tokens, end = await ask(nodes[1], VICTIM_MAX)
+        assert altered and end.reason == "error" and end.code == "params_mismatch", end
+        assert "rank 0: the last rank served other parameters" in (end.error or "")
+        assert len(tokens) <= VICTIM_MAX
+        await all_freed(nodes)
+        await honest_answer(nodes, expected, text, entry=1)
 
 
 async def _lengthened(

@@ -244,14 +244,17 @@ def check_params(start: StartRequest, rank: int) -> None:
         raise RequestRefused(ErrorCode.PARAMS_MISMATCH, f"rank {rank}: {problem}")
 
 
-def end_problem(start: StartRequest, end: End) -> str | None:
-    """At the entry: why an END does not echo the parameters hash this entry committed to, or None (pure)."""
+def end_problem(start: StartRequest, end: End, *, entry: bool) -> str | None:
+    """Why an END does not echo the parameters hash of the START this node holds (its entry's commitment, at the
+    entry), or None (pure). Every node compares: one that got its START after the last rank (rank 0, which embeds
+    the prompt) catches a last rank that served one START and forwarded another."""
     if not start.params_hash or end.params_hash == start.params_hash:
         return None
     echoed = end.params_hash.hex()[:16] + "…" if end.params_hash else "none"
+    mine = "this entry committed" if entry else "this node's START has"
     return (
-        f"the last rank served other parameters than the client asked (parameters hash {echoed}, this entry"
-        f" committed {start.params_hash.hex()[:16]}…): the START was altered on the way"
+        f"the last rank served other parameters than the client asked (parameters hash {echoed}, {mine}"
+        f" {start.params_hash.hex()[:16]}…): the START was altered on the way"
     )
 
 
@@ -396,11 +399,11 @@ class RequestTable:
     def see_end(self, state: RequestState, end: End, chain_problem: str | None = None) -> None:
         """An END says ``generated`` tokens, the last being ``latest`` (−1: none sent, e.g. EOG): the last verify
         batch's accepted drafts are in the batch seen last, then comes the last token. RequestRefused, before any of
-        them is seen, when ``chain_problem`` (this node requires the last rank's chain head: issue 24, N9) or, at the
-        entry, when END does not echo the parameters hash the entry committed to (N8)."""
+        them is seen, when ``chain_problem`` (this node requires the last rank's chain head: issue 24, N9) or when END
+        does not echo the parameters hash of this node's START (N8: at the entry, the one it committed to)."""
         if chain_problem is not None:
             raise RequestRefused(ErrorCode.CHAIN_MISMATCH, f"rank {self.rank}: {chain_problem}")
-        if state.entry is not None and (problem := end_problem(state.start, end)) is not None:
+        if (problem := end_problem(state.start, end, entry=state.entry is not None)) is not None:
             raise RequestRefused(ErrorCode.PARAMS_MISMATCH, f"rank {self.rank}: {problem}")
         generated, latest = end.generated_tokens, end.latest_token
         upto = state.prompt_len + generated - (1 if latest >= 0 else 0)
