@@ -470,7 +470,16 @@ async def test_stream_error_is_an_sse_error_object(nursery: trio.Nursery) -> Non
         assert set(events[-1]["error"]) == {"message", "type", "param", "code"}
 
 
-@pytest.mark.parametrize(("code", "status"), [("bad_request", 400), ("context_full", 400), ("overloaded", 503)])
+@pytest.mark.parametrize(
+    ("code", "status"),
+    [
+        ("bad_request", 400),
+        ("context_full", 400),
+        ("overloaded", 503),
+        ("params_mismatch", 503),
+        ("chain_mismatch", 503),
+    ],
+)
 async def test_ring_error_codes_map_to_statuses(nursery: trio.Nursery, code: str, status: int) -> None:
     with trio.fail_after(TIMEOUT):
         port = await start(nursery, FakeBackend(reason="error", error="rank 1 refused it", code=code))

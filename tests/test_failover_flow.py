@@ -253,7 +253,7 @@ async def test_without_its_successor_a_node_logs_a_step_and_reads_on(autojump_cl
             await wait_for(lambda: node.links.successor_down, "rank 0 to see its successor gone")
             state = next(s for s in node.requests if not s.done)
             logged = len(state.sent)
-            step = node._boundary(state.request_id, 10_000, np.zeros((1, N_EMBD), np.float32), final=True)
+            step = node.outbox.boundary(state.request_id, 10_000, np.zeros((1, N_EMBD), np.float32), final=True)
             with trio.fail_after(1):  # link_wait is 30 s
                 await node._send_data(state, step)
             assert len(state.sent) == logged + 1 and state.sent[-1] is step

@@ -171,11 +171,17 @@ async def test_the_last_rank_builds_each_sampler_inside_stage_run(autojump_clock
     assert last.built == [True, True]
 
 
-async def test_a_malformed_frame_is_the_links_fault_not_the_requests(autojump_clock: trio.testing.MockClock) -> None:
-    """A ProtocolError goes on to the link manager (which closes the link); the request is not failed for it."""
+async def test_a_protocol_error_while_handling_a_frame_fails_its_request_not_the_link(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Issue 24, N3: nothing a frame's handling raises goes on to the link task. A ProtocolError there (a frame built
+    from the request beyond a wire limit; malformed frames are refused by the decoder before) fails that request
+    with PROTOCOL round the ring; the block raises nothing, and the link stays."""
     async with ring() as nodes, nodes[0].request(PROMPT, GREEDY, 50) as handle:
-        with pytest.raises(ProtocolError):
-            async with nodes[0].outbox.fails(handle.request_id):
-                raise ProtocolError("a BOUNDARY of the wrong width")
-        state = nodes[0].requests.get(handle.request_id)
-        assert state is not None and not state.done
+        link = nodes[0].links.successor
+        async with nodes[0].outbox.fails(handle.request_id):
+            raise ProtocolError("a TOKEN past the largest position")
+        assert nodes[0].requests.get(handle.request_id) is None
+        events = [ev async for ev in nodes[0].events(handle)]
+        assert isinstance(events[-1], EndEvent) and events[-1].code == "protocol", events[-1]
+        assert nodes[0].links.successor is link

@@ -23,6 +23,7 @@ from kvasir.wire import (
     FLAG_CHAIN,
     FLAG_DRAFTS,
     FLAG_FINAL,
+    FLAG_PARAMS,
     HEADER_SIZE,
     MAX_BOUNDARY_TOKENS,
     MAX_DRAFTS,
@@ -31,6 +32,7 @@ from kvasir.wire import (
     MAX_STOP_BYTES,
     MAX_STOP_STRINGS,
     MIN_FRAME_LIMIT,
+    PARAMS_BYTES,
     PROTOCOL_VERSION,
     Boundary,
     BoundaryDType,
@@ -58,6 +60,8 @@ from kvasir.wire import (
     max_chunk_tokens,
     measure_divergence,
     neighbour_problem,
+    prompt_digest,
+    request_params_hash,
 )
 from kvasir.wire.stream import READ_CHUNK
 
@@ -252,6 +256,58 @@ def test_a_chain_head_follows_the_payload_and_the_drafts() -> None:
     verify = Boundary(5, 3, 1, 1, BoundaryDType.F32, b"\0" * 4, final=True, latest_token=9, drafts=(4, 6), chain=head)
     assert verify.to_wire().endswith(struct.pack("<Iii", 0, 4, 6) + head)
     assert Boundary.from_wire(verify.to_wire()) == verify
+
+
+def test_a_parameters_hash_commits_to_every_field_a_node_acts_on() -> None:
+    """FLAG_PARAMS (issue 24, N8): the hash covers sampling, seed, max_tokens, stops, speculate, the prompt and who
+    streams it; a withheld START carries the prompt's sha256 instead of its ids and hashes the same; the tail is the
+    only difference on the wire, and END echoes it (with the last rank's chain head after it)."""
+    start = StartRequest(5, (1, 2, 3), 4, 0, "node-a", SamplingParams(temperature=0.0), ("x",))
+    committed = attrs.evolve(start, params_hash=request_params_hash(start))
+    withheld = committed.withheld()
+    assert len(committed.params_hash) == PARAMS_BYTES and withheld.prompt_sha256 == prompt_digest((1, 2, 3))
+    assert request_params_hash(withheld) == committed.params_hash
+    assert request_params_hash(start.withheld()) == b""  # no hash, no prompt digest: nothing to check by
+    for frame in (committed, withheld):
+        wire = frame.to_wire()
+        assert wire[4:6] == struct.pack("<H", FLAG_PARAMS | (0x0002 if frame.withheld_length else 0))
+        assert wire.endswith(committed.params_hash) and StartRequest.from_wire(wire) == frame
+    assert len(committed.to_wire()) == len(start.to_wire()) + PARAMS_BYTES
+    assert len(withheld.to_wire()) == len(start.withheld().to_wire()) + 2 * PARAMS_BYTES
+    altered = [
+        attrs.evolve(start, max_tokens=40),
+        attrs.evolve(start, sampling=SamplingParams(temperature=1.5, seed=3)),
+        attrs.evolve(start, stop=()),
+        attrs.evolve(start, speculate=4),
+        attrs.evolve(start, prompt=(1, 2, 4)),
+        attrs.evolve(start, entry_rank=1),
+        attrs.evolve(start, entry_node_id="node-b"),
+        attrs.evolve(start, request_id=7),
+    ]
+    assert all(request_params_hash(a) != committed.params_hash for a in altered)
+    head = bytes(range(CHAIN_BYTES))
+    for end in (
+        End(5, EndReason.EOG, 3, 1, 2, 7, committed.params_hash, head),
+        End(5, EndReason.STOP, 3, 1, 2, 7, b"", head),
+    ):
+        assert End.from_wire(end.to_wire()) == end
+    echo = End(5, EndReason.MAX_TOKENS, 3, 4, 2, 7, committed.params_hash)
+    assert echo.to_wire()[4:6] == struct.pack("<H", FLAG_PARAMS) and End.from_wire(echo.to_wire()) == echo
+    with pytest.raises(ProtocolError, match="prompt's sha256 must be 32 bytes"):
+        attrs.evolve(withheld, prompt_sha256=b"")
+    with pytest.raises(ProtocolError, match="32 bytes after the fields, expected 64"):
+        End.from_wire(_rebody(echo, 0, flags=FLAG_PARAMS | FLAG_CHAIN))
+
+
+def test_a_withheld_start_with_a_one_byte_entry_id_decodes() -> None:
+    """Review 2, N21: a withheld START whose entry node id is under 5 bytes encoded to a 67-70 byte body that every
+    decoder refused (``body length 70 invalid``), so a member injecting one made an honest node close the link it
+    forwarded it on. The smallest withheld body is 67 bytes now; one with token ids still needs one id."""
+    start = StartRequest(5, (1, 2), 4, 0, "x", SamplingParams(temperature=0.0)).withheld()
+    assert decode_header(start.to_wire()).body_length == 67
+    assert StartRequest.from_wire(start.to_wire()) == start
+    with pytest.raises(ProtocolError, match="body"):
+        decode_frame(_rebody(attrs.evolve(start, withheld_length=0, prompt=(1,)), -4, flags=0))
 
 
 def test_chunk_size_leaves_room_for_a_chain_head() -> None:

@@ -372,8 +372,8 @@ def _finish_reason(end: EndEvent) -> str:
     message = end.error or "the request failed on the ring"
     if end.code in ("bad_request", "context_full"):  # a node found the request itself unfit
         raise ApiError(400, message, type="invalid_request_error", code=end.code)
-    if end.code == "overloaded":
-        raise ApiError(503, message, type="server_error", code="overloaded")
+    if end.code in ("overloaded", "params_mismatch", "chain_mismatch"):  # a busy ring, or a member caught cheating
+        raise ApiError(503, message, type="server_error", code=end.code)
     raise _ring_error(message)
 
 

@@ -100,7 +100,7 @@ def add_parser(sub: Any) -> None:
         default=None,
         metavar="DIR",
         help="write a signed receipt of every request on this window (a market node: the window it holds) into DIR, "
-        "and spool its inputs for audits "
+        "and spool its inputs for audits; a market node always records (default: STAGE_DIR/record) "
         "(docs/verification.md; costs a hash of each frame, and of each logits row on the last rank)",
     )
     p.add_argument(

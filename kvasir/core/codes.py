@@ -19,3 +19,4 @@ class ErrorCode(enum.IntEnum):
     LINK_LOST = 11  # the sender lost its link to a neighbour with the request in flight: it cannot go on
     REPLAY_MISMATCH = 12  # a replayed frame differs from the one received before at that position (never silent)
     CHAIN_MISMATCH = 13  # a BOUNDARY's chain head is not the receiver's own chain of what it received (never silent)
+    PARAMS_MISMATCH = 14  # a START whose parameters are not what its entry committed to (altered on the way)

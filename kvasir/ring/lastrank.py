@@ -23,7 +23,7 @@ from kvasir.ring.compute import RingStage, TokenSampler
 from kvasir.ring.config import NodeConfig
 from kvasir.ring.observe import RequestObserver
 from kvasir.ring.outbox import Outbox
-from kvasir.ring.requests import RequestState, RequestTable
+from kvasir.ring.requests import RequestState, RequestTable, check_params
 from kvasir.ring.speculation import RingPace, RowFate, VerifyBatch, row_fate, window_step
 from kvasir.stage.vocab import TextStream
 from kvasir.wire import Boundary, EndReason, ErrorCode, StartRequest, Token
@@ -39,10 +39,10 @@ class LastRank:
 
     # ------------------------------------------------------------------------------------------ requests
 
-    @staticmethod
-    def admit(start: StartRequest) -> None:
+    def admit(self, start: StartRequest) -> None:
         """InvalidRequest if the last rank cannot serve ``start`` as asked."""
         if start.speculate and not start.prompt:  # drafts from anything less would not be generate's
+            check_params(start, self.requests.rank)  # a START altered on the way says so first (PARAMS_MISMATCH)
             raise InvalidRequest(ErrorCode.BAD_REQUEST, "the last rank got a speculative START without its prompt")
 
     def adopt(self, state: RequestState) -> None:

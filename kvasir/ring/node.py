@@ -18,7 +18,6 @@ import logging
 import random
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
 
 import attrs
 import trio
@@ -230,9 +229,6 @@ class Node:
     async def _send_data(self, state: RequestState, frame: Frame) -> None:
         await self.outbox.data(state, frame)
 
-    def _boundary(self, request_id: int, pos: int, hidden: Any, *, final: bool, **extra: Any) -> Boundary:
-        return self.outbox.boundary(request_id, pos, hidden, final=final, **extra)
-
     # ------------------------------------------------------------------------------------------ frames
 
     async def _on_frame(self, frame: Frame) -> None:
@@ -288,7 +284,9 @@ class Node:
         if self.lastrank is not None:
             self.lastrank.admit(start)
         state = self.requests.register(start, entry, check_vocab=self.first or self.last)
-        self.observer.begin(start.request_id, last=self.last, sampling=start.sampling, history=start.prompt)
+        self.observer.begin(
+            start.request_id, last=self.last, sampling=start.sampling, history=start.prompt, params=start.params_hash
+        )
         if self.lastrank is not None:
             self.lastrank.adopt(state)
         return state
@@ -329,7 +327,7 @@ class Node:
         if state is not None:
             match frame:
                 case End():
-                    self.requests.see_end(state, frame.generated_tokens, frame.latest_token)
+                    self.requests.see_end(state, frame, self.observer.closes(frame))  # N8, N9: may refuse it
                     await self.requests.finish(state, REASONS[frame.reason])
                 case Cancel():
                     await self.requests.finish(state, "cancelled")

@@ -14,12 +14,15 @@ from typing import Protocol
 import trio
 
 from kvasir.core.sampling import SamplingParams
-from kvasir.wire import Boundary
+from kvasir.wire import Boundary, End
 
 
 class RequestObserver(Protocol):
-    def begin(self, request: int, *, last: bool, sampling: SamplingParams, history: Sequence[int]) -> None:
-        """A request registered here (``last``: this is the last rank, which samples)."""
+    def begin(
+        self, request: int, *, last: bool, sampling: SamplingParams, history: Sequence[int], params: bytes = b""
+    ) -> None:
+        """A request registered here (``last``: this is the last rank, which samples; ``params``: its START's
+        parameters hash)."""
         ...
 
     def records(self, request: int) -> bool:
@@ -32,6 +35,15 @@ class RequestObserver(Protocol):
 
     def seal(self, frame: Boundary) -> Boundary:
         """An output boundary about to be sent: the frame to send (stamped with a chain head, or unchanged)."""
+        ...
+
+    def head(self, request: int) -> bytes:
+        """Last rank, as it ends ``request``: its output chain head for END (FLAG_CHAIN), or b"" (not recorded)."""
+        ...
+
+    def closes(self, frame: End) -> str | None:
+        """An END passing: why it must be refused (recording required and no chain head from the last rank), or
+        None."""
         ...
 
     def on_tokens(self, request: int, pos: int, tokens: Sequence[int]) -> None:
@@ -54,7 +66,9 @@ class RequestObserver(Protocol):
 class NoRecording:
     """The observer of a node that records nothing."""
 
-    def begin(self, request: int, *, last: bool, sampling: SamplingParams, history: Sequence[int]) -> None:
+    def begin(
+        self, request: int, *, last: bool, sampling: SamplingParams, history: Sequence[int], params: bytes = b""
+    ) -> None:
         pass
 
     def records(self, request: int) -> bool:
@@ -65,6 +79,12 @@ class NoRecording:
 
     def seal(self, frame: Boundary) -> Boundary:
         return frame
+
+    def head(self, request: int) -> bytes:
+        return b""
+
+    def closes(self, frame: End) -> str | None:
+        return None
 
     def on_tokens(self, request: int, pos: int, tokens: Sequence[int]) -> None:
         pass

@@ -121,7 +121,19 @@ class Outbox:
 
     async def end(self, state: RequestState, reason: EndReason, latest: int) -> None:
         """The request ends here (the last rank decided it): END round the ring."""
-        frame = End(state.request_id, reason, state.prompt_len, state.generated, self.rank, latest)
+        # The START's parameters hash echoed (every node checked it against the parameters), and this rank's output
+        # chain head when it records (the head its receipt signs): issue 24, N8 and N9.
+        head = self._observer.head(state.request_id)
+        frame = End(
+            state.request_id,
+            reason,
+            state.prompt_len,
+            state.generated,
+            self.rank,
+            latest,
+            state.start.params_hash,
+            head,
+        )
         await self._requests.finish(state, REASONS[reason])
         await self.terminal(frame)
 
@@ -138,23 +150,25 @@ class Outbox:
     async def fails(self, request_id: int) -> AsyncIterator[None]:
         """Whatever stops request ``request_id`` inside the block fails it with its :func:`error_code`: round the
         ring, or, without a successor link (RingError), here only (the ring hears of the loss from the failover
-        timers). A request that ended meanwhile has nothing left to fail. A malformed frame (ProtocolError) is the
-        link's: it goes on to the link manager, which closes the link."""
+        timers). A request that ended meanwhile has nothing left to fail. Nothing raises out of it (issue 24, N3):
+        what a neighbour's frame sets off is its request's failure, never its link's or the node's. (A malformed
+        frame is refused before: the link manager's decoder closes the link.)"""
         try:
             yield
-        except ProtocolError:
-            raise
         except Exception as exc:
             code = error_code(exc)
             state = self._requests.get(request_id)
             if code is ErrorCode.INTERNAL:
                 log.exception("rank %d: request %x failed", self.rank, request_id)
-            elif code is ErrorCode.LINK_LOST or state is None:
+            elif code in (ErrorCode.LINK_LOST, ErrorCode.PROTOCOL) or state is None:
                 log.warning("rank %d: request %x: %s", self.rank, request_id, exc)
             if state is None or state.done:
                 return
-            if code is ErrorCode.LINK_LOST:
-                self._requests.errors += 1
-                await self._requests.finish(state, "error", str(exc), code)
-            else:
-                await self.error(state, code, str(exc))
+            try:
+                if code is ErrorCode.LINK_LOST:
+                    self._requests.errors += 1
+                    await self._requests.finish(state, "error", str(exc), code)
+                else:
+                    await self.error(state, code, str(exc))
+            except Exception:  # freeing the sequence failed (llama.cpp): the request is over here all the same
+                log.exception("rank %d: request %x: failing it failed", self.rank, request_id)

@@ -84,9 +84,13 @@ class NodeRecorder:
         kernel_class: str,
         *,
         keep_bytes: int = DEFAULT_KEEP_BYTES,
+        required: bool = False,
     ) -> None:
         self.directory, self.identity, self.model_sha256 = directory, identity, model_sha256
         self.window, self.kernel_class, self.keep_bytes = window, kernel_class, keep_bytes
+        #: Recording required (market rings: issue 24, N9): a boundary without a chain head, and an END from the last
+        #: rank without its head, fail the request (CHAIN_MISMATCH) instead of passing unchecked.
+        self.required = required
         (directory / RECEIPTS).mkdir(parents=True, exist_ok=True)
         (directory / PENDING).mkdir(parents=True, exist_ok=True)
         self._open: dict[int, OpenRecord] = {}
@@ -100,7 +104,9 @@ class NodeRecorder:
         self.checked = self.mismatches = 0
         self._lock = threading.Lock()
 
-    def begin(self, request: int, *, last: bool, sampling: SamplingParams, history: Sequence[int]) -> None:
+    def begin(
+        self, request: int, *, last: bool, sampling: SamplingParams, history: Sequence[int], params: bytes = b""
+    ) -> None:
         rec = Recorder(
             request,
             self.model_sha256,
@@ -108,6 +114,7 @@ class NodeRecorder:
             self.kernel_class,
             sampling=sampling if last else None,
             history=history if last else (),
+            params_hash=params.hex(),
         )
         self._open[request] = OpenRecord(rec)
 
@@ -132,7 +139,10 @@ class NodeRecorder:
         o.inputs.append(LoggedInput(pos, frame.n_tokens, frame.dtype.value, frame.payload))
         head = o.received.add(o.recorder.inputs.steps[-1])
         if not frame.chain:
-            return None
+            if not self.required:
+                return None
+            self.mismatches += 1
+            return f"the boundary at position {pos} carries no chain head, and this ring requires recording"
         self.checked += 1
         if frame.chain.hex() == head:
             return None
@@ -150,6 +160,19 @@ class NodeRecorder:
             return frame
         head = o.recorder.on_output(frame.position, frame.n_tokens, frame.payload, frame.dtype.value)
         return attrs.evolve(frame, chain=bytes.fromhex(head))
+
+    def head(self, request: int) -> bytes:
+        """The output chain head of ``request`` so far (what its receipt will sign), or b"" if not recorded."""
+        o = self._open.get(request)
+        return bytes.fromhex(o.recorder.outputs.head) if o is not None and o.recorder.outputs.steps else b""
+
+    def closes(self, frame: frames.End) -> str | None:
+        """An END passing: when recording is required and the last rank sent no chain head (it did not record), why
+        the request fails; else None."""
+        if not self.required or frame.chain or frame.request_id not in self._open:
+            return None
+        self.mismatches += 1
+        return f"END from rank {frame.origin_rank} carries no chain head, and this ring requires recording"
 
     def on_tokens(self, request: int, pos: int, tokens: Sequence[int]) -> None:
         self.on_input(request, pos, len(tokens), TOKENS, tokens_payload(tokens))

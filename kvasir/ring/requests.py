@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import secrets
 from collections import OrderedDict
@@ -19,7 +20,7 @@ from kvasir.ring.compute import RingStage, TokenSampler
 from kvasir.ring.events import EndListeners, EventHub, RequestEnded, RequestStarted, TokenPassed
 from kvasir.ring.speculation import CacheEnd, TokenTrail, VerifyBatch
 from kvasir.ring.status import RequestCounters
-from kvasir.wire import EndReason, ErrorCode, Frame, StartRequest
+from kvasir.wire import End, EndReason, ErrorCode, Frame, StartRequest, request_params_hash
 
 log = logging.getLogger("kvasir.node")
 
@@ -71,7 +72,8 @@ class SeqPool:
 
 
 class EntryStream:
-    """What the client of the entry node receives: text deltas that never show part of a stop string."""
+    """What the client of the entry node receives: text deltas that never show part of a stop string, and never more
+    than the client asked, whatever the ring sends (issue 24, N3 and N8)."""
 
     def __init__(self, text_stream: TextDecoder, stop: Sequence[str], max_tokens: int) -> None:
         self._text = text_stream
@@ -79,20 +81,35 @@ class EntryStream:
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         self._buffer = ""
         self.emitted = ""
-        # Bounded by the request itself: at most max_tokens token events and one end event.
+        self.max_tokens = max_tokens
+        #: The client's stop string showed up in the text: the ring must end the request at this token.
+        self.stopped = False
+        # Bounded by the request itself: at most max_tokens token events, a tail and one end event (push refuses
+        # more, so a full channel never raises into the link task that streams).
         self.send, self.receive = trio.open_memory_channel[ClientEvent](max_tokens + 2)
 
     def push(self, index: int, token: int) -> None:
+        """Stream token ``index``; RequestRefused (PARAMS_MISMATCH) when the ring goes on past what the client asked:
+        beyond ``max_tokens`` or after a stop string (an honest last rank ends the request there, so a member altered
+        the START). Nothing past it reaches the client or the token count."""
+        if index >= self.max_tokens or self.stopped:
+            past = f"max_tokens {self.max_tokens}" if index >= self.max_tokens else "stop string"
+            raise RequestRefused(
+                ErrorCode.PARAMS_MISMATCH,
+                f"the ring sent token {index} past the client's {past}: the START was altered on the way",
+            )
         self._buffer += self._text.push(token)
         safe = self._buffer
         cut = find_stop(self.emitted + safe, self._stop)
         if cut is not None:
             safe = (self.emitted + safe)[:cut][len(self.emitted) :]
+            self.stopped = True
         elif self._hold:
             safe = safe[: max(0, len(safe) - self._hold)]
         self._buffer = self._buffer[len(safe) :]
         self.emitted += safe
-        self.send.send_nowait(TokenEvent(index, token, safe))
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):  # the client left: it cancels
+            self.send.send_nowait(TokenEvent(index, token, safe))
 
     def finish(
         self, reason: str, prompt_tokens: int, generated: int, error: str | None = None, code: str | None = None
@@ -198,7 +215,7 @@ def client_start(
         # Fixed here, at the entry: a last rank rebuilt after a failure replays the same draws.
         params = attrs.evolve(params, seed=secrets.randbelow(MAX_SEED + 1))
     try:
-        return StartRequest(
+        start = StartRequest(
             request_id=secrets.randbits(63) | 1,
             prompt=tuple(prompt),
             max_tokens=max_tokens,
@@ -211,6 +228,36 @@ def client_start(
         )
     except ProtocolError as exc:  # beyond a wire limit (prompt length, stop strings…): the client's input
         raise InvalidRequest(ErrorCode.BAD_REQUEST, str(exc)) from None
+    # The entry's commitment to what its client asked: every node checks it, the last rank echoes it in END.
+    return attrs.evolve(start, params_hash=request_params_hash(start))
+
+
+def params_problem(start: StartRequest) -> str | None:
+    """Why ``start``'s parameters are not the ones its parameters hash commits to (altered on the way), or None
+    (pure). A START without a hash has nothing to check here: its entry finds the missing echo in END."""
+    if not start.params_hash or request_params_hash(start) == start.params_hash:
+        return None
+    return "the START's parameters are not the ones its entry committed to (altered on the way)"
+
+
+def check_params(start: StartRequest, rank: int) -> None:
+    """RequestRefused (PARAMS_MISMATCH) when ``start`` reached rank ``rank`` altered (:func:`params_problem`)."""
+    if (problem := params_problem(start)) is not None:
+        raise RequestRefused(ErrorCode.PARAMS_MISMATCH, f"rank {rank}: {problem}")
+
+
+def end_problem(start: StartRequest, end: End, *, entry: bool) -> str | None:
+    """Why an END does not echo the parameters hash of the START this node holds (its entry's commitment, at the
+    entry), or None (pure). Every node compares: one that got its START after the last rank (rank 0, which embeds
+    the prompt) catches a last rank that served one START and forwarded another."""
+    if not start.params_hash or end.params_hash == start.params_hash:
+        return None
+    echoed = end.params_hash.hex()[:16] + "…" if end.params_hash else "none"
+    mine = "this entry committed" if entry else "this node's START has"
+    return (
+        f"the last rank served other parameters than the client asked (parameters hash {echoed}, {mine}"
+        f" {start.params_hash.hex()[:16]}…): the START was altered on the way"
+    )
 
 
 def outgoing_start(start: StartRequest, rank: int, size: int) -> StartRequest:
@@ -314,6 +361,7 @@ class RequestTable:
                 ErrorCode.CONTEXT_FULL,
                 f"prompt ({start.prompt_length}) + max_tokens ({start.max_tokens}) exceed the context of {n_ctx}",
             )
+        check_params(start, self.rank)
         if check_vocab and start.prompt:  # a withheld START was checked by the nodes that hold the tokens
             try:
                 self.stage.vocab.check_tokens(start.prompt)
@@ -335,10 +383,10 @@ class RequestTable:
         """A token of ``state`` passes this node; each index is handled once."""
         if index != state.seen:
             return
+        if state.entry is not None:  # first: a token the client did not ask for is neither streamed nor counted
+            state.entry.push(index, token)
         state.seen += 1
         self.tokens += 1
-        if state.entry is not None:
-            state.entry.push(index, token)
         self.hub.publish(
             TokenPassed(state.request_id, index, token, self.stage.vocab.piece(token).decode("utf-8", "replace"))
         )
@@ -350,9 +398,16 @@ class RequestTable:
             if position >= state.prompt_len:
                 self.see(state, position - state.prompt_len, token)
 
-    def see_end(self, state: RequestState, generated: int, latest: int) -> None:
+    def see_end(self, state: RequestState, end: End, chain_problem: str | None = None) -> None:
         """An END says ``generated`` tokens, the last being ``latest`` (−1: none sent, e.g. EOG): the last verify
-        batch's accepted drafts are in the batch seen last, then comes the last token."""
+        batch's accepted drafts are in the batch seen last, then comes the last token. RequestRefused, before any of
+        them is seen, when ``chain_problem`` (this node requires the last rank's chain head: issue 24, N9) or when END
+        does not echo the parameters hash of this node's START (N8: at the entry, the one it committed to)."""
+        if chain_problem is not None:
+            raise RequestRefused(ErrorCode.CHAIN_MISMATCH, f"rank {self.rank}: {chain_problem}")
+        if (problem := end_problem(state.start, end, entry=state.entry is not None)) is not None:
+            raise RequestRefused(ErrorCode.PARAMS_MISMATCH, f"rank {self.rank}: {problem}")
+        generated, latest = end.generated_tokens, end.latest_token
         upto = state.prompt_len + generated - (1 if latest >= 0 else 0)
         for position, token in state.trail.confirmed(upto):
             if position >= state.prompt_len:

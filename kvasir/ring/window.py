@@ -17,7 +17,6 @@ from typing import Any
 
 import trio
 
-from kvasir.core.errors import KvasirError
 from kvasir.ring.batching import DecodeBatcher, DecodeStep, batchable, compute_batch
 from kvasir.ring.compute import RingStage
 from kvasir.ring.config import NodeConfig
@@ -125,14 +124,14 @@ class WindowRunner:
         """The batcher's compute: the steps in one worker-thread call (each request's lock held, as ``_compute``
         holds it), then each request's next frame exactly as an unbatched step sends it."""
         outs: list[Any] = []
-        error: KvasirError | None = None
+        error: Exception | None = None
         async with contextlib.AsyncExitStack() as locks:
             for step in steps:
                 await locks.enter_async_context(step.state.lock)
             live = [step for step in steps if not step.state.done]
             try:
                 outs = await self.stage.run(compute_batch, self.stage, live) if live else []
-            except KvasirError as exc:
+            except Exception as exc:  # each step's request fails with it (Outbox.fails), never the batcher's task
                 error = exc
         for i, step in enumerate(live):
             state, frame = step.state, step.frame

@@ -96,6 +96,7 @@ _hexes = rule(
     f"must list at most {MAX_STEPS} sha256 hashes in lowercase hex",
 )
 _hex = matches(_HEX64, "must be a sha256 in lowercase hex")
+_hex_or_empty = rule(lambda v: v == "" or bool(_HEX64.fullmatch(v)), "must be empty or a sha256 in lowercase hex")
 
 
 @attrs.frozen
@@ -124,6 +125,10 @@ class WindowReceipt:
     sampling: SamplingParams | None = None
     tokens: tuple[int, ...] = ()
     history: tuple[int, ...] = ()
+    #: The parameters hash of the START this node served (hex; "" without one): what its entry committed to, as it
+    #: reached this node. A receipt whose hash is not the entry's shows the START altered before this node; the last
+    #: rank's, with ``sampling``, shows the parameters it sampled with (docs/protocol.md § START).
+    params_hash: str = attrs.field(default="", validator=_hex_or_empty)
     signature: str = ""
 
     def __attrs_post_init__(self) -> None:
@@ -192,9 +197,10 @@ class Recorder:
         *,
         sampling: SamplingParams | None = None,
         history: Sequence[int] = (),
+        params_hash: str = "",
     ) -> None:
         self.request, self.model_sha256, self.window, self.kernel_class = request, model_sha256, window, kernel_class
-        self.sampling, self.history = sampling, tuple(history)
+        self.sampling, self.history, self.params_hash = sampling, tuple(history), params_hash
         self.inputs, self.outputs = Chain(request, "in"), Chain(request, "out")
         self.schedule: list[tuple[int, int]] = []
         self.tokens: list[int] = []
@@ -236,6 +242,7 @@ class Recorder:
             sampling=self.sampling,
             tokens=tuple(self.tokens),
             history=self.history,
+            params_hash=self.params_hash,
         ).signed(identity)
 
 
@@ -257,4 +264,6 @@ def first_mismatch(predecessor_outputs: Sequence[str], inputs: Sequence[str]) ->
     return None
 
 
-register_record(WindowReceipt, window=True, omit_if_none=("sampling",), omit_if_empty=("tokens", "history"))
+register_record(
+    WindowReceipt, window=True, omit_if_none=("sampling",), omit_if_empty=("tokens", "history", "params_hash")
+)

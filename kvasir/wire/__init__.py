@@ -17,6 +17,7 @@ from kvasir.wire.frames import (
     FLAG_CHAIN,
     FLAG_DRAFTS,
     FLAG_FINAL,
+    FLAG_PARAMS,
     HEADER_SIZE,
     MAGIC,
     MAX_BOUNDARY_TOKENS,
@@ -35,6 +36,7 @@ from kvasir.wire.frames import (
     MIN_FRAME_LIMIT,
     NO_REQUEST,
     NO_TOKEN,
+    PARAMS_BYTES,
     PROTOCOL_VERSION,
     Boundary,
     Cancel,
@@ -52,6 +54,8 @@ from kvasir.wire.frames import (
     decode_body,
     decode_frame,
     decode_header,
+    prompt_digest,
+    request_params_hash,
 )
 from kvasir.wire.handshake import Side, check_neighbour, choose_dtype, max_chunk_tokens, neighbour_problem
 from kvasir.wire.stream import FrameDecoder, FrameReader
@@ -62,6 +66,7 @@ __all__ = [
     "FLAG_CHAIN",
     "FLAG_DRAFTS",
     "FLAG_FINAL",
+    "FLAG_PARAMS",
     "HEADER_SIZE",
     "MAGIC",
     "MAX_BOUNDARY_TOKENS",
@@ -80,6 +85,7 @@ __all__ = [
     "MIN_FRAME_LIMIT",
     "NO_REQUEST",
     "NO_TOKEN",
+    "PARAMS_BYTES",
     "PROTOCOL_VERSION",
     "Boundary",
     "BoundaryDType",
@@ -110,4 +116,6 @@ __all__ = [
     "max_chunk_tokens",
     "measure_divergence",
     "neighbour_problem",
+    "prompt_digest",
+    "request_params_hash",
 ]

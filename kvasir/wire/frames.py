@@ -8,6 +8,7 @@ violations raise :class:`~kvasir.core.errors.ProtocolError` with one precise lin
 from __future__ import annotations
 
 import enum
+import hashlib
 import struct
 from typing import ClassVar, Self, TypeAlias, TypeVar
 
@@ -63,6 +64,13 @@ FLAG_CLIENT_AUTH = 0x0020
 MAX_CLIENT_AUTH_BYTES = 1024
 #: Size of the chain head a FLAG_CHAIN boundary carries (a sha256).
 CHAIN_BYTES = 32
+#: START and END: the body ends with the request's parameters hash (:data:`PARAMS_BYTES`), the entry's commitment to
+#: what its client asked (START), echoed by the last rank (END); a withheld START with it carries the prompt's sha256
+#: before it, in place of the token ids (docs/protocol.md § START). END may also set FLAG_CHAIN: the last rank's output
+#: chain head after its last step, the head its receipt signs.
+FLAG_PARAMS = 0x0010
+#: Size of a parameters hash and of a withheld prompt's sha256.
+PARAMS_BYTES = 32
 #: Drafts one verify batch may carry (a TOKEN's or a BOUNDARY's); ``--speculate K`` never asks more.
 MAX_DRAFTS = K_LIMIT
 
@@ -166,10 +174,11 @@ _ERROR_FIXED = struct.Struct("<HHI")
 
 _BODY_SIZES: dict[FrameType, tuple[int, int | None]] = {
     FrameType.HELLO: (_HELLO_FIXED.size + 2 * (2 + 1), _HELLO_FIXED.size + 2 * (2 + MAX_ID_BYTES)),
-    FrameType.START: (_START_FIXED.size + _SAMPLING.size + 2 + 1 + 4, None),
+    # A withheld START has no token ids: its smallest body ends after a 1-byte entry node id (review 2, N21).
+    FrameType.START: (_START_FIXED.size + _SAMPLING.size + 2 + 1, None),
     FrameType.BOUNDARY: (_BOUNDARY_FIXED.size + 2, None),
     FrameType.TOKEN: (_TOKEN.size, _TOKEN.size + 4 * MAX_DRAFTS),
-    FrameType.END: (_END.size, _END.size),
+    FrameType.END: (_END.size, _END.size + PARAMS_BYTES + CHAIN_BYTES),
     FrameType.CANCEL: (_CANCEL.size, _CANCEL.size),
     FrameType.ERROR: (_ERROR_FIXED.size, _ERROR_FIXED.size + MAX_ERROR_MESSAGE_BYTES),
     FrameType.KEEPALIVE: (0, 0),
@@ -177,7 +186,8 @@ _BODY_SIZES: dict[FrameType, tuple[int, int | None]] = {
 _LINK_FRAMES = frozenset({FrameType.HELLO, FrameType.KEEPALIVE})
 _ALLOWED_FLAGS: dict[FrameType, int] = {
     FrameType.BOUNDARY: FLAG_FINAL | FLAG_DRAFTS | FLAG_CHAIN,
-    FrameType.START: FLAG_WITHHELD | FLAG_CLIENT_AUTH,
+    FrameType.START: FLAG_WITHHELD | FLAG_CLIENT_AUTH | FLAG_PARAMS,
+    FrameType.END: FLAG_PARAMS | FLAG_CHAIN,
 }
 _TYPE_CODES = frozenset(t.value for t in FrameType)
 
@@ -353,6 +363,36 @@ def _tuple_of_str(value: object) -> tuple[str, ...]:
     return tuple(value)
 
 
+PARAMS_DOMAIN = b"kvasir-request-params/v1\n"
+
+
+def prompt_digest(prompt: tuple[int, ...]) -> bytes:
+    """sha256 of a prompt's token ids as the wire carries them (little-endian int32)."""
+    return hashlib.sha256(np.asarray(prompt, dtype="<i4").tobytes()).digest()
+
+
+def request_params_hash(start: StartRequest) -> bytes:
+    """The canonical hash of what a START asks (pure; docs/protocol.md § START, *Parameters hash*): the request id,
+    the entry's rank and node id, max_tokens, the prompt's length and sha256, the sampling settings (seed included),
+    speculate and the stop strings, each in its START wire encoding, and the client's authorisation when there is
+    one. b"" for a withheld START without the prompt's sha256 (nothing to hash the prompt by)."""
+    prompt = start.prompt_hash()
+    if not prompt:
+        return b""
+    h = hashlib.sha256(PARAMS_DOMAIN)
+    h.update(struct.pack("<Q", start.request_id))
+    n_stop = len(start.stop)
+    h.update(_START_FIXED.pack(start.entry_rank, start.max_tokens, start.prompt_length, n_stop, start.speculate, b""))
+    h.update(_pack_sampling(start.sampling))
+    h.update(pack_text(start.entry_node_id))
+    for s in start.stop:
+        h.update(pack_text(s))
+    h.update(prompt)
+    if start.client_auth:  # a paid request: a member that rewrites who pays fails it, as for any parameter
+        h.update(pack_text(start.client_auth))
+    return h.digest()
+
+
 @attrs.frozen
 class StartRequest:
     """A new request entering the ring at ``entry_rank`` (the node that streams tokens to the client)."""
@@ -372,6 +412,11 @@ class StartRequest:
     speculate: int = 0
     #: FLAG_CLIENT_AUTH: the client's signed authorisation of this request (opaque here; "" when none).
     client_auth: str = attrs.field(default="", repr=lambda a: f"<{len(a)} chars>" if a else "''")
+    #: FLAG_PARAMS: the entry's commitment to what its client asked (:func:`request_params_hash`), or empty.
+    params_hash: bytes = attrs.field(default=b"", repr=lambda h: h.hex()[:16] if h else "-")
+    #: A withheld START with FLAG_PARAMS: the prompt's sha256 (:func:`prompt_digest`), so that a node without the
+    #: token ids can still check the parameters hash; empty otherwise.
+    prompt_sha256: bytes = attrs.field(default=b"", repr=lambda h: h.hex()[:16] if h else "-")
 
     @property
     def latest_token(self) -> int:
@@ -382,8 +427,16 @@ class StartRequest:
         return self.withheld_length or len(self.prompt)
 
     def withheld(self) -> StartRequest:
-        """This START without the prompt's token ids (for nodes that need only its length)."""
-        return self if self.withheld_length else attrs.evolve(self, prompt=(), withheld_length=len(self.prompt))
+        """This START without the prompt's token ids (for nodes that need only its length; with a parameters hash,
+        the prompt's sha256 stands in for them)."""
+        if self.withheld_length:
+            return self
+        digest = prompt_digest(self.prompt) if self.params_hash else b""
+        return attrs.evolve(self, prompt=(), withheld_length=len(self.prompt), prompt_sha256=digest)
+
+    def prompt_hash(self) -> bytes:
+        """The prompt's sha256: computed from the token ids, or the one a withheld START carries (b"" if none)."""
+        return self.prompt_sha256 if self.withheld_length else prompt_digest(self.prompt)
 
     def __attrs_post_init__(self) -> None:
         k = "START"
@@ -408,6 +461,14 @@ class StartRequest:
         _check_int(k, "speculate", self.speculate, 0, MAX_DRAFTS)
         if self.client_auth:
             _check_id(k, "client authorisation", self.client_auth, MAX_CLIENT_AUTH_BYTES)
+        if not isinstance(self.params_hash, bytes) or len(self.params_hash) not in (0, PARAMS_BYTES):
+            raise ProtocolError(f"{k} frame: parameters hash must be empty or {PARAMS_BYTES} bytes")
+        sha_bytes = PARAMS_BYTES if self.withheld_length and self.params_hash else 0
+        if not isinstance(self.prompt_sha256, bytes) or len(self.prompt_sha256) != sha_bytes:
+            raise ProtocolError(
+                f"{k} frame: the prompt's sha256 must be {sha_bytes} bytes"
+                " (32 on a withheld START with a parameters hash, else none)"
+            )
 
     def to_wire(self) -> bytes:
         parts = [
@@ -419,8 +480,14 @@ class StartRequest:
             np.asarray(self.prompt, dtype="<i4").tobytes(),
             *(pack_text(s) for s in self.stop),
             pack_text(self.client_auth) if self.client_auth else b"",
+            self.prompt_sha256,
+            self.params_hash,
         ]
-        flags = (FLAG_WITHHELD if self.withheld_length else 0) | (FLAG_CLIENT_AUTH if self.client_auth else 0)
+        flags = (
+            (FLAG_WITHHELD if self.withheld_length else 0)
+            | (FLAG_CLIENT_AUTH if self.client_auth else 0)
+            | (FLAG_PARAMS if self.params_hash else 0)
+        )
         return _pack(self.TYPE, b"".join(parts), request_id=self.request_id, flags=flags)
 
     @classmethod
@@ -445,12 +512,15 @@ class StartRequest:
             raise r.fail(f"prompt[{bad}] = {int(tokens[bad])} is negative")
         stop = tuple(r.text(f"stop[{i}]", MAX_STOP_BYTES) for i in range(n_stop))
         client_auth = r.text("client authorisation", MAX_CLIENT_AUTH_BYTES) if header.flags & FLAG_CLIENT_AUTH else ""
+        params = bool(header.flags & FLAG_PARAMS)
+        prompt_sha256 = bytes(r.take(PARAMS_BYTES, "prompt sha256")) if params and withheld else b""
+        params_hash = bytes(r.take(PARAMS_BYTES, "parameters hash")) if params else b""
         r.finish()
         if header.flags & FLAG_CLIENT_AUTH and not client_auth:
             raise r.fail("CLIENT_AUTH set with an empty client authorisation")
         return cls(
             header.request_id, tuple(tokens.tolist()), max_tokens, entry_rank, entry_node_id,
-            sampling, stop, n_prompt if withheld else 0, speculate, client_auth,
+            sampling, stop, n_prompt if withheld else 0, speculate, client_auth, params_hash, prompt_sha256,
         )  # fmt: skip
 
     @classmethod
@@ -647,6 +717,10 @@ class End:
     generated_tokens: int
     origin_rank: int
     latest_token: int = NO_TOKEN
+    #: FLAG_PARAMS: the parameters hash of the START the last rank served, echoed for the entry to compare.
+    params_hash: bytes = attrs.field(default=b"", repr=lambda h: h.hex()[:16] if h else "-")
+    #: FLAG_CHAIN: the last rank's output chain head after its last step (the head its receipt signs), or empty.
+    chain: bytes = attrs.field(default=b"", repr=lambda c: c.hex()[:16] if c else "-")
 
     def __attrs_post_init__(self) -> None:
         _check_request("END", self.request_id, self.latest_token)
@@ -655,17 +729,30 @@ class End:
         _check_int("END", "prompt tokens", self.prompt_tokens, 0, MAX_PROMPT_TOKENS)
         _check_int("END", "generated tokens", self.generated_tokens, 0, MAX_NEW_TOKENS)
         _check_int("END", "origin rank", self.origin_rank, 0, MAX_RING_SIZE - 1)
+        if not isinstance(self.params_hash, bytes) or len(self.params_hash) not in (0, PARAMS_BYTES):
+            raise ProtocolError(f"END frame: parameters hash must be empty or {PARAMS_BYTES} bytes")
+        if not isinstance(self.chain, bytes) or len(self.chain) not in (0, CHAIN_BYTES):
+            raise ProtocolError(f"END frame: chain head must be empty or {CHAIN_BYTES} bytes")
 
     def to_wire(self) -> bytes:
         body = _END.pack(self.reason, b"", self.origin_rank, self.prompt_tokens, self.generated_tokens)
-        return _pack(self.TYPE, body, request_id=self.request_id, latest_token=self.latest_token)
+        flags = (FLAG_PARAMS if self.params_hash else 0) | (FLAG_CHAIN if self.chain else 0)
+        return _pack(
+            self.TYPE, body + self.params_hash + self.chain, request_id=self.request_id,
+            latest_token=self.latest_token, flags=flags,
+        )  # fmt: skip
 
     @classmethod
     def _from_body(cls, header: FrameHeader, r: BodyReader) -> Self:
         code, pad, origin, prompt_tokens, generated = r.unpack(_END, "fields")
         r.reserved(pad)
         reason = _enum_value("END", EndReason, code, "reason")
-        return cls(header.request_id, reason, prompt_tokens, generated, origin, header.latest_token)
+        tail = (PARAMS_BYTES if header.flags & FLAG_PARAMS else 0) + (CHAIN_BYTES if header.flags & FLAG_CHAIN else 0)
+        if r.remaining != tail:
+            raise r.fail(f"{r.remaining} bytes after the fields, expected {tail} (parameters hash, chain head)")
+        params_hash = bytes(r.take(PARAMS_BYTES, "parameters hash")) if header.flags & FLAG_PARAMS else b""
+        chain = bytes(r.take(CHAIN_BYTES, "chain head")) if header.flags & FLAG_CHAIN else b""
+        return cls(header.request_id, reason, prompt_tokens, generated, origin, header.latest_token, params_hash, chain)
 
     @classmethod
     def from_wire(cls, data: bytes, *, max_frame_bytes: int = MAX_FRAME_BYTES) -> End:

@@ -40,7 +40,8 @@ class EnrollConfig:
     #: Stage settings and node settings (everything but the manifest and rank).
     stage_config: Callable[[Path], StageConfig] = StageConfig
     node_options: dict[str, Any] = attrs.field(factory=dict)
-    #: ``kvasir node --record DIR``: signed receipts of every request on the window held (kvasir.ring.record).
+    #: ``kvasir node --record DIR``: signed receipts of every request on the window held (kvasir.ring.record). A
+    #: market node always records (recording is required in market rings); None: in ``stage_dir / "record"``.
     record_dir: Path | None = None
     record_keep: int = 1 << 30
 

@@ -21,6 +21,8 @@ from kvasir.ring.events import RequestEnded
 
 log = logging.getLogger("kvasir.enroll")
 
+#: How a request ends when the ring completed it (an END went round), as RequestEnded names it.
+COMPLETED = frozenset({"eog", "max_tokens", "stop"})
 #: Receipts kept for the market at most (while it cannot be reached).
 MAX_PENDING_RECEIPTS = 4096
 
@@ -45,6 +47,10 @@ class Ledger:
         """A request ended at this node (rank ``rank`` of a ring of ``size``): keep a receipt if a client paid for
         it and tokens passed here."""
         if ended.client_auth is None or ended.generated <= 0 or len(self.holders) != size:
+            return
+        if ended.reason not in COMPLETED:
+            # Only a request the ring completed (END, its chain heads all checked: issue 24, N9) has a receipt from
+            # every window it went through; a failed or cancelled one earns nobody anything.
             return
         tokens = min(ended.generated, MAX_REPORT_TOKENS)
         self.receipts.append(Receipt(ended.request, tokens, tuple(self.holders), client_auth=ended.client_auth))

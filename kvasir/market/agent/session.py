@@ -200,9 +200,9 @@ async def serve_window(
                 ticket=keeper.ticket,
                 **cfg.node_options,
             )
-            recorder = None
-            if cfg.record_dir is not None:
-                recorder = await trio.to_thread.run_sync(_recorder, cfg, window, stage)
+            # Recording is required in a market ring (issue 24, N9): every node records and refuses what a member
+            # that does not record sends (a boundary or END without its chain head).
+            recorder = await trio.to_thread.run_sync(_recorder, cfg, window, stage)
             async with open_node(node_config, stage, market_view=view, recorder=recorder) as node:
                 opened = node
                 ledger = Ledger(cfg.node_id)
@@ -285,17 +285,19 @@ def _relay_connect(cfg: EnrollConfig, keeper: LeaseKeeper) -> RelayConnect | Non
 
 
 def _recorder(cfg: EnrollConfig, window: CoverageEntry, stage: Stage) -> NodeRecorder:
+    """The node's receipts, recording required: in ``--record DIR``, else in the stage directory's ``record/``."""
     from kvasir.verify.kernel import stage_kernel_class
 
-    assert cfg.record_dir is not None
-    cfg.record_dir.mkdir(parents=True, exist_ok=True)
+    directory = cfg.record_dir if cfg.record_dir is not None else cfg.stage_dir / "record"
+    directory.mkdir(parents=True, exist_ok=True)
     return NodeRecorder(
-        cfg.record_dir,
+        directory,
         cfg.identity,
         window.model,
         (window.start, window.end),
         stage_kernel_class(stage),
         keep_bytes=cfg.record_keep,
+        required=True,
     )
 
 
