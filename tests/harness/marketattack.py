@@ -33,8 +33,9 @@ import httpx
 import trio
 
 from kvasir.control.client import ControlClient
+from kvasir.core.clientauth import MAX_AUTH_TOKENS, MAX_PRICE, sign_auth
 from kvasir.core.errors import InputError, KvasirError, MarketError
-from kvasir.core.identity import Identity
+from kvasir.core.identity import Identity, PublicKey
 from kvasir.core.sampling import SamplingParams
 from kvasir.market.agent.client import MarketClient
 from kvasir.market.records import (
@@ -44,7 +45,6 @@ from kvasir.market.records import (
     MAX_REPORT_TOKENS,
     ClaimRequest,
     CreditReport,
-    DemandReport,
     Lease,
     LeaseRef,
     ManifestRecord,
@@ -446,6 +446,8 @@ class SybilPair(_Background):
         super().__init__()
         self.url, self.model = url, model
         self.a, self.b = Identity.generate(), Identity.generate()
+        self.client = Identity.generate()  # an unfunded client key of the sybils' own
+        self.market_key: PublicKey | None = None
         self.leases: dict[str, Lease] = {}
         self.calls: dict[str, int] = {}
         self.tokens = 0
@@ -473,7 +475,12 @@ class SybilPair(_Background):
                             _tally(self.calls, f"claim {_code(exc)}")
                             if not isinstance(exc, InputError):
                                 break
-                await self._call("demand", a.demand(DemandReport(self.model, requests=1000, tokens=MAX_REPORT_TOKENS)))
+                # The old demand report (the market answers 410 since demand is settled traffic).
+                demand = {"model": self.model, "requests": 1000, "tokens": MAX_REPORT_TOKENS}
+                await self._call("demand", a._call("POST", "/v1/demand", demand))
+                ok, info = await self._call("operator", a._call("GET", "/v1/operator"))
+                if ok and isinstance(info, dict):
+                    self.market_key = PublicKey.from_text(str(info["market"]))
                 self.mult_after = await _multiplier(a, self.model)
             finally:
                 self.ready.set()
@@ -493,8 +500,22 @@ class SybilPair(_Background):
 
     async def _mint(self, a: MarketClient, b: MarketClient) -> None:
         holders = (self.a.node_id, self.b.node_id, *([""] * 1))
+        # Receipts of invented requests, each "paid" by a client key of the sybils' own that no operator funded.
+        auth = (
+            None
+            if self.market_key is None
+            else sign_auth(
+                self.client,
+                self.market_key,
+                self.model,
+                max_tokens=MAX_AUTH_TOKENS,
+                max_price=MAX_PRICE,
+                not_after=int(time.time()) + 600,
+            )
+        )
         receipts = tuple(
-            Receipt(secrets.randbits(63), MAX_REPORT_TOKENS, holders) for _ in range(min(16, MAX_RECEIPTS))
+            Receipt(secrets.randbits(63), MAX_REPORT_TOKENS, holders, client_auth=auth)
+            for _ in range(min(16, MAX_RECEIPTS))
         )
         accepted, _ = await self._call("receipts", a.receipts(ReceiptBatch(self.model, self.a.node_id, receipts)))
         self.receipts += len(receipts) if accepted else 0
