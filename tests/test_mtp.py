@@ -7,15 +7,22 @@ says nothing about a real model), so these tests check the machinery and exactne
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from kvasir.core.errors import InputError, StageError
+from kvasir.core.sampling import SamplingParams
+from kvasir.core.speculate import K_LIMIT, RowSampler
 from kvasir.shard.gguf_file import describe
 from kvasir.shard.gguf_io import read_gguf
 from kvasir.shard.slice import slice_model
 from kvasir.stage.engine import Stage, StageConfig
+from kvasir.stage.mtp import MtpDrafter, MtpHead
+from kvasir.stage.mtp_pipeline import generate_mtp
+from kvasir.stage.pipeline import LocalPipeline
 from tests.conftest import run_cli
 
 N_MAIN = 8
@@ -74,3 +81,172 @@ def test_only_the_last_window_carries_the_mtp_block(mtp_model: Path, tmp_path: P
     assert "this last window carries them" in r.stdout
     with Stage.load(StageConfig(last, n_ctx=64, n_seq_max=1, n_threads=1)) as stage:
         assert stage.info.last and stage.info.start == 5
+
+
+# ------------------------------------------------------------------------------------------ drafting and exactness
+
+PROMPT = "The quick brown fox jumps over the lazy dog. A ring of devices runs one model"
+SPLIT = [(0, 3), (3, 5), (5, N_MAIN)]
+
+
+@pytest.fixture(scope="module")
+def stage_files(mtp_model: Path, tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    out = tmp_path_factory.mktemp("mtp-stages")
+    return [slice_model(mtp_model, a, b, out / f"{a}-{b}.gguf").path for a, b in SPLIT]
+
+
+def _pipeline(paths: list[Path], *, mtp: bool = False, rollback: int = 0) -> LocalPipeline:
+    stages = [
+        Stage.load(
+            StageConfig(p, n_ctx=256, n_seq_max=1, n_threads=1, mtp=mtp and i == len(paths) - 1, rollback=rollback)
+        )
+        for i, p in enumerate(paths)
+    ]
+    return LocalPipeline(stages)
+
+
+def _close(pipe: LocalPipeline) -> None:
+    for stage in pipe.stages:
+        stage.close()
+
+
+@pytest.fixture(scope="module")
+def plain(stage_files: list[Path]) -> Iterator[LocalPipeline]:
+    pipe = _pipeline(stage_files)
+    yield pipe
+    _close(pipe)
+
+
+@pytest.fixture(scope="module")
+def drafting(stage_files: list[Path]) -> Iterator[tuple[LocalPipeline, MtpHead]]:
+    pipe = _pipeline(stage_files, mtp=True, rollback=K_LIMIT + 1)
+    head = MtpHead(pipe.last)
+    yield pipe, head
+    head.close()
+    _close(pipe)
+
+
+def test_mtp_stage_keeps_the_plain_logits(stage_files: list[Path], mtp_model: Path, tmp_path: Path) -> None:
+    """The nextn hidden state of every row is extra output: the last window's logits stay the plain ones, bit for
+    bit, for a prefill chunk and a one-token step, on the last window and on the whole model as one stage."""
+    whole = slice_model(mtp_model, 0, N_MAIN, tmp_path / "whole.gguf").path
+    for path, hidden in [(stage_files[-1], True), (whole, False)]:
+        logits = []
+        for mtp in (False, True):
+            with Stage.load(StageConfig(path, n_ctx=128, n_seq_max=1, n_threads=1, mtp=mtp)) as stage:
+                rng = np.random.default_rng(3)
+                if hidden:
+                    stage.forward(0, 0, hidden=rng.standard_normal((37, stage.info.n_embd), dtype=np.float32))
+                else:
+                    stage.forward(0, 0, tokens=[int(t) for t in rng.integers(5, 500, 37)])
+                first = stage.logits()
+                if mtp:
+                    assert stage.nextn_hidden(37).shape == (37, stage.info.n_embd)
+                if hidden:
+                    stage.forward(0, 37, hidden=rng.standard_normal((1, stage.info.n_embd), dtype=np.float32))
+                else:
+                    stage.forward(0, 37, tokens=[42])
+                logits.append((first, stage.logits()))
+        assert all(np.array_equal(a, b) for a, b in zip(logits[0], logits[1], strict=True))
+
+
+def test_mtp_is_refused_where_there_is_no_mtp_block(stage_files: list[Path], tiny_model: Callable[..., Path]) -> None:
+    with pytest.raises(StageError, match="MTP"):
+        Stage.load(StageConfig(stage_files[0], n_ctx=64, n_seq_max=1, n_threads=1, mtp=True))
+    with pytest.raises(StageError, match="MTP"):
+        Stage.load(StageConfig(tiny_model("qwen35moe", "q8_0"), n_ctx=64, n_seq_max=1, n_threads=1, mtp=True))
+
+
+def test_hybrid_windows_roll_back_exactly_with_snapshots(stage_files: list[Path], plain: LocalPipeline) -> None:
+    """Recurrent layers cannot forget positions; with snapshots of their state a hybrid pipeline speculates exactly.
+    Drafts here are the true continuation for 0..3 tokens and then a wrong one, so rollbacks land at every row."""
+    prompt = plain.last.vocab.tokenize(PROMPT, add_special=True)
+    want = plain.generate(prompt, SamplingParams(temperature=0.0), 24).tokens
+    with pytest.raises(StageError, match="cannot roll"):
+        _oracle_steps(plain, prompt, want)
+    spec = _pipeline(stage_files, rollback=5)
+    try:
+        got, accepted = _oracle_steps(spec, prompt, want)
+    finally:
+        _close(spec)
+    assert got == want and accepted > 0
+
+
+def _oracle_steps(pipe: LocalPipeline, prompt: list[int], want: list[int]) -> tuple[list[int], int]:
+    """Greedy speculative steps (``LocalPipeline``'s schedule) whose drafts are ``want``'s next 0, 1, 2, 3 tokens and
+    then a wrong token: the tokens sampled, and the drafts accepted."""
+    params = SamplingParams(temperature=0.0)
+    sampler = pipe.last.new_sampler(params)
+    try:
+        pipe.prefill(0, prompt)
+        got, accepted, pos = [pipe.last.sample(sampler)], 0, len(prompt)
+        step = 0
+        while len(got) < len(want):
+            good = want[len(got) : len(got) + step % 4]
+            drafts = [*good, (want[len(got) + len(good)] + 1) % 500 if len(got) + len(good) < len(want) else 7]
+            rows = RowSampler(lambda: pipe.last.sample(sampler), drafts)
+            pipe.verify(0, pos, [got[-1], *drafts], rows)
+            n_ok = len(rows.tokens) - 1
+            for stage in pipe.stages[:-1]:
+                stage.truncate(0, pos + 1 + n_ok)
+            got += rows.tokens
+            accepted += n_ok
+            pos += 1 + n_ok
+            step += 1
+    finally:
+        sampler.close()
+        pipe.free(0)
+    return got[: len(want)], accepted
+
+
+@pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, seed=11)])
+def test_mtp_drafting_answers_exactly_as_plain_generate(
+    plain: LocalPipeline, drafting: tuple[LocalPipeline, MtpHead], params: SamplingParams, k: int
+) -> None:
+    pipe, head = drafting
+    prompt = pipe.last.vocab.tokenize(PROMPT, add_special=True)
+    want = plain.generate(prompt, params, 40)
+    got, cost = generate_mtp(pipe, head, prompt, params, 40, k)
+    assert got.tokens == want.tokens and got.text == want.text and got.stop_reason == want.stop_reason
+    spec = got.speculation
+    assert spec is not None and spec.drafted == cost.drafted > 0
+    sampled = len(want.tokens) + (want.stop_reason == "eog")  # the prefill's sample, then accepted + 1 per step
+    assert spec.verify_batches + spec.plain_steps == sampled - 1 - spec.accepted
+    assert cost.draft_s > cost.prompt_s > 0
+
+
+def test_mtp_needs_snapshots_on_hybrid_windows(stage_files: list[Path]) -> None:
+    pipe = _pipeline(stage_files, mtp=True, rollback=2)
+    try:
+        with MtpHead(pipe.last) as head, pytest.raises(InputError, match="snapshots"):
+            generate_mtp(pipe, head, [1, 300, 301], SamplingParams(temperature=0.0), 8, 4)
+    finally:
+        _close(pipe)
+
+
+def test_chain_guesses_leave_no_trace(drafting: tuple[LocalPipeline, MtpHead], plain: LocalPipeline) -> None:
+    """Drafting K tokens writes K - 1 guesses into the MTP cache; the next true pairs replace them, so a drafter that
+    drafted chains of 5 at every step proposes what one that never chained proposes, its MTP state equal bit for bit."""
+    pipe, head = drafting
+    prompt = pipe.last.vocab.tokenize(PROMPT, add_special=True)
+    out = plain.generate(prompt, SamplingParams(temperature=0.0), 12).tokens
+    # The target's nextn rows of the true sequence, from a plain pass over prompt + output.
+    pipe.prefill(0, prompt + out)
+    rows = pipe.last.nextn_hidden(len(prompt + out))
+    pipe.free(0)
+    finals, seeds = [], []
+    for k in (5, 1):  # one after the other on sequence 0: the first chains 5 drafts at every step
+        drafter = MtpDrafter(head, 0)
+        drafter.accept(prompt)
+        drafter.observe(0, rows[: len(prompt)])
+        for i, token in enumerate(out):
+            drafter.accept([token])
+            finals.append(drafter.propose(k))  # the same pairs per MTP decode either way: only the chains differ
+            drafter.observe(len(prompt) + i, rows[len(prompt) + i : len(prompt) + i + 1])
+        assert drafter._seed is not None
+        seeds.append(drafter._seed[1])
+        drafter.close()
+    chained, straight = finals[: len(out)], finals[len(out) :]
+    assert all(len(f) == 5 for f in chained) and [f[:1] for f in chained] == straight
+    assert np.array_equal(seeds[0], seeds[1])
