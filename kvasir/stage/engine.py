@@ -429,6 +429,11 @@ class Stage:
         return out
 
     @property
+    def snapshots(self) -> RecurrentSnapshots | None:
+        """The recurrent-state snapshots a hybrid window keeps for rollback (``StageConfig.rollback``), if any."""
+        return self._snapshots
+
+    @property
     def handles(self) -> tuple[Any, Any]:
         """The llama.cpp model and context (for kvasir.stage.mtp, which runs the MTP block on this model)."""
         return self._model, self._ctx

@@ -20,6 +20,7 @@ that: forget the rows of rejected drafts. The pinned llama.cpp has two ways, and
 from __future__ import annotations
 
 import ctypes
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -33,11 +34,13 @@ class RecurrentSnapshots:
     def __init__(self, depth: int) -> None:
         self.depth = depth
         self._by_seq: dict[int, OrderedDict[int, bytes]] = {}
-        #: Bytes copied out so far (the snapshots' cost, for benchmarks).
+        #: Bytes copied out and seconds spent copying out and back so far (the snapshots' cost, for benchmarks).
         self.bytes_copied = 0
+        self.seconds = 0.0
 
     def record(self, ctx: Any, seq_id: int, end: int) -> None:
         """After a decode left ``seq_id`` ending at position ``end`` (exclusive)."""
+        t0 = time.perf_counter()
         L = runtime().llama
         flags = L.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
         size = int(L.llama_state_seq_get_size_ext(ctx, seq_id, flags))
@@ -52,6 +55,7 @@ class RecurrentSnapshots:
         self.bytes_copied += size
         while len(snaps) > self.depth:
             snaps.popitem(last=False)
+        self.seconds += time.perf_counter() - t0
 
     def restore(self, ctx: Any, seq_id: int, pos: int) -> bool:
         """Write back the state ``seq_id`` had when it ended at ``pos``; False when no snapshot is that recent."""
@@ -59,12 +63,14 @@ class RecurrentSnapshots:
         snap = snaps.get(pos) if snaps else None
         if snap is None:
             return False
+        t0 = time.perf_counter()
         L = runtime().llama
         buf = (ctypes.c_uint8 * len(snap)).from_buffer_copy(snap)
         read = int(L.llama_state_seq_set_data_ext(ctx, buf, len(snap), seq_id, L.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY))
         if read != len(snap):
             raise StageError(f"restoring the recurrent state of sequence {seq_id} at position {pos} failed")
         self.forget(seq_id, after=pos)
+        self.seconds += time.perf_counter() - t0
         return True
 
     def forget(self, seq_id: int, after: int | None = None) -> None:
