@@ -250,3 +250,20 @@ def test_chain_guesses_leave_no_trace(drafting: tuple[LocalPipeline, MtpHead], p
     chained, straight = finals[: len(out)], finals[len(out) :]
     assert all(len(f) == 5 for f in chained) and [f[:1] for f in chained] == straight
     assert np.array_equal(seeds[0], seeds[1])
+
+
+def test_dense_qwen35_drafts_with_its_mtp_block_exactly(tiny_model: Callable[..., Path], tmp_path: Path) -> None:
+    """The dense Qwen3.5 (``qwen35``: its MTP block has a dense feed-forward) drafts the same way, exactly."""
+    model = tiny_model("qwen35", "q8_0", **MTP_DIMS)
+    paths = [slice_model(model, a, b, tmp_path / f"{a}.gguf").path for a, b in [(0, 5), (5, N_MAIN)]]
+    plain, spec = _pipeline(paths), _pipeline(paths, mtp=True, rollback=3)
+    try:
+        with MtpHead(spec.last) as head:
+            prompt = plain.last.vocab.tokenize(PROMPT, add_special=True)
+            for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=0.9, seed=3)):
+                want = plain.generate(prompt, params, 24)
+                got, cost = generate_mtp(spec, head, prompt, params, 24, 2)
+                assert got.tokens == want.tokens and got.text == want.text and cost.drafted > 0
+    finally:
+        _close(plain)
+        _close(spec)
