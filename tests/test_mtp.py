@@ -7,8 +7,9 @@ says nothing about a real model), so these tests check the machinery and exactne
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ from kvasir.core.speculate import K_LIMIT, RowSampler
 from kvasir.shard.gguf_file import describe
 from kvasir.shard.gguf_io import read_gguf
 from kvasir.shard.slice import slice_model
-from kvasir.stage.engine import Stage, StageConfig
+from kvasir.stage.engine import FloatArray, Stage, StageConfig
 from kvasir.stage.mtp import MtpDrafter, MtpHead
 from kvasir.stage.mtp_pipeline import generate_mtp
 from kvasir.stage.pipeline import LocalPipeline
@@ -267,3 +268,64 @@ def test_dense_qwen35_drafts_with_its_mtp_block_exactly(tiny_model: Callable[...
     finally:
         _close(plain)
         _close(spec)
+
+
+# ------------------------------------------------------------------------------------------ the drafter's protocol
+
+
+class _FakeMtp:
+    """Records the MTP calls; drafts 1000 + the position drafted for, and a hidden row tagged with it."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def decode(self, seq_id: int, pos0: int, tokens: Sequence[int], hidden: FloatArray) -> tuple[int, FloatArray]:
+        self.calls.append(("decode", pos0, list(tokens), [float(r[0]) for r in hidden]))
+        end = pos0 + len(tokens)
+        return 1000 + end, np.full(4, -end, np.float32)
+
+    def truncate(self, seq_id: int, pos: int) -> None:
+        self.calls.append(("truncate", pos))
+
+    def free(self, seq_id: int) -> None:
+        self.calls.append(("free",))
+
+
+def _rows(*positions: int) -> FloatArray:
+    """Hidden rows standing for h at these positions (value = position)."""
+    return np.array([[float(p)] * 4 for p in positions], np.float32)
+
+
+def test_drafter_pairs_each_token_with_the_hidden_state_before_it() -> None:
+    fake = _FakeMtp()
+    d = MtpDrafter(fake, 0)
+    d.accept([10, 11, 12])  # prompt x0..x2
+    d.observe(0, _rows(0, 1, 2))
+    d.accept([13])  # x3, sampled from row 2
+    assert d.propose(3) == [1004, 1005, 1006]
+    assert fake.calls == [
+        ("decode", 1, [11, 12, 13], [0.0, 1.0, 2.0]),  # (x_q+1, h_q) at q + 1: the prompt's pairs and x3's
+        ("decode", 4, [1004], [-4.0]),  # the chain: the MTP's own hidden state
+        ("decode", 5, [1005], [-5.0]),
+    ]
+    fake.calls.clear()
+    # The verify step fed x3, d1, d2 at 3..5: row 3 sampled d1 (accepted), row 4 sampled 77 (d2 rejected).
+    d.observe(3, _rows(3))
+    d.observe(4, _rows(4))
+    d.accept([1004, 77])
+    assert d.propose(2) == [1006, 1007]
+    assert fake.calls == [
+        ("truncate", 4),  # the chain's guesses at 4 and 5 go first
+        ("decode", 4, [1004, 77], [3.0, 4.0]),
+        ("decode", 6, [1006], [-6.0]),
+    ]
+    fake.calls.clear()
+    assert d.propose(1) == [1006]  # asked again with nothing new: the chain is dropped, the true seed reused
+    assert fake.calls == [("truncate", 6)]
+    fake.calls.clear()
+    d.accept([55])
+    assert d.propose(2) == []  # x7 has no h_6 yet: no draft rather than a wrong pair
+    d.rollback(6)  # the sequence ends before 6 after all (a failover replay, a cancelled step)
+    assert d.tokens == [10, 11, 12, 13, 1004, 77] and d.committed == 6
+    d.close()
+    assert fake.calls[-1] == ("free",)

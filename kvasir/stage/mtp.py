@@ -22,7 +22,7 @@ from __future__ import annotations
 import ctypes
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -148,6 +148,16 @@ class MtpHead:
         self.close()
 
 
+class MtpDecoder(Protocol):
+    """What :class:`MtpDrafter` needs of the MTP block (an :class:`MtpHead`; a fake in unit tests)."""
+
+    def decode(self, seq_id: int, pos0: int, tokens: Sequence[int], hidden: FloatArray) -> tuple[int, FloatArray]: ...
+
+    def truncate(self, seq_id: int, pos: int) -> None: ...
+
+    def free(self, seq_id: int) -> None: ...
+
+
 class MtpDrafter:
     """One request's MTP drafts. Feed it the request's tokens in order (``accept``: the prompt, then every emitted
     token) and the last stage's nextn hidden rows as they are computed (``observe``); ``propose(k)`` drafts up to
@@ -155,7 +165,7 @@ class MtpDrafter:
 
     Drafts never change an answer (the verify batch decides); they only need the true pairs in the MTP cache."""
 
-    def __init__(self, head: MtpHead, seq_id: int) -> None:
+    def __init__(self, head: MtpDecoder, seq_id: int) -> None:
         self.head, self.seq = head, seq_id
         self.tokens: list[int] = []
         #: Hidden rows ``h_q`` not yet paired into the MTP cache, by position ``q``.

@@ -29,32 +29,41 @@ from kvasir.stage.llama_ffi import runtime
 
 
 class RecurrentSnapshots:
-    """The recurrent state of each sequence after its last ``depth`` decodes, keyed by the position it ended at."""
+    """The recurrent state of each sequence after its last ``depth`` decodes, keyed by the position it ended at.
+    Buffers are reused once evicted: a snapshot is one copy out of llama.cpp, never an allocation per decode."""
 
     def __init__(self, depth: int) -> None:
         self.depth = depth
-        self._by_seq: dict[int, OrderedDict[int, bytes]] = {}
+        self._by_seq: dict[int, OrderedDict[int, ctypes.Array[ctypes.c_uint8]]] = {}
+        self._spare: list[ctypes.Array[ctypes.c_uint8]] = []
         #: Bytes copied out and seconds spent copying out and back so far (the snapshots' cost, for benchmarks).
         self.bytes_copied = 0
         self.seconds = 0.0
+
+    def _buffer(self, size: int) -> ctypes.Array[ctypes.c_uint8]:
+        while self._spare:
+            buf = self._spare.pop()
+            if len(buf) == size:
+                return buf
+        return (ctypes.c_uint8 * size)()
 
     def record(self, ctx: Any, seq_id: int, end: int) -> None:
         """After a decode left ``seq_id`` ending at position ``end`` (exclusive)."""
         t0 = time.perf_counter()
         L = runtime().llama
         flags = L.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+        snaps = self._by_seq.setdefault(seq_id, OrderedDict())
+        for stale in [p for p in snaps if p >= end]:  # a later decode at or before these replaced them
+            self._spare.append(snaps.pop(stale))
+        while len(snaps) >= self.depth:
+            self._spare.append(snaps.popitem(last=False)[1])
         size = int(L.llama_state_seq_get_size_ext(ctx, seq_id, flags))
-        buf = (ctypes.c_uint8 * size)()
+        buf = self._buffer(size)
         got = int(L.llama_state_seq_get_data_ext(ctx, buf, size, seq_id, flags))
         if got != size:
             raise StageError(f"recurrent state snapshot of sequence {seq_id}: {got} of {size} bytes")
-        snaps = self._by_seq.setdefault(seq_id, OrderedDict())
-        for stale in [p for p in snaps if p >= end]:  # a later decode at or before these replaced them
-            del snaps[stale]
-        snaps[end] = bytes(buf)
+        snaps[end] = buf
         self.bytes_copied += size
-        while len(snaps) > self.depth:
-            snaps.popitem(last=False)
         self.seconds += time.perf_counter() - t0
 
     def restore(self, ctx: Any, seq_id: int, pos: int) -> bool:
@@ -65,8 +74,7 @@ class RecurrentSnapshots:
             return False
         t0 = time.perf_counter()
         L = runtime().llama
-        buf = (ctypes.c_uint8 * len(snap)).from_buffer_copy(snap)
-        read = int(L.llama_state_seq_set_data_ext(ctx, buf, len(snap), seq_id, L.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY))
+        read = int(L.llama_state_seq_set_data_ext(ctx, snap, len(snap), seq_id, L.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY))
         if read != len(snap):
             raise StageError(f"restoring the recurrent state of sequence {seq_id} at position {pos} failed")
         self.forget(seq_id, after=pos)
@@ -75,13 +83,15 @@ class RecurrentSnapshots:
 
     def forget(self, seq_id: int, after: int | None = None) -> None:
         """Drop ``seq_id``'s snapshots (only those ending after ``after`` when given)."""
-        if after is None:
-            self._by_seq.pop(seq_id, None)
-            return
         snaps = self._by_seq.get(seq_id)
-        if snaps:
-            for p in [p for p in snaps if p > after]:
-                del snaps[p]
+        if not snaps:
+            return
+        for p in [p for p in snaps if after is None or p > after]:
+            self._spare.append(snaps.pop(p))
+        del self._spare[self.depth :]  # keep a window's worth of buffers, not every sequence's
+        if after is None:
+            del self._by_seq[seq_id]
 
     def clear(self) -> None:
         self._by_seq.clear()
+        self._spare.clear()
