@@ -49,13 +49,15 @@ WINDOWS = [(0, 12), (12, 24), (24, 36), (36, 48)]
 PROMPT = "Write a short story about a ring of devices that pass hidden states to each other, one layer at a time."
 
 
-def _timed(fn: Callable[..., Any], spent: list[float]) -> Callable[..., Any]:
+def _timed(fn: Callable[..., Any], spent: list[tuple[float, float]]) -> Callable[..., Any]:
+    """``fn``, appending (wall, CPU-of-this-thread) seconds per call to ``spent``."""
+
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             return fn(*args, **kwargs)
         finally:
-            spent.append(time.perf_counter() - t0)
+            spent.append((time.perf_counter() - t0, time.thread_time() - c0))
 
     return wrapper
 
@@ -93,11 +95,12 @@ def main() -> None:
     greedy, seeded = SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=5)
 
     # The last window's compute per decoded row, in a plain run (its forward calls after the prefill).
-    spent: list[float] = []
+    spent: list[tuple[float, float]] = []
     setattr(plain.last, "forward", _timed(plain.last.forward, spent))  # noqa: B010 - an instance-level timer
     want = {p.seed: plain.generate(prompt, p, args.tokens) for p in (greedy, seeded)}
     steps = spent[1 : 1 + len(want[greedy.seed].tokens)]
-    row_ms = 1e3 * sum(steps) / len(steps)
+    row_ms = 1e3 * sum(w for w, _ in steps) / len(steps)
+    row_cpu_ms = 1e3 * sum(c for _, c in steps) / len(steps)
 
     table = Table(title=f"MTP drafting at the last rank ({model.name}, windows {WINDOWS}, {args.threads} thread(s))")
     for col in (
@@ -105,6 +108,8 @@ def main() -> None:
         "last window ms/row",
         "MTP ms/drafted token",
         "draft/row",
+        "CPU: row / draft ms",
+        "draft/row (CPU)",
         "prompt pairs ms",
         "snapshots KiB/decode",
         "snapshot ms/decode",
@@ -127,6 +132,7 @@ def main() -> None:
             decodes += len(prompt) // spec.chunk + 1 + got.speculation.drafted + got.speculation.verify_batches
         drafted = sum(c.drafted for c in costs)
         draft_ms = 1e3 * sum(c.draft_s - c.prompt_s for c in costs) / max(1, drafted)
+        draft_cpu_ms = 1e3 * sum(c.draft_cpu_s - c.prompt_cpu_s for c in costs) / max(1, drafted)
         snap_bytes = sum(s.bytes_copied - b[0] for s, b in zip(snaps, before, strict=True))
         snap_s = sum(s.seconds - b[1] for s, b in zip(snaps, before, strict=True))
         n_snap = max(1, decodes * len(snaps))
@@ -137,6 +143,8 @@ def main() -> None:
             f"{row_ms:.2f}",
             f"{draft_ms:.2f}",
             f"{draft_ms / row_ms:.2f}",
+            f"{row_cpu_ms:.2f} / {draft_cpu_ms:.2f}",
+            f"{draft_cpu_ms / row_cpu_ms:.2f}",
             f"{1e3 * costs[0].prompt_s:.1f}",
             f"{snap_bytes / n_snap / 1024:.0f}",
             f"{1e3 * snap_s / n_snap:.3f}",

@@ -97,8 +97,10 @@ class MtpHead:
         # Output only the rows asked for (the last of a batch): the MTP's own hidden state for the chain.
         rt.llama_ext.llama_set_embeddings_nextn(ctx, True, True)
         self._b = _PairBatch(L, cfg.n_batch, self.n_embd, rules_for(stage.info.arch).positions_per_token)
-        #: Seconds spent in MTP decodes, and their count (for the cost per drafted token).
+        #: Seconds spent in MTP decodes (wall clock, and CPU time of the calling thread: llama.cpp computes there
+        #: with one thread), and their count (for the cost per drafted token).
         self.busy_s = 0.0
+        self.cpu_s = 0.0
         self.decodes = 0
 
     def decode(self, seq_id: int, pos0: int, tokens: Sequence[int], hidden: FloatArray) -> tuple[int, FloatArray]:
@@ -109,7 +111,7 @@ class MtpHead:
             raise InputError("an MTP batch takes one hidden row per token, at least one")
         L = runtime().llama
         out_h = np.empty(self.n_embd, np.float32)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         for i in range(0, n, self._b.n_max):  # a long prompt in batches of n_batch pairs
             j = min(n, i + self._b.n_max)
             self._b.fill(seq_id, pos0 + i, tokens[i:j], hidden[i:j])
@@ -123,6 +125,7 @@ class MtpHead:
         draft = int(np.argmax(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))))
         out_h[:] = np.ctypeslib.as_array(h, shape=(self.n_embd,))
         self.busy_s += time.perf_counter() - t0
+        self.cpu_s += time.thread_time() - c0
         self.decodes += 1
         return draft, out_h
 

@@ -34,6 +34,9 @@ class MtpCost:
     drafted: int
     #: Seconds drafting the prompt's pairs into the MTP cache (part of ``draft_s``: the prefill's share).
     prompt_s: float
+    #: ``draft_s`` and ``prompt_s`` in CPU time of the calling thread (steadier than wall clock on a loaded machine).
+    draft_cpu_s: float = 0.0
+    prompt_cpu_s: float = 0.0
 
 
 def generate_mtp(
@@ -70,8 +73,8 @@ def generate_mtp(
     drafter = MtpDrafter(head, seq_id)
     output = _Output(last, stop, max_tokens, on_token)
     stats = SpeculationStats()
-    draft_s0 = head.busy_s
-    prompt_s = 0.0
+    draft_s0, cpu_s0 = head.busy_s, head.cpu_s
+    prompt_s = prompt_cpu_s = 0.0
     try:
         for t in prompt:
             sampler.accept(t)
@@ -87,10 +90,10 @@ def generate_mtp(
         steps = 0
         while not any(output.take(token) for token in new):
             drafter.accept(new)
-            busy = head.busy_s
+            busy, cpu = head.busy_s, head.cpu_s
             drafts = drafter.propose(min(k, max_tokens - len(output.tokens) - 1))
             if steps == 0:  # the first proposal writes the whole prompt's pairs
-                prompt_s = head.busy_s - busy
+                prompt_s, prompt_cpu_s = head.busy_s - busy, head.cpu_s - cpu
             fed = [new[-1], *drafts]
             rows_sampler = RowSampler(functools.partial(last.sample, sampler), drafts)
             until = _observing(drafter, last, pos, rows_sampler)
@@ -122,7 +125,14 @@ def generate_mtp(
         decode_ms_per_token=(t2 - t1) * 1e3 / steps if steps else 0.0,
         speculation=stats,
     )
-    return result, MtpCost(draft_s=head.busy_s - draft_s0, drafted=stats.drafted, prompt_s=prompt_s)
+    cost = MtpCost(
+        draft_s=head.busy_s - draft_s0,
+        drafted=stats.drafted,
+        prompt_s=prompt_s,
+        draft_cpu_s=head.cpu_s - cpu_s0,
+        prompt_cpu_s=prompt_cpu_s,
+    )
+    return result, cost
 
 
 def _observing(drafter: MtpDrafter, last: Stage, pos: int, rows: RowSampler) -> Callable[[int], bool]:
