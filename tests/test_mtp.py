@@ -329,3 +329,18 @@ def test_drafter_pairs_each_token_with_the_hidden_state_before_it() -> None:
     assert d.tokens == [10, 11, 12, 13, 1004, 77] and d.committed == 6
     d.close()
     assert fake.calls[-1] == ("free",)
+
+
+def test_generate_cli_drafts_with_mtp(mtp_model: Path, tiny_model: Callable[..., Path]) -> None:
+    """``kvasir generate --mtp K`` on a split model answers as plain ``generate``; ``--speculate K`` works on the
+    hybrid windows too (snapshots), and a model without an MTP block is refused in one line."""
+    base = [str(mtp_model), "--splits", "0,3,8", "--prompt", "Hello ring", "--max-tokens", "12", "--json"]
+    base += ["--threads", "1", "--temperature", "0.9", "--seed", "4"]
+    runs = [run_cli("generate", *base, *extra) for extra in ([], ["--mtp", "2"], ["--speculate", "2"])]
+    assert all(r.returncode == 0 for r in runs), [r.stderr for r in runs]
+    out = [json.loads(r.stdout) for r in runs]
+    assert out[0]["tokens"] == out[1]["tokens"] == out[2]["tokens"] and out[0]["text"] == out[1]["text"]
+    assert out[1]["speculation"]["drafted"] > 0
+    r = run_cli("generate", str(tiny_model("qwen35moe", "q8_0")), "--prompt", "Hi", "--max-tokens", "2", "--mtp", "2")
+    assert r.returncode != 0 and "MTP" in r.stderr and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
