@@ -460,14 +460,13 @@ class Stage:
         kvasir.stage.rollback) before its attention layers forget."""
         L = runtime().llama
         mem = L.llama_get_memory(self._ctx)
-        if L.llama_memory_seq_rm(mem, seq_id, pos, -1):
-            if self._snapshots is not None:
-                self._snapshots.forget(seq_id, after=pos)
-            return
-        if self._snapshots is None or not self._snapshots.restore(self._ctx, seq_id, pos):
-            raise StageError(f"this model's cache cannot roll sequence {seq_id} back to position {pos}")
+        # Snapshot first: llama.cpp's recurrent seq_rm refuses a partial removal here, but a version that took
+        # "remove from the last position" as "drop the whole state" would answer wrongly, not fail.
+        restored = self._snapshots is not None and self._snapshots.restore(self._ctx, seq_id, pos)
         if not L.llama_memory_seq_rm(mem, seq_id, pos, -1):
-            raise StageError(f"sequence {seq_id}: restored its recurrent state at {pos}, yet the cache refused")
+            raise StageError(f"this model's cache cannot roll sequence {seq_id} back to position {pos}")
+        if self._snapshots is not None and not restored:
+            self._snapshots.forget(seq_id, after=pos)
 
     def clear(self) -> None:
         L = runtime().llama
