@@ -12,6 +12,8 @@ from kvasir.core.errors import InputError
 from kvasir.core.speculate import K_LIMIT
 from kvasir.shard.cache import default_cache_dir, stage_files
 from kvasir.stage.engine import Stage, StageConfig
+from kvasir.stage.mtp import MtpHead
+from kvasir.stage.mtp_pipeline import generate_mtp
 from kvasir.stage.pipeline import LocalPipeline
 
 
@@ -31,6 +33,14 @@ def add_parser(sub: Any) -> None:
         help=f"draft up to K tokens per step by prompt lookup and verify them in one step (0..{K_LIMIT}; the answer "
         "is the plain one's, docs/speculation.md)",
     )
+    p.add_argument(
+        "--mtp",
+        type=int,
+        metavar="K",
+        default=None,
+        help=f"draft up to K tokens per step with the model's own MTP block (Qwen3.5; 1..{K_LIMIT}; the answer is "
+        "the plain one's, docs/mtp.md)",
+    )
     p.set_defaults(run=run)
 
 
@@ -38,16 +48,29 @@ def run(args: argparse.Namespace) -> int:
     params = sampling_from_args(args)
     if args.speculate is not None and not 0 <= args.speculate <= K_LIMIT:
         raise InputError(f"--speculate must be in [0, {K_LIMIT}]")
+    if args.mtp is not None and not 1 <= args.mtp <= K_LIMIT:
+        raise InputError(f"--mtp must be in [1, {K_LIMIT}]")
+    if args.mtp is not None and args.speculate is not None:
+        raise InputError("--mtp and --speculate are two drafters: pass one")
+    k = args.mtp or args.speculate or 0
     model, windows = model_windows(args, lambda n_main: [(0, n_main)], chat=args.chat)
     paths = stage_files(model, windows, default_cache_dir())
     with contextlib.ExitStack() as stack:
         stages = [
             stack.enter_context(
                 Stage.load(
-                    StageConfig(p, n_ctx=args.ctx, n_seq_max=1, n_threads=args.threads, n_gpu_layers=args.gpu_layers)
+                    StageConfig(
+                        p,
+                        n_ctx=args.ctx,
+                        n_seq_max=1,
+                        n_threads=args.threads,
+                        n_gpu_layers=args.gpu_layers,
+                        mtp=args.mtp is not None and i == len(paths) - 1,
+                        rollback=k + 1 if k else 0,  # hybrid windows roll drafts back from snapshots
+                    )
                 )
             )
-            for p in paths
+            for i, p in enumerate(paths)
         ]
         pipe = LocalPipeline(stages)
         vocab = stages[0].vocab
@@ -60,14 +83,27 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout.write(delta)
             sys.stdout.flush()
 
-        result = pipe.generate(
-            prompt,
-            params,
-            args.max_tokens,
-            stop=args.stop,
-            on_token=None if args.json else echo,
-            speculate=args.speculate,
-        )
+        if args.mtp is not None:
+            head = stack.enter_context(MtpHead(pipe.last))
+            result, _ = generate_mtp(
+                pipe,
+                head,
+                prompt,
+                params,
+                args.max_tokens,
+                args.mtp,
+                stop=args.stop,
+                on_token=None if args.json else echo,
+            )
+        else:
+            result = pipe.generate(
+                prompt,
+                params,
+                args.max_tokens,
+                stop=args.stop,
+                on_token=None if args.json else echo,
+                speculate=args.speculate,
+            )
     if args.json:
         print_json(result.to_json())
     else:

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvasir.commands.common import print_json
-from kvasir.shard.gguf_file import describe
+from kvasir.shard.gguf_file import ModelInfo, describe
 
 
 def add_parser(sub: Any) -> None:
@@ -31,6 +31,14 @@ def _size(n: int) -> str:
     return f"{value:.1f} {unit}"
 
 
+def _mtp_row(info: ModelInfo) -> str:
+    """Whether the file carries multi-token-prediction (nextn) blocks, the last window's drafter (docs/mtp.md)."""
+    if not info.nextn_layers:
+        return "none"
+    where = "" if info.stage_window is None else " (this last window carries them)"
+    return f"{info.nextn_layers}{where}"
+
+
 def run(args: argparse.Namespace) -> int:
     info = describe(args.model)
     if args.json:
@@ -38,7 +46,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     t = Table(title=str(args.model), show_header=False)
     t.add_row("architecture", info.arch)
-    t.add_row("layers", str(info.n_layer) + (f" (+{info.nextn_layers} MTP)" if info.nextn_layers else ""))
+    t.add_row("layers", str(info.n_main) + (f" (+{info.nextn_layers} MTP)" if info.nextn_layers else ""))
+    t.add_row("MTP layers", _mtp_row(info))
     t.add_row("hidden size", str(info.n_embd))
     t.add_row("vocabulary", str(info.n_vocab))
     per = info.layer_bytes

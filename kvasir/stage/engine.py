@@ -33,6 +33,7 @@ from kvasir.shard.slice import read_embedding_block
 from kvasir.stage.capture import Capture, make_capture
 from kvasir.stage.embedding import TokenEmbedding
 from kvasir.stage.llama_ffi import runtime
+from kvasir.stage.rollback import RecurrentSnapshots
 from kvasir.stage.sampling import Sampler
 from kvasir.stage.vocab import Vocab
 
@@ -55,6 +56,13 @@ class StageConfig:
     n_gpu_layers: int = 0
     #: Capture boundaries with the compiled C callback (falls back to Python when no compiler is found).
     native_capture: bool = True
+    #: Last stage of a model with MTP (nextn) layers: load them and keep every row's nextn hidden state for the MTP
+    #: drafter (kvasir.stage.mtp). Logits are unchanged: docs/mtp.md § Exactness.
+    mtp: bool = False
+    #: Hybrid (qwen35) windows: keep the recurrent state after each of a sequence's last ``rollback`` decodes, so
+    #: :meth:`Stage.truncate` can roll the sequence back to any of those positions (speculation). 0: no snapshots;
+    #: recurrent layers then cannot roll back partially.
+    rollback: int = 0
 
 
 @attrs.frozen
@@ -68,6 +76,8 @@ class StageInfo:
     n_vocab: int
     first: bool
     last: bool
+    #: MTP (nextn) blocks this stage file carries (the last window of a Qwen3.5 model).
+    nextn_layers: int
     #: The model's identity: sha256 of the whole GGUF when the stage file records it.
     model_sha256: str | None
     backend: str
@@ -144,6 +154,7 @@ class Stage:
         self._vocab: Vocab | None = None
         self._embedding: TokenEmbedding | None = None
         self._capture: Capture | None = None
+        self._snapshots: RecurrentSnapshots | None = None
         #: Seconds spent in stage calls (compute), for status and benchmarks.
         self.busy_s = 0.0
         #: Seconds spent handing stage calls to the worker thread and back (``run``'s wall time less the compute).
@@ -164,8 +175,11 @@ class Stage:
         self = cls()
         self.config = config
         first, last = start == 0, end == source_layers
+        if config.mtp and not (last and model_info.nextn_layers):
+            raise StageError(f"{config.path}: MTP drafting needs the last window of a model with MTP layers")
         mp = L.llama_model_default_params()
         mp.n_gpu_layers = config.n_gpu_layers
+        mp.load_mtp = config.mtp
         model = L.llama_model_load_from_file(str(config.path).encode(), mp)
         if not model:
             raise StageError(f"{config.path}: llama.cpp could not load this stage file")
@@ -193,6 +207,12 @@ class Stage:
             if not ctx:
                 raise StageError(f"{config.path}: llama.cpp could not create a context (n_ctx={cp.n_ctx})")
             self._ctx = ctx
+            if config.rollback and rules.needs_both_kinds:
+                self._snapshots = RecurrentSnapshots(config.rollback)
+            if config.mtp:
+                # Every row's nextn hidden state (masked=False), not only output rows': the MTP block reads the
+                # prompt's rows too. The logits are computed as before (docs/mtp.md § Exactness).
+                rt.llama_ext.llama_set_embeddings_nextn(ctx, True, False)
             if first and not last:
                 rows, qtype = read_embedding_block(gg)
                 self._embedding = TokenEmbedding(rows, qtype, model_info.n_embd, rules.scales_token_embedding)
@@ -206,6 +226,7 @@ class Stage:
                 n_vocab=model_info.n_vocab,
                 first=first,
                 last=last,
+                nextn_layers=model_info.nextn_layers,
                 model_sha256=gg.get(STAGE_PREFIX + "source_sha256"),
                 backend=_backend_name(rt.devices, config.n_gpu_layers),
                 n_threads=n_threads,
@@ -372,6 +393,9 @@ class Stage:
         if rc != 0:
             where = ", ".join(f"sequence {it.seq_id}, positions {it.pos0}..{it.pos0 + it.n}" for it in items)
             raise StageError(f"llama_decode failed with code {rc} ({where})")
+        if self._snapshots is not None:
+            for it in items:
+                self._snapshots.record(self._ctx, it.seq_id, it.pos0 + it.n)
         if self._capture is None:
             return [None] * len(items)
         if self._capture.rows() != total:
@@ -390,6 +414,30 @@ class Stage:
             raise StageError(f"no logits at batch position {index}")
         return np.ctypeslib.as_array(ptr, shape=(self.info.n_vocab,)).copy()
 
+    def nextn_hidden(self, n: int) -> FloatArray:
+        """The last decode's nextn hidden states (what the MTP block reads), rows ``0..n-1`` of its batch
+        ``[n, n_embd]`` (a stage loaded with ``mtp``)."""
+        if not self.config.mtp:
+            raise StageError("nextn hidden states need a stage loaded for MTP drafting")
+        get = runtime().llama_ext.llama_get_embeddings_nextn_ith
+        out = np.empty((n, self.info.n_embd), np.float32)
+        for i in range(n):
+            ptr = get(self._ctx, i)
+            if not ptr:
+                raise StageError(f"no nextn hidden state at batch position {i}")
+            out[i] = np.ctypeslib.as_array(ptr, shape=(self.info.n_embd,))
+        return out
+
+    @property
+    def snapshots(self) -> RecurrentSnapshots | None:
+        """The recurrent-state snapshots a hybrid window keeps for rollback (``StageConfig.rollback``), if any."""
+        return self._snapshots
+
+    @property
+    def handles(self) -> tuple[Any, Any]:
+        """The llama.cpp model and context (for kvasir.stage.mtp, which runs the MTP block on this model)."""
+        return self._model, self._ctx
+
     def new_sampler(self, params: SamplingParams) -> Sampler:
         return Sampler(params, self.info.n_vocab, self.config.n_ctx)
 
@@ -403,16 +451,28 @@ class Stage:
         """Drop one sequence's cache, leaving the others untouched."""
         L = runtime().llama
         L.llama_memory_seq_rm(L.llama_get_memory(self._ctx), seq_id, -1, -1)
+        if self._snapshots is not None:
+            self._snapshots.forget(seq_id)
 
     def truncate(self, seq_id: int, pos: int) -> None:
-        """Forget one sequence's cache from position ``pos`` on (rejected speculative drafts), keeping ``[0, pos)``."""
+        """Forget one sequence's cache from position ``pos`` on (rejected speculative drafts), keeping ``[0, pos)``.
+        A hybrid window restores its recurrent state from the snapshot taken at ``pos`` (``StageConfig.rollback``,
+        kvasir.stage.rollback) before its attention layers forget."""
         L = runtime().llama
-        if not L.llama_memory_seq_rm(L.llama_get_memory(self._ctx), seq_id, pos, -1):
+        mem = L.llama_get_memory(self._ctx)
+        # Snapshot first: llama.cpp's recurrent seq_rm refuses a partial removal here, but a version that took
+        # "remove from the last position" as "drop the whole state" would answer wrongly, not fail.
+        restored = self._snapshots is not None and self._snapshots.restore(self._ctx, seq_id, pos)
+        if not L.llama_memory_seq_rm(mem, seq_id, pos, -1):
             raise StageError(f"this model's cache cannot roll sequence {seq_id} back to position {pos}")
+        if self._snapshots is not None and not restored:
+            self._snapshots.forget(seq_id, after=pos)
 
     def clear(self) -> None:
         L = runtime().llama
         L.llama_memory_clear(L.llama_get_memory(self._ctx), True)
+        if self._snapshots is not None:
+            self._snapshots.clear()
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a blocking stage call in a worker thread, one at a time per stage (llama.cpp releases the GIL)."""

@@ -48,6 +48,8 @@ NAME_OFFSET: int = GgmlTensor.name.offset
 @attrs.frozen
 class Runtime:
     llama: Any  # the llama_cpp module
+    #: llama_cpp.llama_cpp_ext: llama.cpp's staging API (the nextn/MTP entry points), bound by llama-cpp-python.
+    llama_ext: Any
     ggml_base: ctypes.CDLL
     ggml: ctypes.CDLL
     devices: tuple[str, ...]
@@ -62,6 +64,7 @@ def runtime() -> Runtime:
     """Load llama.cpp, silence its logging below errors, initialise backends; once per process."""
     with _init_lock:
         import llama_cpp
+        import llama_cpp.llama_cpp_ext as llama_ext
 
         lib_dir = Path(llama_cpp.__file__).parent / "lib"
         base = ctypes.CDLL(str(_find(lib_dir, "libggml-base")))
@@ -89,7 +92,7 @@ def runtime() -> Runtime:
         _log_keepalive.append(_log)
         llama_cpp.llama_log_set(_log, ctypes.c_void_p())
         llama_cpp.llama_backend_init()
-        return Runtime(llama=llama_cpp, ggml_base=base, ggml=ggml, devices=_devices(ggml))
+        return Runtime(llama=llama_cpp, llama_ext=llama_ext, ggml_base=base, ggml=ggml, devices=_devices(ggml))
 
 
 def _find(lib_dir: Path, stem: str) -> Path:

@@ -123,9 +123,14 @@ class TinyModelSpec:
     full_attention_interval: int
     n_expert: int
     n_expert_used: int
+    #: MTP ("nextn") blocks after the main stack (qwen35/qwen35moe); ``n_layer`` counts only the main layers.
+    n_nextn: int = 0
 
     def cache_key(self) -> str:
-        payload = json.dumps({"v": _FORMAT_VERSION, **self.__dict__}, sort_keys=True)
+        fields = dict(self.__dict__)
+        if not fields["n_nextn"]:
+            del fields["n_nextn"]  # models without MTP blocks keep the keys they had before the field existed
+        payload = json.dumps({"v": _FORMAT_VERSION, **fields}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
@@ -147,6 +152,7 @@ def resolve_spec(
     full_attention_interval: int = 4,
     n_expert: int = 4,
     n_expert_used: int = 2,
+    n_nextn: int = 0,
 ) -> TinyModelSpec:
     """Fill in defaults and check the parameters (see :func:`write_tiny_model`)."""
     if arch not in ARCHES:
@@ -183,6 +189,8 @@ def resolve_spec(
             raise ValueError("qwen35moe needs an even n_ff (experts are n_ff / 2 wide)")
     if full_attention_interval < 1:
         raise ValueError("full_attention_interval must be >= 1")
+    if n_nextn < 0 or (n_nextn and a not in ("qwen35", "qwen35moe")):
+        raise ValueError("n_nextn (MTP blocks) applies to qwen35 and qwen35moe only")
     if tie_embeddings is None:
         tie_embeddings = a == "gemma3"
     return TinyModelSpec(
@@ -202,6 +210,7 @@ def resolve_spec(
         full_attention_interval=full_attention_interval if a in ("qwen35", "qwen35moe") else 0,
         n_expert=n_expert if a == "qwen35moe" else 0,
         n_expert_used=n_expert_used if a == "qwen35moe" else 0,
+        n_nextn=n_nextn,
     )
 
 
@@ -213,8 +222,11 @@ def write_tiny_model(path: Path, arch: str, *, quant: str = "f32", **dims: Any) 
     ``n_vocab`` 512, ``head_dim = n_embd // n_head``. ``tie_embeddings`` defaults to True for gemma3 only.
     ``sliding_window`` applies to gemma3; ``full_attention_interval`` to qwen35/qwen35moe (also used for the
     recurrent state: d_state = head_dim, n_head value heads, n_head_kv key groups); ``n_expert`` /
-    ``n_expert_used`` to qwen35moe (experts and the shared expert are n_ff / 2 wide). The same parameters always
-    give the same bytes.
+    ``n_expert_used`` to qwen35moe (experts and the shared expert are n_ff / 2 wide). ``n_nextn`` (qwen35 and
+    qwen35moe) appends that many MTP blocks after the ``n_layer`` main layers, as the Qwen3.5 checkpoints carry them
+    (``{arch}.nextn_predict_layers``; a full-attention block plus ``nextn.eh_proj``/``enorm``/``hnorm``/
+    ``shared_head_norm``, sharing the token embedding and the output head). The same parameters always give the same
+    bytes.
     """
     return _write_spec(Path(path), resolve_spec(arch, quant=quant, **dims))
 
@@ -344,7 +356,9 @@ def _add_metadata(w: gguf.GGUFWriter, spec: TinyModelSpec) -> None:
     w.add_uint32(Keys.General.FILE_TYPE, int(gguf.LlamaFileType.ALL_F32))
     w.add_uint32(k(Keys.LLM.CONTEXT_LENGTH), spec.n_ctx_train)
     w.add_uint32(k(Keys.LLM.EMBEDDING_LENGTH), spec.n_embd)
-    w.add_uint32(k(Keys.LLM.BLOCK_COUNT), spec.n_layer)
+    w.add_uint32(k(Keys.LLM.BLOCK_COUNT), spec.n_layer + spec.n_nextn)
+    if spec.n_nextn:
+        w.add_uint32(k(Keys.LLM.NEXTN_PREDICT_LAYERS), spec.n_nextn)
     w.add_uint32(k(Keys.LLM.FEED_FORWARD_LENGTH), spec.n_ff)
     w.add_uint32(k(Keys.LLM.VOCAB_SIZE), spec.n_vocab)
     w.add_uint32(k(Keys.Attention.HEAD_COUNT), spec.n_head)
@@ -466,7 +480,7 @@ def _tensors(spec: TinyModelSpec) -> Iterator[_Tensor]:
     if not spec.tie_embeddings:
         yield _Tensor(name(MODEL_TENSOR.OUTPUT), (V, E), _linear)
 
-    for i in range(L):
+    for i in range(L + spec.n_nextn):
         if spec.arch in ("qwen35", "qwen35moe"):
             yield from _qwen35_layer(spec, i, name)
             continue
@@ -495,9 +509,15 @@ def _tensors(spec: TinyModelSpec) -> Iterator[_Tensor]:
 def _qwen35_layer(spec: TinyModelSpec, i: int, name: Callable[..., str]) -> Iterator[_Tensor]:
     E, F = spec.n_embd, spec.n_ff
     hd, H, Hkv = spec.head_dim, spec.n_head, spec.n_head_kv
+    mtp = i >= spec.n_layer  # an MTP block: full attention whatever its index
     yield _Tensor(name(MODEL_TENSOR.ATTN_NORM, i), (E,), _norm)
     yield _Tensor(name(MODEL_TENSOR.ATTN_POST_NORM, i), (E,), _norm)
-    if (i + 1) % spec.full_attention_interval == 0:
+    if mtp:
+        # gguf-py does not list the nextn tensors for qwen35*, llama.cpp loads them: name them directly.
+        yield _Tensor(TENSOR_NAMES[MODEL_TENSOR.NEXTN_EH_PROJ].format(bid=i) + ".weight", (E, 2 * E), _linear)
+        for t in (MODEL_TENSOR.NEXTN_ENORM, MODEL_TENSOR.NEXTN_HNORM, MODEL_TENSOR.NEXTN_SHARED_HEAD_NORM):
+            yield _Tensor(TENSOR_NAMES[t].format(bid=i) + ".weight", (E,), _norm)
+    if mtp or (i + 1) % spec.full_attention_interval == 0:
         # Gated full attention: attn_q yields query and gate interleaved per head.
         yield _Tensor(name(MODEL_TENSOR.ATTN_Q, i), (2 * H * hd, E), _linear)
         yield _Tensor(name(MODEL_TENSOR.ATTN_K, i), (Hkv * hd, E), _linear)
