@@ -364,6 +364,7 @@ EXEMPT: dict[str, str] = {
     "kvasir.commands.ring._Outcome": "how a `ring up` run ended (what to keep of its run directory), in-process only",
     "kvasir.core.identity": "keys: they travel as text (PublicKey.to_text), never as objects",
     "kvasir.core.speculate": "in-process drafting state and counters",
+    "kvasir.core.oracle.Oracle": "the benchmark oracle's drafting state, in process (its file is OracleSpec)",
     "kvasir.core.config.Config": "the resolved configuration; its TOML goes through ConfigFile (registered)",
     "kvasir.core.config.Setting": "one resolved setting and where it came from, built in process",
     "kvasir.planner.estimate": "planner results, printed (kvasir plan), never parsed",

@@ -1,14 +1,17 @@
-"""Speculative decoding's decisions: which tokens to draft (prompt lookup) and how many (adapted to acceptance).
+"""Speculative decoding's decisions: which tokens to draft and how many (adapted to acceptance).
 
-Both are pure functions of the token history and the acceptance so far, so every node of a ring (and a rerun of
+Drafts come from a :class:`DraftSource`, fed every token the request emits: prompt lookup (:class:`PromptLookup`,
+the default), a draft model (``kvasir.stage.draftmodel``), the benchmark oracle (``kvasir.core.oracle``). How many
+to ask for is the :class:`Drafter`'s schedule, the same for every source. Prompt lookup and the schedule are pure
+functions of the token history and the acceptance so far, so every node of a ring (and a rerun of
 ``kvasir generate --speculate K``) derives the same drafts and the same verify-batch shapes from the same tokens.
-See docs/speculation.md.
+Whatever a source proposes, the answer is the plain one (each verify row is the plain step). See docs/speculation.md.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import attrs
 import numpy as np
@@ -199,15 +202,61 @@ def verify_rows(
     return rows
 
 
+class DraftSource(Protocol):
+    """Where one request's drafts come from (docs/speculation.md § Drafters). It is fed every token the request
+    emits (after the prompt it was made for) and asked for up to ``k`` tokens to follow them; :class:`Drafter` decides
+    ``k``. A source must be deterministic in what it was fed and asked (a replaced last rank re-drafts the same
+    tokens: failover compares them)."""
+
+    #: True when :meth:`propose` computes (a model): the ring's last rank then calls it in a worker thread.
+    @property
+    def blocking(self) -> bool: ...
+
+    def emitted(self, token: int) -> None:
+        """The request emitted ``token`` (an accepted draft or a sampled token), in order."""
+
+    def propose(self, k: int, *, eager: bool = False) -> list[int]:
+        """Up to ``k`` tokens to follow the tokens fed so far (fewer, or none, when it has no guess). ``eager``: the
+        ring is latency-bound, a weaker guess is worth a row (prompt lookup then accepts 1-token matches)."""
+
+    def close(self) -> None:
+        """The request ended: free what the source holds for it (idempotent)."""
+
+
+#: Makes a request's draft source from its prompt and its sequence id at the drafting node (a model's cache slot).
+DraftSources = Callable[[Sequence[int], int], DraftSource]
+
+
+@attrs.define
+class PromptLookup:
+    """The default source: prompt lookup over prompt + output (:class:`NgramIndex`); free, so never blocking."""
+
+    index: NgramIndex
+    blocking = False
+
+    @classmethod
+    def for_prompt(cls, prompt: Sequence[int], _seq: int = 0) -> PromptLookup:
+        return cls(NgramIndex(list(prompt), ngram_min=min(EAGER_NGRAM_MIN, NGRAM_MIN)))
+
+    def emitted(self, token: int) -> None:
+        self.index.append(token)
+
+    def propose(self, k: int, *, eager: bool = False) -> list[int]:
+        return self.index.lookup(k, EAGER_NGRAM_MIN if eager else NGRAM_MIN)
+
+    def close(self) -> None:
+        pass
+
+
 @attrs.define
 class Drafter:
-    """One speculative request's drafting state (the history and the adapted K): the ring's last rank and
+    """One speculative request's drafting state (its draft source and the adapted K): the ring's last rank and
     ``generate --speculate K`` draft with it, so both follow the same schedule."""
 
     k_max: int
     k: int
-    #: Prompt + output so far, indexed for prompt lookup.
-    index: NgramIndex
+    #: Where the drafts come from, fed the prompt and every emitted token.
+    source: DraftSource
     stats: SpeculationStats = attrs.field(factory=SpeculationStats)
     #: While drafting is off: the guess the step in flight would have drafted (``resume_k``).
     shadow: list[int] = attrs.field(factory=list)
@@ -215,12 +264,20 @@ class Drafter:
     eager: bool = False
 
     @classmethod
-    def for_prompt(cls, prompt: Sequence[int], k_max: int) -> Drafter:
-        index = NgramIndex(list(prompt), ngram_min=min(EAGER_NGRAM_MIN, NGRAM_MIN))
-        return cls(k_max=k_max, k=initial_k(k_max), index=index)
+    def for_prompt(cls, prompt: Sequence[int], k_max: int, source: DraftSource | None = None) -> Drafter:
+        """A request's drafter; ``source`` None: prompt lookup over ``prompt``."""
+        return cls(k_max=k_max, k=initial_k(k_max), source=source or PromptLookup.for_prompt(prompt))
+
+    @property
+    def blocking(self) -> bool:
+        """Whether :meth:`drafts` computes (call it off the event loop)."""
+        return self.source.blocking
 
     def emitted(self, token: int) -> None:
-        self.index.append(token)
+        self.source.emitted(token)
+
+    def close(self) -> None:
+        self.source.close()
 
     def verified(self, drafted: int, accepted: int, sampled: int) -> None:
         """A step with ``drafted`` drafts kept ``accepted`` of them and sampled ``sampled`` first: count it, adapt K."""
@@ -239,5 +296,6 @@ class Drafter:
         if self.eager and self.k == 0:
             self.k = self.k_max  # drafting was off: a latency-bound ring turns it back on at once
         # The shadow: only while drafting is off (k = 0), the one-token guess resume_k checks after the step.
-        self.shadow = self.index.lookup(1, NGRAM_MIN) if self.k == 0 and self.k_max > 0 else []
-        return self.index.lookup(min(self.k, may_emit - 1), EAGER_NGRAM_MIN if self.eager else NGRAM_MIN)
+        self.shadow = self.source.propose(1) if self.k == 0 and self.k_max > 0 else []
+        k = min(self.k, may_emit - 1)
+        return self.source.propose(k, eager=self.eager)[:k] if k > 0 else []

@@ -12,6 +12,7 @@ feeds the whole prompt into the penalty history.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import trio
@@ -35,6 +36,7 @@ class LastRank:
     ) -> None:
         self.stage, self.requests, self.outbox, self.observer = stage, requests, outbox, observer
         self.draft_policy: DraftPolicy = config.draft_policy
+        self.draft_sources = config.draft_sources
         self.pace = RingPace()  # the ring's pace, for the drafting policy
 
     # ------------------------------------------------------------------------------------------ requests
@@ -49,7 +51,9 @@ class LastRank:
         """A request registered here: its output text and, when it speculates, its drafter."""
         state.text_stream = TextStream(self.stage.vocab)
         if state.start.speculate:
-            state.drafter = Drafter.for_prompt(state.start.prompt, state.start.speculate)
+            prompt, sources = state.start.prompt, self.draft_sources
+            source = None if sources is None else sources(prompt, state.seq)
+            state.drafter = Drafter.for_prompt(prompt, state.start.speculate, source)
 
     def sampler(self, state: RequestState) -> TokenSampler:
         """Worker thread (the request's lock held): the request's sampler chain, built at its first sample with the
@@ -174,7 +178,14 @@ class LastRank:
         drafts: list[int] = []
         if state.drafter is not None:
             eager = self.pace.eager(self.draft_policy, state.drafter.k_max)
-            drafts = state.drafter.drafts(start.max_tokens - state.generated, eager=eager)
+            draft = functools.partial(state.drafter.drafts, start.max_tokens - state.generated, eager=eager)
+            if state.drafter.blocking:  # a draft model computes: off the event loop
+                drafts = await trio.to_thread.run_sync(draft)
+                if state.done:
+                    see()
+                    return
+            else:
+                drafts = draft()
         position = state.prompt_len + state.generated - 1
         try:
             await self.outbox.data(state, Token(start.request_id, position, tokens[-1], tuple(drafts)))

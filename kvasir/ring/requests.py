@@ -379,6 +379,11 @@ class RequestTable:
             with trio.CancelScope(shield=True):
                 async with state.lock:
                     await self.stage.run(self.stage.free_sequence, state.seq)
+                    if state.drafter is not None:  # a draft model's sequence too, before the sequence is reused
+                        if state.drafter.blocking:
+                            await trio.to_thread.run_sync(state.drafter.close)
+                        else:
+                            state.drafter.close()
                     self._seqs.give(state.seq)
                     if state.sampler is not None:
                         state.sampler.close()
