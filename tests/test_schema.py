@@ -368,6 +368,7 @@ EXEMPT: dict[str, str] = {
     "kvasir.core.config.Config": "the resolved configuration; its TOML goes through ConfigFile (registered)",
     "kvasir.core.config.Setting": "one resolved setting and where it came from, built in process",
     "kvasir.planner.estimate": "planner results, printed (kvasir plan), never parsed",
+    "kvasir.planner.speculation": "the speculation estimate, printed (kvasir plan --accept), never parsed",
     "kvasir.planner.profile.ModelProfile": "a profile in process; its TOML goes through _ProfileFile (registered)",
     "kvasir.planner.profile.LayerProfile": "one layer of a ModelProfile (the TOML lists columns, _ProfileFile)",
     "kvasir.api.schema.GenerationRequest": "built from an OpenAI body by hand (unions); _Options is registered",
