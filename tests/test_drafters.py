@@ -99,6 +99,10 @@ def test_the_drafter_schedules_any_source() -> None:
     assert drafter.drafts(100) == [2, 3, 4]  # full acceptance: K + 2
     assert drafter.drafts(2) == [2]  # at most may_emit - 1 drafts
     assert isinstance(Drafter.for_prompt([1, 2], 3).source, PromptLookup)  # the default: prompt lookup
+    fixed = Drafter.for_prompt([7, 7], 4, ListSource(list(range(50))), fixed=True)
+    for drafted, accepted in ((4, 0), (4, 1), (0, 0), (4, 4)):
+        assert len(fixed.drafts(100)) == 4 and fixed.eager  # K at its maximum whatever was accepted
+        fixed.verified(drafted, accepted, 0)
 
 
 def _generate(pipe: LocalPipeline, prompt: list[int], params: SamplingParams, n: int, **kw: object) -> list[int]:

@@ -47,17 +47,21 @@ def test_tokens_per_trip_match_the_oracles_coins(alpha: float, k: int) -> None:
 
 def test_the_law_and_the_rows() -> None:
     assert law_tokens_per_s(2.0, 20.0, 80.0) == pytest.approx(20.0)  # 2 tokens per 100 ms trip
-    assert trip_ms([5.0, 10.0, 5.0], 60.0, 3) == pytest.approx(80.0 + 30.0)  # 3 rows more through the slowest
+    # Two accepted rows more through the slowest window; at most 3 + 1 rows of it per trip when hops are short.
+    assert trip_ms([5.0, 10.0, 5.0], 60.0, 3, 3.0) == pytest.approx(80.0 + 20.0)
+    assert trip_ms([5.0, 10.0, 5.0], 0.0, 3, 1.0) == pytest.approx(40.0)
     # Latency-bound ring: draft as much as the acceptance carries; no acceptance: never draft.
     assert best_k(0.9, [1.0] * 4, 200.0) >= 8
     assert best_k(0.0, [1.0] * 4, 200.0) == 0
-    # Compute-bound (no hops): rows cost as much as a trip saves, so little or no drafting.
-    assert best_k(0.5, [10.0] * 4, 0.0) <= 1
+    # One window, no hops: a row costs what a trip does, so drafting never pays (row by row).
+    assert best_k(0.9, [10.0], 0.0) == 0
+    # Compute-bound ring: a window idles while the others compute, so a few rows fit in its idle time.
+    assert 1 <= best_k(0.5, [10.0] * 4, 0.0) <= 4
     est = estimate_speculation(0.8, [2.0] * 4, 80.0, 4)
     assert est.g == pytest.approx(accepted_per_trip(0.8, 4))
     assert est.plain_tokens_per_s == pytest.approx(1e3 / 88.0)
     assert est.law_tokens_per_s == pytest.approx(est.g * est.plain_tokens_per_s)
-    assert est.tokens_per_s == pytest.approx(1e3 * est.g / 96.0)
+    assert est.tokens_per_s == pytest.approx(1e3 * est.g / (88.0 + 2.0 * (est.g - 1.0)))
 
 
 @pytest.fixture

@@ -68,7 +68,8 @@ def add_speculate_arg(p: argparse.ArgumentParser, what: str) -> None:
         default="auto",
         help="how the last rank drafts for speculative requests: eagerly (guesses from single-token matches, K kept "
         "high) when the ring's round trip outweighs the rows a wrong guess wastes, else adaptively (auto, the "
-        "default), or always one way; the answer is the same either way",
+        "default), or always one way; fixed: eagerly with K always at its maximum (the latency law's assumption, "
+        "for benchmarks); the answer is the same either way",
     )
     p.add_argument(
         "--draft-model",

@@ -32,9 +32,10 @@ K_START = 1
 EAGER_NGRAM_MIN = 1
 #: A ring is latency-bound when the least wait for a ring pass exceeds this many full verify batches of rows.
 EAGER_FACTOR = 2.0
-#: ``--draft-policy``: auto (eager when the ring is latency-bound, else adaptive), or either one always.
-DraftPolicy = Literal["auto", "adaptive", "eager"]
-DRAFT_POLICIES: tuple[DraftPolicy, ...] = ("auto", "adaptive", "eager")
+#: ``--draft-policy``: auto (eager when the ring is latency-bound, else adaptive), or either one always, or fixed:
+#: eager with K always at its maximum (what the latency law assumes; for benchmarks with the oracle drafter).
+DraftPolicy = Literal["auto", "adaptive", "eager", "fixed"]
+DRAFT_POLICIES: tuple[DraftPolicy, ...] = ("auto", "adaptive", "eager", "fixed")
 
 
 def draft_lookup(
@@ -262,11 +263,16 @@ class Drafter:
     shadow: list[int] = attrs.field(factory=list)
     #: Whether the step in flight was drafted eagerly (``drafts(eager=True)``).
     eager: bool = False
+    #: ``--draft-policy fixed``: every step asks for ``k_max`` drafts, eagerly, whatever was accepted.
+    fixed: bool = False
 
     @classmethod
-    def for_prompt(cls, prompt: Sequence[int], k_max: int, source: DraftSource | None = None) -> Drafter:
-        """A request's drafter; ``source`` None: prompt lookup over ``prompt``."""
-        return cls(k_max=k_max, k=initial_k(k_max), source=source or PromptLookup.for_prompt(prompt))
+    def for_prompt(
+        cls, prompt: Sequence[int], k_max: int, source: DraftSource | None = None, *, fixed: bool = False
+    ) -> Drafter:
+        """A request's drafter; ``source`` None: prompt lookup over ``prompt``; ``fixed``: ``--draft-policy fixed``."""
+        k = k_max if fixed else initial_k(k_max)
+        return cls(k_max=k_max, k=k, source=source or PromptLookup.for_prompt(prompt), fixed=fixed)
 
     @property
     def blocking(self) -> bool:
@@ -282,7 +288,9 @@ class Drafter:
     def verified(self, drafted: int, accepted: int, sampled: int) -> None:
         """A step with ``drafted`` drafts kept ``accepted`` of them and sampled ``sampled`` first: count it, adapt K."""
         self.stats = self.stats.after(drafted, accepted, eager=self.eager)
-        if self.eager:
+        if self.fixed:
+            self.k = self.k_max
+        elif self.eager:
             self.k = eager_k(drafted, accepted, self.k_max)
         elif self.k == 0:
             self.k = resume_k(self.shadow, sampled, self.k_max)
@@ -292,7 +300,7 @@ class Drafter:
     def drafts(self, may_emit: int, *, eager: bool = False) -> list[int]:
         """Drafts for the next step when at most ``may_emit`` more tokens may be emitted (drafts + one sample);
         ``eager``: the ring is latency-bound (``latency_bound``), draft as much as can be guessed."""
-        self.eager = eager and self.k_max > 0
+        self.eager = (eager or self.fixed) and self.k_max > 0
         if self.eager and self.k == 0:
             self.k = self.k_max  # drafting was off: a latency-bound ring turns it back on at once
         # The shadow: only while drafting is off (k = 0), the one-token guess resume_k checks after the step.

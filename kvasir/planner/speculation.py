@@ -12,9 +12,10 @@ For drafts accepted independently with probability α each and K drafts per trip
 
 (the first sampled token always counts; draft i counts only if drafts 1…i were all right). The law prices a trip at
 the plain one's: it leaves out the extra verify rows. Kvasir computes a verify batch row by row (bit-exactness,
-docs/speculation.md § Why row by row) and pipelines the rows through the windows, so K drafts add about K rows of the
-slowest window to a trip; :func:`trip_ms` counts them, and the planner picks K where that still pays (:func:`best_k`).
-All pure.
+docs/speculation.md § Why row by row) and pipelines the rows through the windows: the last rank stops at the first
+rejected draft, so a trip grows by the g − 1 accepted rows through the slowest window, and no trip is shorter than
+the K + 1 rows every window before the last computes; :func:`trip_ms` counts both, and the planner picks K where
+drafting still pays (:func:`best_k`). All pure.
 """
 
 from __future__ import annotations
@@ -45,15 +46,22 @@ def law_tokens_per_s(g: float, compute_ms: float, link_ms: float) -> float:
     return 1e3 * g / trip if trip > 0 else float("inf")
 
 
-def trip_ms(window_ms: Sequence[float], link_ms: float, k: int) -> float:
-    """One trip with ``k`` drafts: the plain trip plus ``k`` more rows through the slowest window (the rows are
-    pipelined, so the other windows' rows overlap them)."""
-    return sum(window_ms) + link_ms + k * max(window_ms, default=0.0)
+def trip_ms(window_ms: Sequence[float], link_ms: float, k: int, g: float) -> float:
+    """One trip with ``k`` drafts of which ``g`` − 1 are accepted: the plain trip plus those rows through the slowest
+    window (pipelined: the other windows' rows overlap them), and never less than the ``k`` + 1 rows the slowest
+    window computes for every trip (rows behind a rejected draft included)."""
+    row = max(window_ms, default=0.0)
+    return max(sum(window_ms) + link_ms + (g - 1.0) * row, (k + 1) * row)
 
 
 def best_k(alpha: float, window_ms: Sequence[float], link_ms: float, k_max: int = K_LIMIT) -> int:
     """The drafts per trip that maximise expected tokens/s with the rows counted (0 when drafting never pays)."""
-    return max(range(k_max + 1), key=lambda k: accepted_per_trip(alpha, k) / trip_ms(window_ms, link_ms, k))
+
+    def rate(k: int) -> float:
+        g = accepted_per_trip(alpha, k)
+        return g / trip_ms(window_ms, link_ms, k, g)
+
+    return max(range(k_max + 1), key=rate)
 
 
 @attrs.frozen
@@ -85,7 +93,7 @@ def estimate_speculation(
         raise InputError(f"drafts per trip must be in [0, {K_LIMIT}], got {k}")
     g = accepted_per_trip(alpha, k)
     compute = sum(window_ms)
-    trip = trip_ms(window_ms, link_ms, k)
+    trip = trip_ms(window_ms, link_ms, k, g)
     return SpeculationEstimate(
         alpha=alpha,
         k=k,

@@ -53,7 +53,8 @@ class LastRank:
         if state.start.speculate:
             prompt, sources = state.start.prompt, self.draft_sources
             source = None if sources is None else sources(prompt, state.seq)
-            state.drafter = Drafter.for_prompt(prompt, state.start.speculate, source)
+            fixed = self.draft_policy == "fixed"
+            state.drafter = Drafter.for_prompt(prompt, state.start.speculate, source, fixed=fixed)
 
     def sampler(self, state: RequestState) -> TokenSampler:
         """Worker thread (the request's lock held): the request's sampler chain, built at its first sample with the

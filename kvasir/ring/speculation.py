@@ -112,7 +112,7 @@ class RingPace:
 
     def eager(self, policy: DraftPolicy, k_max: int) -> bool:
         if policy != "auto":
-            return policy == "eager"
+            return policy in ("eager", "fixed")
         if len(self.waits) < PACE_MIN_PASSES or not self.rows:
             return False
         return latency_bound(min(self.waits), statistics.median(self.rows), k_max)
