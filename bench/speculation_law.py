@@ -198,10 +198,10 @@ def part_law(console: Console, model: Path, windows: list[tuple[int, int]], args
         with fleet_ring(model, windows, args.profile, extra) as ring:
             _, truth = run_once(ring.sockets[0], ORACLE_PROMPT, args.tokens, 0, False)  # warm-up and the truth
             for alpha in alphas:
-                spec = OracleSpec(alpha, args.seed, (OracleRun(prompt_ids, tuple(truth)),))
-                oracle.write_text(json.dumps(spec.to_wire()))
                 pair = Pair()
-                for _ in range(args.repeats):
+                for r in range(args.repeats):  # other coins each repeat: g's spread is the sampling's
+                    spec = OracleSpec(alpha, args.seed + r, (OracleRun(prompt_ids, tuple(truth)),))
+                    oracle.write_text(json.dumps(spec.to_wire()))
                     pair.run(ring, ORACLE_PROMPT, args.tokens, args.k, False)
                 plain = statistics.median(pair.plain)
                 measured = statistics.median(pair.spec)
@@ -301,7 +301,7 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=4)
     ap.add_argument("--profile", choices=sorted(PROFILES), default="wan")
     ap.add_argument("--split", choices=SPLIT_MODES, default="even")
-    ap.add_argument("--seed", type=int, default=1, help="the oracle's coins")
+    ap.add_argument("--seed", type=int, default=1, help="the oracle's coins (repeat r uses seed + r)")
     args = ap.parse_args()
     cache = default_cache_dir()
     model = model_path(args.model, cache)

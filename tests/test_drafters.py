@@ -18,6 +18,7 @@ from kvasir.core.errors import InputError
 from kvasir.core.oracle import Oracle, OracleRun, OracleSpec, coin, oracle_sources
 from kvasir.core.speculate import Drafter, PromptLookup
 from kvasir.demo import chat_model_path
+from kvasir.ring.speculation import PAYOFF_TRIPS, DraftPayoff, RingPace
 from kvasir.stage.draftmodel import DraftModel
 from kvasir.stage.engine import Stage, StageConfig
 from kvasir.stage.pipeline import LocalPipeline
@@ -176,3 +177,25 @@ def test_real_models_draft_for_themselves_and_refuse_each_other(gemma_path: Path
     bad = run_cli("generate", str(gemma), "--prompt", "x", "--speculate", "2", "--draft-model", str(smol))
     assert bad.returncode == 2 and "its vocabulary has 49152 tokens, the model's has 262144" in bad.stderr
     assert bad.stderr.count("\n") == 1
+
+
+def test_the_acceptance_gate_closes_when_drafting_trips_are_slower_than_plain_ones() -> None:
+    pace = RingPace()
+    assert pace.plain_trip_s() is None  # too few passes to judge
+    for wait in (0.050, 0.060, 0.055, 0.070):
+        pace.waits.append(wait)
+    pace.rows.append(0.005)
+    plain = pace.plain_trip_s()
+    assert plain == pytest.approx(0.0575 + 0.005)
+    paying = DraftPayoff()
+    for _ in range(PAYOFF_TRIPS):  # 3 tokens per 80 ms trip: 37.5 tokens/s against 16 plain
+        assert paying.pays(plain)
+        paying.trip(3, 0.080)
+    assert paying.pays(plain) and not paying.closed
+    losing = DraftPayoff()
+    for _ in range(PAYOFF_TRIPS):  # 1.1 tokens per 75 ms trip: 14.7 tokens/s, below 0.95 × 16
+        assert losing.pays(plain)  # too few trips yet: no judgement
+        losing.trip(1, 0.068)
+    assert not losing.pays(plain) and losing.closed
+    losing.trip(9, 0.001)
+    assert not losing.pays(plain)  # closed for the rest of the request

@@ -152,6 +152,10 @@ class LastRank:
         start = state.start
         assert state.text_stream is not None
         if state.drafter is not None and step:  # a decode step (the prefill's sample is no step: as in generate)
+            now = trio.current_time()
+            if drafted and state.drafter.eager and state.sampled_at is not None:
+                state.payoff.trip(len(tokens), now - state.sampled_at)
+            state.sampled_at = now
             state.drafter.verified(drafted, len(tokens) - 1, tokens[0])
             self.requests.speculation = self.requests.speculation.after(
                 drafted, len(tokens) - 1, eager=state.drafter.eager
@@ -179,6 +183,8 @@ class LastRank:
         drafts: list[int] = []
         if state.drafter is not None:
             eager = self.pace.eager(self.draft_policy, state.drafter.k_max)
+            if self.draft_policy == "auto":  # the acceptance gate: eagerly only while it pays
+                eager = eager and state.payoff.pays(self.pace.plain_trip_s())
             draft = functools.partial(state.drafter.drafts, start.max_tokens - state.generated, eager=eager)
             if state.drafter.blocking:  # a draft model computes: off the event loop
                 drafts = await trio.to_thread.run_sync(draft)

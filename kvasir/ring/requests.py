@@ -17,7 +17,7 @@ from kvasir.core.speculate import Drafter, SpeculationStats
 from kvasir.core.stops import find_stop
 from kvasir.ring.compute import RingStage, TokenSampler
 from kvasir.ring.events import EndListeners, EventHub, RequestEnded, RequestStarted, TokenPassed
-from kvasir.ring.speculation import CacheEnd, TokenTrail, VerifyBatch
+from kvasir.ring.speculation import CacheEnd, DraftPayoff, TokenTrail, VerifyBatch
 from kvasir.ring.status import RequestCounters
 from kvasir.wire import EndReason, ErrorCode, Frame, StartRequest
 
@@ -151,6 +151,10 @@ class RequestState:
     #: was sent (trio's clock; for the drafting policy's RingPace).
     verifying: VerifyBatch | None = None
     step_sent_at: float | None = None
+    #: Last rank: when the latest step's tokens were sampled (a trip runs from one to the next, drafting included),
+    #: and whether eager drafting pays (``--draft-policy auto``).
+    sampled_at: float | None = None
+    payoff: DraftPayoff = attrs.field(factory=DraftPayoff)
 
     @property
     def request_id(self) -> int:
