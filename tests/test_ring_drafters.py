@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from kvasir.control.client import ControlClient
 from kvasir.core.oracle import OracleRun, OracleSpec
@@ -14,12 +15,13 @@ from kvasir.stage.engine import Stage, StageConfig
 from kvasir.stage.pipeline import LocalPipeline
 from kvasir.wire import SamplingParams
 from tests.conftest import run_cli
+from tests.harness import faults
 from tests.ringutil import ring_generate, running_ring
 
 WINDOWS = [(0, 2), (2, 4), (4, 6)]
 PROMPTS = ("one two three four five six seven", "a story about the sea and a ship")
 SEEDED = {"temperature": 0.8, "seed": 3}
-N = 32
+N = 64
 
 
 def _plain(model: Path) -> dict[tuple[str, bool], list[int]]:
@@ -73,3 +75,24 @@ def test_a_node_refuses_a_bad_drafter(tiny_model: Callable[..., Path], tmp_path:
     bad.write_text("[]")
     got = run_cli(*common, "--speculate", "2", "--draft-oracle", str(bad), timeout=120)
     assert got.returncode != 0 and "--draft-oracle" in got.stderr and "object" in got.stderr
+
+
+def test_the_last_rank_killed_mid_speculation_with_a_draft_model_gives_the_fault_free_answer(
+    tiny_model: Callable[..., Path], cache_dir: Path
+) -> None:
+    """SIGKILL of the last rank (which holds the draft model) at token 16 of 64: the supervisor restarts it, its
+    predecessor replays the request, the new process re-drafts from the same tokens (rank 0 compares every replayed
+    TOKEN, drafts included) and the client gets the fault-free tokens, which are plain generate's."""
+    model = tiny_model("llama", "q8_0")
+    want = _plain(model)[PROMPTS[0], False]
+    extra = ("--speculate", "4", "--draft-model", str(model))
+    with running_ring(model, WINDOWS, cache_dir, extra_args=extra, seqs=4) as ring:
+        request: dict[str, Any] = {"prompt": PROMPTS[0], "max_tokens": 64, "temperature": 0.0}
+        assert faults.stream(ring.sockets[0], **request).tokens == want[:64]
+        with faults.Supervised(ring) as sup:
+            got = faults.stream(ring.sockets[0], fault=ring.processes[-1].kill, at=16, **request)
+        assert got.end["reason"] == "max_tokens" and got.end.get("error") is None, got.end
+        assert got.tokens == want[:64]
+        assert any(f"rank {len(WINDOWS) - 1} exited" in n for n in sup.notes), sup.notes
+        with ControlClient(ring.sockets[-1]) as c:
+            assert c.status()["requests"]["drafted"] > 0  # the restarted last rank drafted too
