@@ -246,7 +246,8 @@ def part_drafters(console: Console, model: Path, windows: list[tuple[int, int]],
     for col in ("drafter", "text", "plain tok/s", "spec tok/s", "ratio", "g", "acceptance", "CPU ms/token", "same"):
         table.add_column(col, justify="right")
     rings: dict[str, list[str]] = {"prompt lookup": [], f"draft model ({draft.name})": ["--draft-model", str(draft)]}
-    for name, extra in rings.items():
+    chosen = {"lookup": "prompt lookup", "model": f"draft model ({draft.name})"}
+    for name, extra in ((chosen[d], rings[chosen[d]]) for d in args.drafters.split(",")):
         with fleet_ring(model, windows, args.profile, extra) as ring:
             run_once(ring.sockets[0], "Hello", 8, 0, False)  # warm-up
             for kind in args.texts.split(","):
@@ -266,6 +267,8 @@ def part_drafters(console: Console, model: Path, windows: list[tuple[int, int]],
                     "yes" if pair.same else "NO",
                 )
     console.print(table)
+    if "model" not in args.drafters.split(","):
+        return
     with Stage.load(StageConfig(model, n_ctx=1024, n_seq_max=1, n_threads=1)) as stage:
         vocab = stage.vocab
         prose = vocab.tokenize(TEXTS["prose"][0])
@@ -295,6 +298,7 @@ def main() -> None:
     ap.add_argument("--policies", default="fixed,auto", help="the oracle rings' --draft-policy, comma-separated")
     ap.add_argument("--texts", default=",".join(TEXTS), help=f"comma-separated: {', '.join(TEXTS)}")
     ap.add_argument("--draft-model", default=None, help="the draft model (default: the model itself)")
+    ap.add_argument("--drafters", default="lookup,model", help="the drafters part's rings: lookup, model")
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
