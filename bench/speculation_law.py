@@ -193,7 +193,7 @@ def part_law(console: Console, model: Path, windows: list[tuple[int, int]], args
             f"emulated {args.profile}, {args.tokens} tokens, {args.repeats} interleaved repeats: median (min–max)"
         )
         cols = ("α", "plain tok/s", "oracle tok/s", "ratio", "g measured", "g law", "law tok/s", "measured/law")
-        for col in (*cols, "est. with rows", "measured/est.", "acceptance", "CPU ms/token plain / spec", "same"):
+        for col in (*cols, "est. with rows", "measured/est.", "acceptance", "busy ms/token plain / spec", "same"):
             table.add_column(col, justify="right")
         with fleet_ring(model, windows, args.profile, extra) as ring:
             _, truth = run_once(ring.sockets[0], ORACLE_PROMPT, args.tokens, 0, False)  # warm-up and the truth
@@ -243,7 +243,7 @@ def part_drafters(console: Console, model: Path, windows: list[tuple[int, int]],
         title=f"drafters, --draft-policy auto, K={args.k}, {len(windows)} nodes on emulated {args.profile}, "
         f"{args.tokens} greedy tokens, {args.repeats} interleaved repeats: median (min–max)"
     )
-    for col in ("drafter", "text", "plain tok/s", "spec tok/s", "ratio", "g", "acceptance", "CPU ms/token", "same"):
+    for col in ("drafter", "text", "plain tok/s", "spec tok/s", "ratio", "g", "acceptance", "busy ms/token", "same"):
         table.add_column(col, justify="right")
     rings: dict[str, list[str]] = {"prompt lookup": [], f"draft model ({draft.name})": ["--draft-model", str(draft)]}
     chosen = {"lookup": "prompt lookup", "model": f"draft model ({draft.name})"}
