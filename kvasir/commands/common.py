@@ -68,7 +68,24 @@ def add_speculate_arg(p: argparse.ArgumentParser, what: str) -> None:
         default="auto",
         help="how the last rank drafts for speculative requests: eagerly (guesses from single-token matches, K kept "
         "high) when the ring's round trip outweighs the rows a wrong guess wastes, else adaptively (auto, the "
-        "default), or always one way; the answer is the same either way",
+        "default), or always one way; fixed: eagerly with K always at its maximum (the latency law's assumption, "
+        "for benchmarks); the answer is the same either way",
+    )
+    p.add_argument(
+        "--draft-model",
+        type=Path,
+        metavar="FILE",
+        default=None,
+        help="the last rank drafts with this GGUF (a whole model with the model's vocabulary, greedily) instead of "
+        "prompt lookup; other ranks ignore it",
+    )
+    p.add_argument(
+        "--draft-oracle",
+        type=Path,
+        metavar="FILE",
+        default=None,
+        help="BENCHMARK INSTRUMENT, not for serving: the last rank drafts the known answer (a JSON file of plain "
+        "runs, right with probability alpha per token; kvasir/core/oracle.py)",
     )
 
 

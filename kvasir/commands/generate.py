@@ -5,12 +5,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
+from pathlib import Path
 from typing import Any
 
 from kvasir.commands.common import add_model_arg, add_text_args, model_windows, print_json, sampling_from_args
 from kvasir.core.errors import InputError
 from kvasir.core.speculate import K_LIMIT
 from kvasir.shard.cache import default_cache_dir, stage_files
+from kvasir.stage.draftmodel import DraftModel
 from kvasir.stage.engine import Stage, StageConfig
 from kvasir.stage.mtp import MtpHead
 from kvasir.stage.mtp_pipeline import generate_mtp
@@ -30,8 +32,15 @@ def add_parser(sub: Any) -> None:
         type=int,
         metavar="K",
         default=None,
-        help=f"draft up to K tokens per step by prompt lookup and verify them in one step (0..{K_LIMIT}; the answer "
-        "is the plain one's, docs/speculation.md)",
+        help=f"draft up to K tokens per step (by prompt lookup, or --draft-model) and verify them in one step "
+        f"(0..{K_LIMIT}; the answer is the plain one's, docs/speculation.md)",
+    )
+    p.add_argument(
+        "--draft-model",
+        type=Path,
+        metavar="FILE",
+        default=None,
+        help="with --speculate: draft with this GGUF (any whole model with the model's vocabulary), greedily",
     )
     p.add_argument(
         "--mtp",
@@ -53,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
     if args.mtp is not None and args.speculate is not None:
         raise InputError("--mtp and --speculate are two drafters: pass one")
     k = args.mtp or args.speculate or 0
+    if args.draft_model is not None and args.speculate is None:
+        raise InputError("--draft-model drafts for --speculate K: pass both")
     model, windows = model_windows(args, lambda n_main: [(0, n_main)], chat=args.chat)
     paths = stage_files(model, windows, default_cache_dir())
     with contextlib.ExitStack() as stack:
@@ -74,6 +85,11 @@ def run(args: argparse.Namespace) -> int:
         ]
         pipe = LocalPipeline(stages)
         vocab = stages[0].vocab
+        sources = None
+        if args.draft_model is not None:
+            draft = DraftModel.load(args.draft_model, stages[-1].vocab, n_ctx=args.ctx, n_threads=args.threads)
+            stack.callback(draft.close)
+            sources = draft.source
         if args.chat:
             prompt = vocab.chat_tokens([("user", args.prompt)], stages[0].chat_template())
         else:
@@ -103,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
                 stop=args.stop,
                 on_token=None if args.json else echo,
                 speculate=args.speculate,
+                draft_sources=sources,
             )
     if args.json:
         print_json(result.to_json())

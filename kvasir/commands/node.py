@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import logging
@@ -26,11 +27,14 @@ from kvasir.control.paths import node_socket_path
 from kvasir.control.server import serve_control
 from kvasir.core.errors import InputError
 from kvasir.core.identity import Identity, load_or_create_identity
+from kvasir.core.oracle import OracleSpec, oracle_sources
 from kvasir.core.schedule import PREFILL_CHUNK
+from kvasir.core.speculate import DraftSources
 from kvasir.relay.ringlink import relay_connector
 from kvasir.ring.manifest import Manifest, load_manifest
 from kvasir.ring.node import Node, NodeConfig, open_node
 from kvasir.shard.cache import default_cache_dir, stage_files
+from kvasir.stage.draftmodel import DraftModel
 from kvasir.stage.engine import Stage, StageConfig
 from kvasir.util.addrgroup import is_loopback_host
 from kvasir.wire import BoundaryDType
@@ -229,7 +233,11 @@ def run(args: argparse.Namespace) -> int:
             f"--api-host {args.api_host} without --api-key-file would let anyone use the ring: "
             "give --api-key-file FILE, or --allow-open-api to mean it"
         )
+    if args.draft_model is not None and args.draft_oracle is not None:
+        raise InputError("--draft-model and --draft-oracle are two drafters: pass one")
     if args.market is not None:
+        if args.draft_model is not None or args.draft_oracle is not None:
+            raise InputError("--draft-model and --draft-oracle are for nodes started from a manifest, not --market")
         if given_window:
             raise InputError("--market starts an empty node: drop --manifest, --rank, --standby, --model and --stage")
         return run_enrolled(args)
@@ -251,10 +259,31 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def draft_sources(
+    args: argparse.Namespace, stage: Stage, config: StageConfig, stack: contextlib.ExitStack
+) -> DraftSources | None:
+    """Worker thread: the last rank's drafter when one is named (None: prompt lookup; other ranks ignore it). A draft
+    model is loaded here and checked against the model's vocabulary (InputError, one line)."""
+    if not stage.info.last:
+        return None
+    if args.draft_oracle is not None:
+        OracleSpec.read(args.draft_oracle)  # a bad file: refused at start, not at the first request
+        return oracle_sources(args.draft_oracle, stage.info.n_vocab)
+    if args.draft_model is not None:
+        draft = DraftModel.load(
+            args.draft_model, stage.vocab, n_ctx=config.n_ctx, n_seq_max=config.n_seq_max, n_threads=config.n_threads
+        )
+        stack.callback(draft.close)
+        return draft.source
+    return None
+
+
 async def serve_node(manifest: Manifest, rank: int, config: StageConfig, args: argparse.Namespace) -> None:
     stage = await trio.to_thread.run_sync(Stage.load, config)
+    drafters = contextlib.ExitStack()
     try:
         await trio.to_thread.run_sync(lambda: stage.vocab)  # load the tokenizer before serving
+        sources = await trio.to_thread.run_sync(draft_sources, args, stage, config, drafters)
         # A keyed ring needs the node's identity; a keyless one uses it only if one was named.
         identity = identity_from_args(args) if manifest.secured or args.identity is not None else None
         node_config = NodeConfig(
@@ -271,6 +300,7 @@ async def serve_node(manifest: Manifest, rank: int, config: StageConfig, args: a
             standby=args.standby is not None,
             speculate=args.speculate,
             draft_policy=args.draft_policy,
+            draft_sources=sources,
             batch=args.batch,
         )
         recorder = None
@@ -301,6 +331,7 @@ async def serve_node(manifest: Manifest, rank: int, config: StageConfig, args: a
                     nursery.cancel_scope.cancel()
                     break
     finally:
+        drafters.close()
         stage.close()
 
 

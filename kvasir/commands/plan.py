@@ -7,9 +7,11 @@ import json
 from typing import Any
 
 from kvasir.core.errors import InputError
+from kvasir.core.speculate import K_LIMIT
 from kvasir.planner.devices import load_devices
 from kvasir.planner.estimate import DEFAULT_N_CTX, RankManifest
 from kvasir.planner.solve import OBJECTIVES, plan
+from kvasir.planner.speculation import SpeculationEstimate, estimate_speculation
 
 _GB = 1e9
 
@@ -45,6 +47,21 @@ def add_parser(subparsers: Any) -> None:
         help="latency: least ms/token for one request (default); throughput: least busy bottleneck rank, what bounds "
         "tokens/s with many requests in flight",
     )
+    parser.add_argument(
+        "--accept",
+        type=float,
+        metavar="ALPHA",
+        default=None,
+        help="also estimate speculative decoding at this draft acceptance rate (0..1): tokens per ring trip and "
+        "tokens/s by the latency law (docs/planner.md § Speculation)",
+    )
+    parser.add_argument(
+        "--speculate",
+        type=int,
+        metavar="K",
+        default=None,
+        help=f"with --accept: drafts per trip (0..{K_LIMIT}; default: the K the estimate finds best)",
+    )
     parser.set_defaults(run=run)
 
 
@@ -53,15 +70,36 @@ def run(args: argparse.Namespace) -> int:
 
     if args.ctx < 1 or args.seqs < 1:
         raise InputError("--ctx and --seqs must be >= 1")
+    if args.accept is not None and not 0.0 <= args.accept <= 1.0:
+        raise InputError(f"--accept must be in [0, 1], got {args.accept}")
+    if args.speculate is not None and (args.accept is None or not 0 <= args.speculate <= K_LIMIT):
+        raise InputError(f"--speculate K (0..{K_LIMIT}) goes with --accept ALPHA")
     profile = resolve_model(args.model)
     devices = load_devices(args.devices)
     order = [name.strip() for name in args.order.split(",")] if args.order else None
     manifest = plan(profile, devices, order=order, n_ctx=args.ctx, n_seq=args.seqs, objective=args.objective)
+    spec = None
+    if args.accept is not None:
+        window_ms = [w.compute_ms for w in manifest.windows]
+        spec = estimate_speculation(args.accept, window_ms, manifest.link_ms, args.speculate)
     if args.json:
-        print(json.dumps(manifest.to_json(), indent=2, ensure_ascii=False))
+        doc = manifest.to_json()
+        if spec is not None:
+            doc["speculation"] = spec.to_json()
+        print(json.dumps(doc, indent=2, ensure_ascii=False))
     else:
         _print_table(manifest)
+        if spec is not None:
+            print(speculation_line(spec))
     return 0
+
+
+def speculation_line(spec: SpeculationEstimate) -> str:
+    return (
+        f"with speculation at acceptance {spec.alpha:g}, K={spec.k}: {spec.g:.2f} tokens per ring trip, "
+        f"est. {spec.tokens_per_s:.1f} tokens/s ({spec.tokens_per_s / spec.plain_tokens_per_s:.2f}x plain; "
+        f"the law without verify rows: {spec.law_tokens_per_s:.1f})"
+    )
 
 
 def _print_table(manifest: RankManifest) -> None:

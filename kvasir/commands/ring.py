@@ -217,6 +217,8 @@ def _start_and_run(
             *(("--record", str(args.record.resolve())) if args.record is not None else ()),
             *(("--speculate", str(args.speculate)) if args.speculate else ()),
             *(("--draft-policy", args.draft_policy) if args.draft_policy != "auto" else ()),
+            *(("--draft-model", str(args.draft_model.resolve())) if args.draft_model is not None else ()),
+            *(("--draft-oracle", str(args.draft_oracle.resolve())) if args.draft_oracle is not None else ()),
             *(("--batch", str(args.batch)) if args.batch > 1 else ()),
         ),
     )

@@ -1,14 +1,17 @@
-"""Speculative decoding's decisions: which tokens to draft (prompt lookup) and how many (adapted to acceptance).
+"""Speculative decoding's decisions: which tokens to draft and how many (adapted to acceptance).
 
-Both are pure functions of the token history and the acceptance so far, so every node of a ring (and a rerun of
+Drafts come from a :class:`DraftSource`, fed every token the request emits: prompt lookup (:class:`PromptLookup`,
+the default), a draft model (``kvasir.stage.draftmodel``), the benchmark oracle (``kvasir.core.oracle``). How many
+to ask for is the :class:`Drafter`'s schedule, the same for every source. Prompt lookup and the schedule are pure
+functions of the token history and the acceptance so far, so every node of a ring (and a rerun of
 ``kvasir generate --speculate K``) derives the same drafts and the same verify-batch shapes from the same tokens.
-See docs/speculation.md.
+Whatever a source proposes, the answer is the plain one (each verify row is the plain step). See docs/speculation.md.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import attrs
 import numpy as np
@@ -29,9 +32,10 @@ K_START = 1
 EAGER_NGRAM_MIN = 1
 #: A ring is latency-bound when the least wait for a ring pass exceeds this many full verify batches of rows.
 EAGER_FACTOR = 2.0
-#: ``--draft-policy``: auto (eager when the ring is latency-bound, else adaptive), or either one always.
-DraftPolicy = Literal["auto", "adaptive", "eager"]
-DRAFT_POLICIES: tuple[DraftPolicy, ...] = ("auto", "adaptive", "eager")
+#: ``--draft-policy``: auto (eager when the ring is latency-bound, else adaptive), or either one always, or fixed:
+#: eager with K always at its maximum (what the latency law assumes; for benchmarks with the oracle drafter).
+DraftPolicy = Literal["auto", "adaptive", "eager", "fixed"]
+DRAFT_POLICIES: tuple[DraftPolicy, ...] = ("auto", "adaptive", "eager", "fixed")
 
 
 def draft_lookup(
@@ -199,33 +203,94 @@ def verify_rows(
     return rows
 
 
+class DraftSource(Protocol):
+    """Where one request's drafts come from (docs/speculation.md § Drafters). It is fed every token the request
+    emits (after the prompt it was made for) and asked for up to ``k`` tokens to follow them; :class:`Drafter` decides
+    ``k``. A source must be deterministic in what it was fed and asked (a replaced last rank re-drafts the same
+    tokens: failover compares them)."""
+
+    #: True when :meth:`propose` computes (a model): the ring's last rank then calls it in a worker thread.
+    @property
+    def blocking(self) -> bool: ...
+
+    def emitted(self, token: int) -> None:
+        """The request emitted ``token`` (an accepted draft or a sampled token), in order."""
+
+    def propose(self, k: int, *, eager: bool = False) -> list[int]:
+        """Up to ``k`` tokens to follow the tokens fed so far (fewer, or none, when it has no guess). ``eager``: the
+        ring is latency-bound, a weaker guess is worth a row (prompt lookup then accepts 1-token matches)."""
+
+    def close(self) -> None:
+        """The request ended: free what the source holds for it (idempotent)."""
+
+
+#: Makes a request's draft source from its prompt and its sequence id at the drafting node (a model's cache slot).
+DraftSources = Callable[[Sequence[int], int], DraftSource]
+
+
+@attrs.define
+class PromptLookup:
+    """The default source: prompt lookup over prompt + output (:class:`NgramIndex`); free, so never blocking."""
+
+    index: NgramIndex
+    blocking = False
+
+    @classmethod
+    def for_prompt(cls, prompt: Sequence[int], _seq: int = 0) -> PromptLookup:
+        return cls(NgramIndex(list(prompt), ngram_min=min(EAGER_NGRAM_MIN, NGRAM_MIN)))
+
+    def emitted(self, token: int) -> None:
+        self.index.append(token)
+
+    def propose(self, k: int, *, eager: bool = False) -> list[int]:
+        return self.index.lookup(k, EAGER_NGRAM_MIN if eager else NGRAM_MIN)
+
+    def close(self) -> None:
+        pass
+
+
 @attrs.define
 class Drafter:
-    """One speculative request's drafting state (the history and the adapted K): the ring's last rank and
+    """One speculative request's drafting state (its draft source and the adapted K): the ring's last rank and
     ``generate --speculate K`` draft with it, so both follow the same schedule."""
 
     k_max: int
     k: int
-    #: Prompt + output so far, indexed for prompt lookup.
-    index: NgramIndex
+    #: Where the drafts come from, fed the prompt and every emitted token.
+    source: DraftSource
     stats: SpeculationStats = attrs.field(factory=SpeculationStats)
     #: While drafting is off: the guess the step in flight would have drafted (``resume_k``).
     shadow: list[int] = attrs.field(factory=list)
     #: Whether the step in flight was drafted eagerly (``drafts(eager=True)``).
     eager: bool = False
+    #: ``--draft-policy fixed``: every step asks for ``k_max`` drafts, eagerly, whatever was accepted.
+    fixed: bool = False
 
     @classmethod
-    def for_prompt(cls, prompt: Sequence[int], k_max: int) -> Drafter:
-        index = NgramIndex(list(prompt), ngram_min=min(EAGER_NGRAM_MIN, NGRAM_MIN))
-        return cls(k_max=k_max, k=initial_k(k_max), index=index)
+    def for_prompt(
+        cls, prompt: Sequence[int], k_max: int, source: DraftSource | None = None, *, fixed: bool = False
+    ) -> Drafter:
+        """A request's drafter; ``source`` None: prompt lookup over ``prompt``; ``fixed``: ``--draft-policy fixed``."""
+        k = k_max if fixed else initial_k(k_max)
+        return cls(k_max=k_max, k=k, source=source or PromptLookup.for_prompt(prompt), fixed=fixed)
+
+    @property
+    def blocking(self) -> bool:
+        """Whether :meth:`drafts` computes (call it off the event loop)."""
+        return self.source.blocking
 
     def emitted(self, token: int) -> None:
-        self.index.append(token)
+        self.source.emitted(token)
+
+    def close(self) -> None:
+        self.source.close()
 
     def verified(self, drafted: int, accepted: int, sampled: int) -> None:
         """A step with ``drafted`` drafts kept ``accepted`` of them and sampled ``sampled`` first: count it, adapt K."""
         self.stats = self.stats.after(drafted, accepted, eager=self.eager)
-        if self.eager:
+        if self.fixed:
+            self.k = self.k_max
+        elif self.eager:
             self.k = eager_k(drafted, accepted, self.k_max)
         elif self.k == 0:
             self.k = resume_k(self.shadow, sampled, self.k_max)
@@ -235,9 +300,10 @@ class Drafter:
     def drafts(self, may_emit: int, *, eager: bool = False) -> list[int]:
         """Drafts for the next step when at most ``may_emit`` more tokens may be emitted (drafts + one sample);
         ``eager``: the ring is latency-bound (``latency_bound``), draft as much as can be guessed."""
-        self.eager = eager and self.k_max > 0
+        self.eager = (eager or self.fixed) and self.k_max > 0
         if self.eager and self.k == 0:
             self.k = self.k_max  # drafting was off: a latency-bound ring turns it back on at once
         # The shadow: only while drafting is off (k = 0), the one-token guess resume_k checks after the step.
-        self.shadow = self.index.lookup(1, NGRAM_MIN) if self.k == 0 and self.k_max > 0 else []
-        return self.index.lookup(min(self.k, may_emit - 1), EAGER_NGRAM_MIN if self.eager else NGRAM_MIN)
+        self.shadow = self.source.propose(1) if self.k == 0 and self.k_max > 0 else []
+        k = min(self.k, may_emit - 1)
+        return self.source.propose(k, eager=self.eager)[:k] if k > 0 else []

@@ -11,7 +11,7 @@ import attrs
 from kvasir.core.errors import InputError
 from kvasir.core.identity import Identity
 from kvasir.core.schedule import PREFILL_CHUNK
-from kvasir.core.speculate import DraftPolicy
+from kvasir.core.speculate import DraftPolicy, DraftSources
 from kvasir.ring.compute import RingStageInfo
 from kvasir.ring.edges import RelayConnect
 from kvasir.ring.manifest import Manifest
@@ -65,6 +65,9 @@ class NodeConfig:
     speculate: int = 0
     #: How the last rank drafts: eagerly on a latency-bound ring ("auto"), or always one way (docs/speculation.md).
     draft_policy: DraftPolicy = "auto"
+    #: Where the last rank's drafts come from (``--draft-model``, the benchmark's ``--draft-oracle``): a request's
+    #: source from its prompt and sequence id. None: prompt lookup.
+    draft_sources: DraftSources | None = None
     #: Batched decode (kvasir.ring.batching): up to this many requests' decode steps in one llama_decode. 1 (the
     #: default) keeps one sequence per decode, bit-exact against ``generate``; more trades exactness for throughput.
     batch: int = 1

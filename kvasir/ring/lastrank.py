@@ -12,6 +12,7 @@ feeds the whole prompt into the penalty history.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import trio
@@ -35,6 +36,7 @@ class LastRank:
     ) -> None:
         self.stage, self.requests, self.outbox, self.observer = stage, requests, outbox, observer
         self.draft_policy: DraftPolicy = config.draft_policy
+        self.draft_sources = config.draft_sources
         self.pace = RingPace()  # the ring's pace, for the drafting policy
 
     # ------------------------------------------------------------------------------------------ requests
@@ -49,7 +51,10 @@ class LastRank:
         """A request registered here: its output text and, when it speculates, its drafter."""
         state.text_stream = TextStream(self.stage.vocab)
         if state.start.speculate:
-            state.drafter = Drafter.for_prompt(state.start.prompt, state.start.speculate)
+            prompt, sources = state.start.prompt, self.draft_sources
+            source = None if sources is None else sources(prompt, state.seq)
+            fixed = self.draft_policy == "fixed"
+            state.drafter = Drafter.for_prompt(prompt, state.start.speculate, source, fixed=fixed)
 
     def sampler(self, state: RequestState) -> TokenSampler:
         """Worker thread (the request's lock held): the request's sampler chain, built at its first sample with the
@@ -147,6 +152,10 @@ class LastRank:
         start = state.start
         assert state.text_stream is not None
         if state.drafter is not None and step:  # a decode step (the prefill's sample is no step: as in generate)
+            now = trio.current_time()
+            if drafted and state.drafter.eager and state.sampled_at is not None:
+                state.payoff.trip(len(tokens), now - state.sampled_at)
+            state.sampled_at = now
             state.drafter.verified(drafted, len(tokens) - 1, tokens[0])
             self.requests.speculation = self.requests.speculation.after(
                 drafted, len(tokens) - 1, eager=state.drafter.eager
@@ -174,7 +183,16 @@ class LastRank:
         drafts: list[int] = []
         if state.drafter is not None:
             eager = self.pace.eager(self.draft_policy, state.drafter.k_max)
-            drafts = state.drafter.drafts(start.max_tokens - state.generated, eager=eager)
+            if self.draft_policy == "auto":  # the acceptance gate: eagerly only while it pays
+                eager = eager and state.payoff.pays(self.pace.plain_trip_s())
+            draft = functools.partial(state.drafter.drafts, start.max_tokens - state.generated, eager=eager)
+            if state.drafter.blocking:  # a draft model computes: off the event loop
+                drafts = await trio.to_thread.run_sync(draft)
+                if state.done:
+                    see()
+                    return
+            else:
+                drafts = draft()
         position = state.prompt_len + state.generated - 1
         try:
             await self.outbox.data(state, Token(start.request_id, position, tokens[-1], tuple(drafts)))

@@ -18,7 +18,7 @@ from kvasir.core.speculate import Drafter, SpeculationStats
 from kvasir.core.stops import find_stop
 from kvasir.ring.compute import RingStage, TokenSampler
 from kvasir.ring.events import EndListeners, EventHub, RequestEnded, RequestStarted, TokenPassed
-from kvasir.ring.speculation import CacheEnd, TokenTrail, VerifyBatch
+from kvasir.ring.speculation import CacheEnd, DraftPayoff, TokenTrail, VerifyBatch
 from kvasir.ring.status import RequestCounters
 from kvasir.wire import End, EndReason, ErrorCode, Frame, StartRequest, request_params_hash
 
@@ -168,6 +168,10 @@ class RequestState:
     #: was sent (trio's clock; for the drafting policy's RingPace).
     verifying: VerifyBatch | None = None
     step_sent_at: float | None = None
+    #: Last rank: when the latest step's tokens were sampled (a trip runs from one to the next, drafting included),
+    #: and whether eager drafting pays (``--draft-policy auto``).
+    sampled_at: float | None = None
+    payoff: DraftPayoff = attrs.field(factory=DraftPayoff)
 
     @property
     def request_id(self) -> int:
@@ -436,6 +440,11 @@ class RequestTable:
             with trio.CancelScope(shield=True):
                 async with state.lock:
                     await self.stage.run(self.stage.free_sequence, state.seq)
+                    if state.drafter is not None:  # a draft model's sequence too, before the sequence is reused
+                        if state.drafter.blocking:
+                            await trio.to_thread.run_sync(state.drafter.close)
+                        else:
+                            state.drafter.close()
                     self._seqs.give(state.seq)
                     if state.sampler is not None:
                         state.sampler.close()

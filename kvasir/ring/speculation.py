@@ -112,10 +112,47 @@ class RingPace:
 
     def eager(self, policy: DraftPolicy, k_max: int) -> bool:
         if policy != "auto":
-            return policy == "eager"
+            return policy in ("eager", "fixed")
         if len(self.waits) < PACE_MIN_PASSES or not self.rows:
             return False
         return latency_bound(min(self.waits), statistics.median(self.rows), k_max)
+
+    def plain_trip_s(self) -> float | None:
+        """What a plain trip takes now: the median wait for a step to come back round plus a row here (None: too
+        few passes seen)."""
+        if len(self.waits) < PACE_MIN_PASSES or not self.rows:
+            return None
+        return statistics.median(self.waits) + statistics.median(self.rows)
+
+
+#: Drafting trips a request's payoff is judged over, and the share of the plain rate below which it stops paying.
+PAYOFF_TRIPS = 8
+PAYOFF_FLOOR = 0.95
+
+
+@attrs.define
+class DraftPayoff:
+    """Last rank, per request: the acceptance gate of ``--draft-policy auto``. Eager drafting on a latency-bound
+    ring pays only while the trips right drafts save outweigh the rows wrong ones cost every window (and, where nodes
+    share CPUs, each other). So the last rank times each eagerly drafted trip (from the previous trip's tokens
+    sampled to its own, drafting included); once the last ``PAYOFF_TRIPS`` of them emitted fewer tokens per second
+    than ``PAYOFF_FLOOR`` of a plain trip's rate (:meth:`RingPace.plain_trip_s`), the gate closes and the request
+    drafts adaptively from then on (which stops drafting after a lone rejected draft and resumes on a right shadow
+    guess)."""
+
+    trips: deque[tuple[int, float]] = attrs.field(factory=lambda: deque(maxlen=PAYOFF_TRIPS))
+    closed: bool = False
+
+    def trip(self, tokens: int, seconds: float) -> None:
+        self.trips.append((tokens, seconds))
+
+    def pays(self, plain_trip_s: float | None) -> bool:
+        if self.closed or plain_trip_s is None or len(self.trips) < PAYOFF_TRIPS:
+            return not self.closed
+        seconds = sum(s for _, s in self.trips)
+        if seconds > 0 and sum(t for t, _ in self.trips) / seconds < PAYOFF_FLOOR / plain_trip_s:
+            self.closed = True
+        return not self.closed
 
 
 @attrs.define

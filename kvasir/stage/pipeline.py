@@ -16,7 +16,7 @@ import attrs
 from kvasir.core.errors import InputError
 from kvasir.core.sampling import SamplingParams
 from kvasir.core.schedule import PREFILL_CHUNK
-from kvasir.core.speculate import K_LIMIT, Drafter, RowSampler, SpeculationStats
+from kvasir.core.speculate import K_LIMIT, Drafter, DraftSources, RowSampler, SpeculationStats
 from kvasir.core.stops import Ending, ending, find_stop
 from kvasir.stage.engine import FloatArray, Stage
 from kvasir.stage.vocab import TextStream
@@ -134,11 +134,15 @@ class LocalPipeline:
         stop: Sequence[str] = (),
         on_token: Callable[[int, str], None] | None = None,
         speculate: int | None = None,
+        draft_sources: DraftSources | None = None,
     ) -> GenerationResult:
-        """Generate up to ``max_tokens`` after ``prompt``. ``speculate=K`` drafts up to K tokens per step by prompt
-        lookup and verifies them in one batch (:meth:`_generate_speculative`); None is the plain one-token loop."""
+        """Generate up to ``max_tokens`` after ``prompt``. ``speculate=K`` drafts up to K tokens per step (from
+        ``draft_sources``, prompt lookup when None) and verifies them in one batch (:meth:`_generate_speculative`);
+        None is the plain one-token loop."""
         if speculate is not None:
-            return self._generate_speculative(prompt, params, max_tokens, speculate, seq_id, stop, on_token)
+            return self._generate_speculative(
+                prompt, params, max_tokens, speculate, seq_id, stop, on_token, draft_sources
+            )
         if not prompt:
             raise InputError("empty prompt")
         n_ctx = min(s.config.n_ctx for s in self.stages)
@@ -184,10 +188,12 @@ class LocalPipeline:
         seq_id: int,
         stop: Sequence[str],
         on_token: Callable[[int, str], None] | None,
+        draft_sources: DraftSources | None = None,
     ) -> GenerationResult:
-        """Prompt-lookup speculative decoding. Each step feeds the current token plus up to ``k`` drafts in one verify
-        batch, samples row by row with the request's sampler while the sampled token equals the next draft, keeps
-        the sampled tokens (the accepted drafts and one more) and rolls every cache back past the rejected drafts.
+        """Speculative decoding (drafts by prompt lookup, or from ``draft_sources``). Each step feeds the current
+        token plus up to ``k`` drafts in one verify batch, samples row by row with the request's sampler while the
+        sampled token equals the next draft, keeps the sampled tokens (the accepted drafts and one more) and rolls
+        every cache back past the rejected drafts.
 
         The sampler sees exactly the calls of the plain loop (one per emitted token, same order, same penalty
         history, same seeded draws), and every verify row is computed as the plain one-token step, so the output is
@@ -202,7 +208,8 @@ class LocalPipeline:
             raise InputError(f"prompt ({len(prompt)}) + max tokens ({max_tokens}) exceed the context of {n_ctx}")
         self.last.vocab.check_tokens(prompt)
         sampler = self.last.new_sampler(params)
-        drafter = Drafter.for_prompt(prompt, k_max)  # the ring's last rank drafts with the same object
+        # The ring's last rank drafts with the same object.
+        drafter = Drafter.for_prompt(prompt, k_max, None if draft_sources is None else draft_sources(prompt, seq_id))
         output = _Output(self.last, stop, max_tokens, on_token, drafter)
         try:
             for t in prompt:
@@ -235,6 +242,7 @@ class LocalPipeline:
             text = output.finish()
         finally:
             sampler.close()
+            drafter.close()
             self.free(seq_id)
         return GenerationResult(
             tokens=output.tokens,
