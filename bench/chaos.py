@@ -552,7 +552,7 @@ def main() -> None:
         f"{longest_gap(served_slots(records, 0.0, chaos_s))} s"
     )
     exits = len(re.findall(r"exited with code", notes))
-    hung = len(re.findall(r"stopped answering", notes))
+    hung = len(re.findall(r"stopped answering|was stopped for", notes))
     console.print(
         f"supervisor: {exits} exits seen, {hung} stopped nodes detected and killed; ring up "
         f"{'still running at the end' if ring_alive else 'HAD EXITED'}; clients still hanging at the end: {alive}; "

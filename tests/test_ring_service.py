@@ -421,6 +421,45 @@ def test_supervisor_kills_a_node_that_stopped_answering_and_restarts_it(tmp_path
         ring.stop()
 
 
+@pytest.mark.skipif(not launcher.has_pdeathsig(), reason="reads the process state from /proc (Linux)")
+def test_supervisor_kills_a_node_stopped_before_it_ever_answered(tmp_path: Path) -> None:
+    """A node SIGSTOPped while it loads (no control socket yet, so no probe to miss) is killed once it has been
+    stopped hang_s, and restarted: left alone it stayed stopped for good, its window down (the chaos benchmark's
+    stall at 360 s: both holders of a window stopped during their loads). A node stopped for less is left alone."""
+    cmd = [sys.executable, "-c", "import time; time.sleep(60)"]
+    procs = [subprocess.Popen(cmd), subprocess.Popen(cmd)]
+    ring = LocalRing(
+        Manifest(model_sha256="0" * 64, n_layers=2, ranks=()), tmp_path, list(procs), [], None, commands=[(cmd, {})] * 2
+    )
+    sup = Supervisor(ring, hang_s=2.5, probe_interval_s=1.0, probe=lambda rank: False)  # never answers: loading
+    try:
+        assert not launcher.process_stopped(procs[0].pid)
+        procs[0].send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while not launcher.process_stopped(procs[0].pid):
+            assert time.monotonic() < deadline, "the process never showed as stopped"
+            time.sleep(0.01)
+        assert sup.check(now=0.0) == [] and sup.check(now=1.0) == [] and sup.check(now=2.0) == []
+        notes = sup.check(now=3.0)
+        assert notes == ["rank 0 was stopped for 3.0 s; killed it"]
+        assert procs[0].returncode == -signal.SIGKILL and procs[1].poll() is None
+        notes = sup.check(now=3.5)
+        assert notes[0].startswith("rank 0 exited with code -9; restarted as pid")
+        assert ring.processes[0] is not procs[0] and ring.processes[1] is procs[1]
+        # SIGCONT within hang_s: never killed.
+        procs[1].send_signal(signal.SIGSTOP)
+        while not launcher.process_stopped(procs[1].pid):
+            time.sleep(0.01)
+        assert sup.check(now=4.5) == []
+        procs[1].send_signal(signal.SIGCONT)
+        while launcher.process_stopped(procs[1].pid):
+            time.sleep(0.01)
+        assert sup.check(now=8.0) == [] and procs[1].poll() is None and 1 not in sup.stopped_since
+    finally:
+        ring.stop()
+    assert not launcher.process_stopped(procs[0].pid)  # gone: not known, so not stopped
+
+
 def test_default_threads_share_the_cores() -> None:
     cores = len(os.sched_getaffinity(0))
     for n in (1, 2, 3, 8, 64):

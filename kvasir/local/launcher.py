@@ -248,12 +248,17 @@ class Supervisor:
     hang_s: float = 6.0
     probe_interval_s: float = 1.0
     probe: Callable[[int], bool] | None = None
+    #: Whether a process (by pid) is stopped (SIGSTOP, a debugger): such a node is killed after ``hang_s`` stopped
+    #: even if it never answered (stopped while loading, it has no control socket to miss probes on).
+    stopped: Callable[[int], bool] = attrs.field(factory=lambda: process_stopped)
     #: The wall clock, only to print when a restart is due.
     wall: Callable[[], float] = time.time
     watched: dict[int, _Watched] = attrs.field(factory=dict)
     strikes: dict[int, int] = attrs.field(factory=dict)
     #: Ranks that answered since their last (re)start: only those can be hung (one still loading is not).
     answered: set[int] = attrs.field(factory=set)
+    #: Since when (supervisor's clock) each rank's process has been seen stopped.
+    stopped_since: dict[int, float] = attrs.field(factory=dict)
     last_answer: dict[int, float] = attrs.field(factory=dict)
     last_probe: float = -1e9
     #: Deaths seen (a hung node killed here included): ``ring up`` keeps the logs of a run that had any.
@@ -278,6 +283,7 @@ class Supervisor:
             self.ring.restart(key)
             self.answered.discard(key)
             self.strikes.pop(key, None)
+            self.stopped_since.pop(key, None)
 
     def check(self, now: float | None = None) -> list[str]:
         now = time.monotonic() if now is None else now
@@ -340,6 +346,16 @@ class Supervisor:
         for rank, proc in enumerate(self.ring.processes):
             if proc.poll() is not None:
                 continue
+            if self.stopped(proc.pid):
+                # Stopped, answering or not: a node stopped while it loads never misses a probe (it has no socket
+                # yet), and left alone it stays stopped for good, its window down (the chaos benchmark's stall).
+                since = self.stopped_since.setdefault(rank, now)
+                if now - since >= self.hang_s:
+                    proc.kill()
+                    proc.wait()
+                    notes.append(f"{self.ring.label(rank)} was stopped for {now - since:.1f} s; killed it")
+                continue
+            self.stopped_since.pop(rank, None)
             if probe(rank):
                 w = self.watched.get(rank)
                 if w is not None and w.restarted:
@@ -360,6 +376,16 @@ class Supervisor:
                 what = f"{self.strikes[rank]} probes, {silent:.1f} s"
                 notes.append(f"{self.ring.label(rank)} stopped answering ({what}); killed it")
         return notes
+
+
+def process_stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (state T or t in /proc, Linux and Android); False where that is not known."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    fields = stat[stat.rfind(")") + 2 :].split()
+    return bool(fields) and fields[0] in ("T", "t")
 
 
 def default_threads(n_nodes: int) -> int:
