@@ -9,6 +9,7 @@ the window since) killed, and its restart stopped while loading too.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -42,8 +43,9 @@ def _node(up: RingUp, rank: int, *, standby: bool) -> int | None:
     return None
 
 
-def _kill_then_stop_its_restart(up: RingUp, rank: int, *, standby: bool) -> int:
-    """SIGKILL the node, then SIGSTOP its restart the moment it exists (long before it loaded and answered)."""
+def _kill_then_stop_its_restart(up: RingUp, rank: int, *, standby: bool, stopped: list[int]) -> int:
+    """SIGKILL the node, then SIGSTOP its restart the moment it exists (long before it loaded and answered); its pid
+    goes into ``stopped`` (killed at the end whatever happens: ``ring up`` never kills a node it left stopped)."""
     old = _node(up, rank, standby=standby)
     assert old is not None
     os.kill(old, signal.SIGKILL)
@@ -52,9 +54,16 @@ def _kill_then_stop_its_restart(up: RingUp, rank: int, *, standby: bool) -> int:
         assert time.monotonic() < deadline, "the supervisor did not restart it"
         time.sleep(0.005)
     assert new is not None
+    stopped.append(new)
     os.kill(new, signal.SIGSTOP)
     wait_for(lambda: process_stopped(new), 10, "the restart to be stopped")
     return new
+
+
+def _kill_all(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _complete(url: str, timeout: float) -> tuple[int, str]:
@@ -69,15 +78,18 @@ def test_both_holders_of_a_window_stopped_while_loading_are_killed_and_the_ring_
     (port,) = free_ports(1)
     model = tiny_model("llama", "f32")
     extra = ("--stages=3", "--standby", f"--api-port={port}", "--max-restart-delay=1")
-    with ring_up(model, tmp_path, cache_dir, *extra) as up:
+    stopped: list[int] = []
+    with contextlib.ExitStack() as cleanup:
+        up = cleanup.enter_context(ring_up(model, tmp_path, cache_dir, *extra))
+        cleanup.callback(_kill_all, stopped)
         match = re.search(r"OpenAI API: (http://\S+/v1)", up.stdout())
         assert match, up.stdout()
         url = match.group(1)
         status, expected = _complete(url, 60)
         assert status == 200, expected
-        primary = _kill_then_stop_its_restart(up, 1, standby=False)
+        primary = _kill_then_stop_its_restart(up, 1, standby=False, stopped=stopped)
         wait_for(lambda: _complete(url, 60) == (200, expected), 60, "the standby to serve rank 1's window")
-        standby = _kill_then_stop_its_restart(up, 1, standby=True)
+        standby = _kill_then_stop_its_restart(up, 1, standby=True, stopped=stopped)
         stopped = time.monotonic()
         # Both holders of rank 1's window stopped before they answered: the supervisor kills and restarts each
         # (6 s stopped), and the ring serves the fault-free answer again. Left alone, it never did.
