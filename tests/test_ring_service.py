@@ -28,6 +28,7 @@ from kvasir.local import launcher
 from kvasir.local.launcher import LocalRing, Supervisor, default_threads, restart_delay
 from kvasir.ring.linkmgr import TcpTransport
 from kvasir.ring.manifest import Manifest
+from kvasir.ring.status import SupervisorStatus, read_supervisor_state, supervisor_lines
 from kvasir.util.cli import error_line
 from tests.conftest import REPO
 from tests.ringutil import ring_generate
@@ -363,6 +364,38 @@ def test_supervisor_backs_off_a_crash_loop_and_never_gives_up(tmp_path: Path) ->
     # Up for stable_s since its last restart: a new streak, restarted at once.
     assert died(14.5)[0].startswith("rank 0 exited with code 3; restarted as pid")
     assert sup.deaths == 10
+    ring.stop()
+
+
+def test_supervisor_writes_each_process_state_for_the_nodes_status(tmp_path: Path) -> None:
+    """The file every node of `ring up` reads into its status: each process up, starting (restarted, not answering
+    yet) or down with its next restart (Unix time), rewritten when that changes."""
+    ring = _crashing_ring(tmp_path, 2, 3)
+    ring.supervisor_file = tmp_path / launcher.SUPERVISOR_FILE
+    answers = {0: False, 1: False}
+    sup = Supervisor(ring, first_delay_s=0.5, max_delay_s=1.0, wall=lambda: 1000.0, probe=lambda k: answers[k])
+
+    def view() -> list[tuple[str, str, int, int | None, float | None, float | None]]:
+        state = read_supervisor_state(tmp_path / launcher.SUPERVISOR_FILE)
+        assert state is not None and state.written_at == 1000.0
+        return [(p.label, p.state, p.streak, p.exit_code, p.down_since, p.retry_at) for p in state.processes]
+
+    for p in ring.processes:
+        p.wait()
+    sup.check(now=0.0)  # both restarted at once: starting (loading), the exit code kept
+    assert view() == [("rank 0", "starting", 1, 3, 1000.0, None), ("rank 1", "starting", 1, 3, 1000.0, None)]
+    answers[1] = True
+    ring.processes[0].wait()
+    sup.check(now=2.0)  # rank 0 died again: down, its restart in 0.5 s (at the wall's 1000 + 0.5)
+    assert view() == [("rank 0", "down", 2, 3, 1000.0, 1000.5), ("rank 1", "up", 1, 3, None, None)]
+    lines = supervisor_lines(SupervisorStatus(1000.0, sup.view(2.0)), clock=lambda t: f"<{t:.1f}>")
+    assert lines == ["rank 0 down since <1000.0> (exit 3, 2 times in a row); next restart at <1000.5>"]
+    sup.check(now=2.5)
+    assert view()[0][:2] == ("rank 0", "starting")
+    answers[0] = True
+    sup.check(now=3.5)
+    assert [v[1] for v in view()] == ["up", "up"]
+    assert supervisor_lines(SupervisorStatus(1000.0, sup.view(3.5))) == ["all 2 processes up"]
     ring.stop()
 
 

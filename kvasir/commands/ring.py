@@ -211,6 +211,7 @@ def _start_and_run(
         relay=args.relay,
         standby=args.standby,
         default_control=args.prompt is None,
+        supervised=args.prompt is None,
         tied=True,
         extra_args=(
             *(("--gpu-layers", str(args.gpu_layers)) if args.gpu_layers else ()),
