@@ -23,6 +23,7 @@ import pytest
 import trio
 
 from kvasir.commands import ring as ring_command
+from kvasir.control.client import ControlClient
 from kvasir.core.errors import RingError
 from kvasir.local import launcher
 from kvasir.local.launcher import LocalRing, Supervisor, default_threads, restart_delay
@@ -218,6 +219,50 @@ def test_a_window_killed_again_and_again_is_restarted_with_backoff_and_the_rest_
         assert not alive(victim) and not any(alive(p) for p in pids.values())
 
 
+@pytest.mark.slow
+def test_kvasir_status_shows_a_window_down_and_when_it_is_retried(
+    tiny_model: Callable[..., Path], cache_dir: Path, tmp_path: Path
+) -> None:
+    """Rank 1 killed as soon as it is back, 4 times: the 4th restart waits 2 s. Meanwhile rank 0's status (its
+    control socket, `kvasir status`) says rank 1 is down, why, and when it is retried; then that all are up again."""
+    model = tiny_model("llama", "f32")
+    with ring_up(model, tmp_path, cache_dir, "--stages=3", "--max-restart-delay=4") as up:
+        sock0 = next((tmp_path / "xdg" / "kvasir").glob("rank0-*.sock"))
+        victim = up.pids()["rank 1"]
+
+        def restarts() -> list[str]:
+            return re.findall(r"rank 1 (?:exited with code -9; )?restarted as pid (\d+)", up.stderr())
+
+        for kill in range(1, 4):
+            os.kill(victim, signal.SIGKILL)
+            wait_for(lambda n=kill: len(restarts()) == n, 30, f"restart {kill}")  # type: ignore[misc]
+            victim = int(restarts()[-1])
+        os.kill(victim, signal.SIGKILL)  # the 4th death in a row: down for 2 s
+
+        def rank1() -> dict[str, Any] | None:
+            with ControlClient(sock0, timeout=10) as c:
+                sup = c.status().get("supervisor") or {}
+            return next((p for p in sup.get("processes", []) if p["label"] == "rank 1"), None)
+
+        wait_for(lambda: (rank1() or {}).get("state") == "down", 10, "rank 0's status to show rank 1 down")
+        down = rank1()
+        assert down is not None and (down["streak"], down["exit_code"]) == (4, -9), down
+        assert down["retry_at"] - down["down_since"] == pytest.approx(2.0, abs=0.15) and down["pid"] is None
+        shown = up.kvasir("status", "--socket", str(sock0))
+        assert shown.returncode == 0, shown.stderr
+        clock = time.strftime("%H:%M:%S", time.localtime(down["retry_at"]))
+        assert re.search(
+            rf"^ring up: rank 1 down since \d\d:\d\d:\d\d \(exit -9, 4 times in a row\); next restart at {clock}$",
+            shown.stdout,
+            re.M,
+        ), shown.stdout
+        wait_for(lambda: (rank1() or {}).get("state") == "up", 60, "rank 1 to answer again")
+        shown = up.kvasir("status", "--socket", str(sock0))
+        assert "ring up: all 3 processes up" in shown.stdout, shown.stdout
+        as_json = json.loads(up.kvasir("status", "--json", "--socket", str(sock0)).stdout)
+        assert [p["state"] for p in as_json["supervisor"]["processes"]] == ["up", "up", "up"]
+
+
 def _refused_ring_up(tmp_path: Path, *args: str) -> str:
     """`kvasir ring up ARGS` that must fail before it cuts the model or starts a node: its one line of stderr."""
     cache = tmp_path / "cache"  # fresh: a balanced split would calibrate and cut into it
@@ -293,6 +338,39 @@ def test_ring_up_prompt_leaves_no_run_directory(
     assert r.returncode == 0, r.stderr
     assert len(json.loads(r.stdout)["tokens"]) == 4
     assert run_dirs(tmp_path) == [] and "logs are kept" not in r.stderr  # keys, manifest and logs all gone
+
+
+@pytest.mark.slow
+def test_ring_up_prompt_runs_under_the_supervisor_a_node_killed_mid_answer_changes_nothing(
+    tiny_model: Callable[..., Path], cache_dir: Path, tmp_path: Path
+) -> None:
+    """`ring up --prompt`: rank 1 SIGKILLed once the answer streams. The supervisor restarts it, the ring replays the
+    request into it, the text is the fault-free one. (Unsupervised, the request failed after the failover wait.)"""
+    env = service_env(tmp_path, cache_dir)
+    cmd = [sys.executable, "-m", "kvasir", "ring", "up", str(tiny_model("llama", "f32")), "--stages=3"]
+    cmd += ["--threads=1", "--ctx=256", "--prompt=Hello world", "--max-tokens=200", "--temperature=0"]
+    clean = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert clean.returncode == 0, clean.stderr
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path)
+    victim = None
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        first = proc.stdout.read(1)  # the answer streams: the request is in the ring
+        for line in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split():
+            argv = Path(f"/proc/{line}/cmdline").read_bytes().split(b"\0")
+            if b"--rank" in argv and argv[argv.index(b"--rank") + 1] == b"1":
+                victim = int(line)
+        assert victim is not None
+        os.kill(victim, signal.SIGKILL)
+        rest, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err.decode()
+    assert (first + rest).decode() == clean.stdout
+    assert re.search(r"rank 1 exited with code -9; restarted as pid \d+", err.decode()), err.decode()
+    assert "200 tokens through 3 nodes" in err.decode()
 
 
 @pytest.mark.slow
