@@ -351,7 +351,8 @@ def test_ring_up_prompt_runs_under_the_supervisor_a_node_killed_mid_answer_chang
     cmd += ["--threads=1", "--ctx=256", "--prompt=Hello world", "--max-tokens=200", "--temperature=0"]
     clean = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert clean.returncode == 0, clean.stderr
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path)
+    # Unbuffered: communicate() reads the pipe itself, past anything a buffered read(1) had taken in.
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path, bufsize=0)
     victim = None
     try:
         assert proc.stdout is not None and proc.stderr is not None
