@@ -90,11 +90,11 @@ def test_both_holders_of_a_window_stopped_while_loading_are_killed_and_the_ring_
         primary = _kill_then_stop_its_restart(up, 1, standby=False, stopped=stopped)
         wait_for(lambda: _complete(url, 60) == (200, expected), 60, "the standby to serve rank 1's window")
         standby = _kill_then_stop_its_restart(up, 1, standby=True, stopped=stopped)
-        stopped = time.monotonic()
+        stopped_at = time.monotonic()
         # Both holders of rank 1's window stopped before they answered: the supervisor kills and restarts each
         # (6 s stopped), and the ring serves the fault-free answer again. Left alone, it never did.
         wait_for(lambda: _complete(url, 60) == (200, expected), 90, "the ring to serve again")
-        print(f"served again {time.monotonic() - stopped:.1f} s after both holders were stopped")
+        print(f"served again {time.monotonic() - stopped_at:.1f} s after both holders were stopped")
         notes = up.stderr()
         assert "rank 1 was stopped for" in notes and "rank 1's standby was stopped for" in notes, notes
         assert not process_stopped(primary) and not process_stopped(standby)
