@@ -449,7 +449,11 @@ def test_supervisor_backs_off_a_crash_loop_and_never_gives_up(tmp_path: Path) ->
 def test_supervisor_writes_each_process_state_for_the_nodes_status(tmp_path: Path) -> None:
     """The file every node of `ring up` reads into its status: each process up, starting (restarted, not answering
     yet) or down with its next restart (Unix time), rewritten when that changes."""
-    ring = _crashing_ring(tmp_path, 2, 3)
+    crash = [sys.executable, "-c", "import sys; sys.exit(3)"]
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    procs = [subprocess.Popen(crash), subprocess.Popen(sleep)]
+    manifest = Manifest(model_sha256="0" * 64, n_layers=2, ranks=())
+    ring = LocalRing(manifest, tmp_path, procs, [], None, commands=[(crash, dict(os.environ)), (sleep, {})])
     ring.supervisor_file = tmp_path / launcher.SUPERVISOR_FILE
     answers = {0: False, 1: False}
     sup = Supervisor(ring, first_delay_s=0.5, max_delay_s=1.0, wall=lambda: 1000.0, probe=lambda k: answers[k])
@@ -459,22 +463,24 @@ def test_supervisor_writes_each_process_state_for_the_nodes_status(tmp_path: Pat
         assert state is not None and state.written_at == 1000.0
         return [(p.label, p.state, p.streak, p.exit_code, p.down_since, p.retry_at) for p in state.processes]
 
-    for p in ring.processes:
-        p.wait()
-    sup.check(now=0.0)  # both restarted at once: starting (loading), the exit code kept
-    assert view() == [("rank 0", "starting", 1, 3, 1000.0, None), ("rank 1", "starting", 1, 3, 1000.0, None)]
+    ring.processes[0].wait()
+    sup.check(now=0.0)  # rank 0 restarted at once: starting (loading), its exit code kept; rank 1 still loading
+    assert view() == [("rank 0", "starting", 1, 3, 1000.0, None), ("rank 1", "starting", 0, None, None, None)]
     answers[1] = True
     ring.processes[0].wait()
-    sup.check(now=2.0)  # rank 0 died again: down, its restart in 0.5 s (at the wall's 1000 + 0.5)
-    assert view() == [("rank 0", "down", 2, 3, 1000.0, 1000.5), ("rank 1", "up", 1, 3, None, None)]
+    sup.check(now=2.0)  # rank 0 died again: down, its restart in 0.5 s (the wall's 1000 + 0.5)
+    assert view() == [("rank 0", "down", 2, 3, 1000.0, 1000.5), ("rank 1", "up", 0, None, None, None)]
     lines = supervisor_lines(SupervisorStatus(1000.0, sup.view(2.0)), clock=lambda t: f"<{t:.1f}>")
     assert lines == ["rank 0 down since <1000.0> (exit 3, 2 times in a row); next restart at <1000.5>"]
     sup.check(now=2.5)
     assert view()[0][:2] == ("rank 0", "starting")
+    ring.commands[0] = (sleep, {})  # it stays up this time
+    ring.processes[0].wait()
+    sup.check(now=3.0)
     answers[0] = True
-    sup.check(now=3.5)
+    sup.check(now=4.5)
     assert [v[1] for v in view()] == ["up", "up"]
-    assert supervisor_lines(SupervisorStatus(1000.0, sup.view(3.5))) == ["all 2 processes up"]
+    assert supervisor_lines(SupervisorStatus(1000.0, sup.view(4.5))) == ["all 2 processes up"]
     ring.stop()
 
 
