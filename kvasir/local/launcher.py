@@ -236,9 +236,9 @@ class _Watched:
 @attrs.define
 class Supervisor:
     """Restarts the ring's nodes (and its relay) when they die, and kills a node that stopped answering (hung: a
-    SIGSTOP, a deadlock) so that it is restarted too. A process that keeps dying is restarted with a growing delay
-    (:func:`restart_delay`), never given up on: the other windows keep serving, and the ring is whole again as soon
-    as the cause goes away (memory freed, a disk back, a flapping device steady).
+    deadlock) or is stopped (SIGSTOP, loading or not) so that it is restarted too. A process that keeps dying is
+    restarted with a growing delay (:func:`restart_delay`), never given up on: the other windows keep serving, and
+    the ring is whole again as soon as the cause goes away (memory freed, a disk back, a flapping device steady).
 
     A restarted node takes its window back and its predecessor replays the requests in flight into it
     (docs/architecture.md § Failover). ``check`` is called periodically by the owner of the ring (``kvasir ring
