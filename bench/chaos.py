@@ -348,22 +348,66 @@ class Fault:
     signal: str
 
 
-def chaos(up: RingUp, run: Run, interval: float, rng: random.Random) -> list[Fault]:
-    """A fault every ``interval`` s from the start until the calm: a random live node SIGKILLed or SIGSTOPped."""
+@attrs.frozen
+class Planned:
+    """One fault of a ``--schedule``: at ``at`` s after the chaos began, ``signal`` to the live node ``label``."""
+
+    at: float
+    signal: str
+    label: str
+
+
+def parse_schedule(text: str) -> list[Planned]:
+    """``--schedule``'s faults, in time order: comma-separated ``SECONDS:KILL|STOP:LABEL`` items, LABEL as
+    :func:`node_label` writes it (``rank 1``, ``rank 0 standby``). ValueError names a bad item."""
+    planned = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        fields = item.split(":", 2)
+        if len(fields) != 3 or fields[1] not in ("KILL", "STOP") or not re.fullmatch(r"rank \d+( standby)?", fields[2]):
+            raise ValueError(f"schedule item {item!r} is not SECONDS:KILL|STOP:rank N[ standby]")
+        try:
+            at = float(fields[0])
+        except ValueError:
+            raise ValueError(f"schedule item {item!r}: {fields[0]!r} is not a number of seconds") from None
+        planned.append(Planned(at, "SIG" + fields[1], fields[2]))
+    if not planned:
+        raise ValueError("the schedule has no faults")
+    return sorted(planned, key=lambda p: p.at)
+
+
+def chaos(
+    up: RingUp, run: Run, interval: float, rng: random.Random, schedule: Sequence[Planned] | None = None
+) -> list[Fault]:
+    """A fault every ``interval`` s from the start until the calm: a random live node SIGKILLed or SIGSTOPped; with a
+    ``schedule``, its faults instead (one whose node is not live then is skipped, and said so)."""
     faults = []
     k = 0
-    while (due := run.t0 + k * interval) < run.calm_at:
+    while (due := run.t0 + (schedule[k].at if schedule is not None else k * interval)) < run.calm_at:
         time.sleep(max(0.0, due - time.monotonic()))
-        k += 1
         live = sorted((pid, label) for pid, (label, state) in up.nodes().items() if state not in "TtZX")
-        if not live:
-            continue
-        pid, label = rng.choice(live)
-        sig = rng.choice((signal.SIGKILL, signal.SIGSTOP))
+        if schedule is not None:
+            plan = schedule[k]
+            k += 1
+            chosen = [(pid, label) for pid, label in live if label == plan.label]
+            if not chosen:
+                print(f"{time.monotonic() - run.t0:6.1f} s  {plan.label} is not live: skipped", flush=True)
+                if k == len(schedule):
+                    break
+                continue
+            pid, label = chosen[0]
+            sig = signal.Signals[plan.signal]
+        else:
+            k += 1
+            if not live:
+                continue
+            pid, label = rng.choice(live)
+            sig = rng.choice((signal.SIGKILL, signal.SIGSTOP))
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
             faults.append(Fault(time.monotonic() - run.t0, label, pid, sig.name))
         print(f"{time.monotonic() - run.t0:6.1f} s  {sig.name} {label} (pid {pid})", flush=True)
+        if schedule is not None and k == len(schedule):
+            break
     time.sleep(max(0.0, run.calm_at - time.monotonic()))
     return faults
 
@@ -415,6 +459,11 @@ def main() -> None:
     ap.add_argument("--interval", type=float, default=10.0, help="seconds between faults")
     ap.add_argument("--clients", type=int, default=8)
     ap.add_argument("--seed", type=int, default=1, help="chooses the victims and the signals")
+    ap.add_argument(
+        "--schedule",
+        default=None,
+        help="these faults instead of random ones: 'SECONDS:KILL|STOP:LABEL,...', LABEL 'rank N' or 'rank N standby'",
+    )
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"1..{len(PROMPTS)}")
     ap.add_argument("--ctx", type=int, default=1024)
@@ -425,6 +474,10 @@ def main() -> None:
     args = ap.parse_args()
     if not 1 <= args.prompts <= len(PROMPTS) or not 1 <= args.clients <= 200 or args.interval <= 0:
         ap.error("--prompts 1..8, --clients 1..200, --interval > 0")
+    try:
+        schedule = None if args.schedule is None else parse_schedule(args.schedule)
+    except ValueError as exc:
+        ap.error(str(exc))
     args.seqs = args.seqs or 2 * args.clients
     model = args.model or chat_model_path()
     console = Console(width=max(160, shutil.get_terminal_size().columns))
@@ -447,7 +500,7 @@ def main() -> None:
         threads.append(threading.Thread(target=sample_load, args=(run, end, load), daemon=True))
         for th in threads:
             th.start()
-        faults = chaos(up, run, args.interval, random.Random(args.seed))
+        faults = chaos(up, run, args.interval, random.Random(args.seed), schedule)
         time.sleep(max(0.0, end - time.monotonic()))
         run.stop.set()
         for th in threads:
@@ -499,7 +552,7 @@ def main() -> None:
         f"{longest_gap(served_slots(records, 0.0, chaos_s))} s"
     )
     exits = len(re.findall(r"exited with code", notes))
-    hung = len(re.findall(r"stopped answering", notes))
+    hung = len(re.findall(r"stopped answering|was stopped for", notes))
     console.print(
         f"supervisor: {exits} exits seen, {hung} stopped nodes detected and killed; ring up "
         f"{'still running at the end' if ring_alive else 'HAD EXITED'}; clients still hanging at the end: {alive}; "

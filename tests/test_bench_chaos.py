@@ -89,3 +89,14 @@ def test_node_label_names_primaries_and_standbys_and_nothing_else() -> None:
     assert chaos.node_label([*base, "--standby", "0"]) == "rank 2 standby"
     assert chaos.node_label(["python", "-m", "kvasir", "ring", "up"]) is None
     assert chaos.node_label([""]) is None
+
+
+def test_a_schedule_reads_in_time_order_and_names_a_bad_item() -> None:
+    planned = chaos.parse_schedule("40:STOP:rank 0 standby, 20:KILL:rank 1,")
+    assert [(p.at, p.signal, p.label) for p in planned] == [
+        (20.0, "SIGKILL", "rank 1"),
+        (40.0, "SIGSTOP", "rank 0 standby"),
+    ]
+    for bad in ("20:KILL", "20:TERM:rank 1", "x:KILL:rank 1", "20:KILL:rank one", ""):
+        with pytest.raises(ValueError, match="schedule"):
+            chaos.parse_schedule(bad)

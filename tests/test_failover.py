@@ -97,7 +97,7 @@ def test_sigkill_mid_answer_gives_the_fault_free_text(
 @pytest.mark.slow
 def test_a_hung_node_is_killed_restarted_and_the_answer_is_unchanged(gemma_ring: LocalRing) -> None:
     """SIGSTOP of the middle rank mid-answer: its neighbours drop it after a few keepalives, the supervisor sees it
-    stopped answering, kills and restarts it, and the request completes with the fault-free text."""
+    stopped (its process state), kills and restarts it, and the request completes with the fault-free text."""
     ring = gemma_ring
     wait_ready(ring)
     want, _ = answer(ring.sockets[0])
@@ -107,7 +107,7 @@ def test_a_hung_node_is_killed_restarted_and_the_answer_is_unchanged(gemma_ring:
     assert end["reason"] == "max_tokens" and end.get("error") is None, end
     assert got == want
     notes = "\n".join(sup.notes)
-    assert "rank 1 stopped answering" in notes and "rank 1 exited" in notes, notes
+    assert "rank 1 was stopped for" in notes and "rank 1 exited" in notes, notes
 
 
 @pytest.mark.slow  # reads the replays of the faults above, which are slow tests

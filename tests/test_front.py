@@ -80,8 +80,9 @@ OVERLOADED = {"error": {"message": "rank 1 has no free sequence", "type": "serve
 class Scripted:
     """An entry that reads one request and writes ``reply`` (raw bytes); ``cut``: then drops the connection."""
 
-    def __init__(self, reply: bytes, *, cut: bool = False, delay: float = 0.0) -> None:
-        self.reply, self.cut, self.delay = reply, cut, delay
+    def __init__(self, reply: bytes, *, cut: bool = False, delay: float = 0.0, tail: bytes = b"") -> None:
+        """``tail``: written ``delay`` s after the reply (before it, without one)."""
+        self.reply, self.cut, self.delay, self.tail = reply, cut, delay, tail
         self.requests: list[bytes] = []
 
     async def handle(self, stream: trio.SocketStream) -> None:
@@ -93,8 +94,13 @@ class Scripted:
         while len(body) < length:
             body += await stream.receive_some(65536)
         self.requests.append(head)
-        await trio.sleep(self.delay)
-        await stream.send_all(self.reply)
+        if self.tail:
+            await stream.send_all(self.reply)
+            await trio.sleep(self.delay)
+            await stream.send_all(self.tail)
+        else:
+            await trio.sleep(self.delay)
+            await stream.send_all(self.reply)
         if self.cut:
             stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close: a reset
         await stream.aclose()
@@ -214,6 +220,25 @@ async def test_the_front_caps_each_clients_requests_at_once() -> None:
         assert sorted(answers) == [200, 200, 429] and len(slow.requests) == 2  # the third never reached a node
         r = await _post(url, {"prompt": "x"})  # the cap counts requests in flight only
         assert r.status_code == 200
+
+
+async def test_a_clients_place_is_free_again_as_its_answer_ends_not_after_the_entrys_goodbye() -> None:
+    """A client at its cap that sends its next request as soon as it read ``[DONE]`` is served, not answered 429: the
+    front gave its place back as the answer ended, not once the entry's connection was through (here 1 s later)."""
+    lingering = Scripted(_chunked_head() + _chunk(_sse(TEXT, DONE, b"[DONE]")), delay=1.0, tail=b"0\r\n\r\n")
+    async with scripted_front([lingering], ApiAccess(max_requests_per_client=1)) as (front, url):
+        async with httpx.AsyncClient(timeout=10) as first, httpx.AsyncClient(timeout=10) as second:
+            body = {"prompt": "x", "stream": True}
+            statuses: list[int] = []
+            async with first.stream("POST", url + "/v1/completions", json=body) as r:
+                async for line in r.aiter_lines():  # read to the end: an abandoned generator warns
+                    if line == "data: [DONE]":
+                        again = await second.post(url + "/v1/completions", json=body)
+                        assert again.status_code == 200, again.text  # was 429 until the entry's end, 1 s later
+                        statuses.append(again.status_code)
+                        assert _events(again.text) == [TEXT, DONE, "[DONE]"]
+            assert statuses == [200]
+        assert front.running == {}
 
 
 # ---------------------------------------------------------------------------------------------- a real ring

@@ -23,11 +23,13 @@ import pytest
 import trio
 
 from kvasir.commands import ring as ring_command
+from kvasir.control.client import ControlClient
 from kvasir.core.errors import RingError
 from kvasir.local import launcher
 from kvasir.local.launcher import LocalRing, Supervisor, default_threads, restart_delay
 from kvasir.ring.linkmgr import TcpTransport
 from kvasir.ring.manifest import Manifest
+from kvasir.ring.status import SupervisorStatus, read_supervisor_state, supervisor_lines
 from kvasir.util.cli import error_line
 from tests.conftest import REPO
 from tests.ringutil import ring_generate
@@ -217,6 +219,50 @@ def test_a_window_killed_again_and_again_is_restarted_with_backoff_and_the_rest_
         assert not alive(victim) and not any(alive(p) for p in pids.values())
 
 
+@pytest.mark.slow
+def test_kvasir_status_shows_a_window_down_and_when_it_is_retried(
+    tiny_model: Callable[..., Path], cache_dir: Path, tmp_path: Path
+) -> None:
+    """Rank 1 killed as soon as it is back, 4 times: the 4th restart waits 2 s. Meanwhile rank 0's status (its
+    control socket, `kvasir status`) says rank 1 is down, why, and when it is retried; then that all are up again."""
+    model = tiny_model("llama", "f32")
+    with ring_up(model, tmp_path, cache_dir, "--stages=3", "--max-restart-delay=4") as up:
+        sock0 = next((tmp_path / "xdg" / "kvasir").glob("rank0-*.sock"))
+        victim = up.pids()["rank 1"]
+
+        def restarts() -> list[str]:
+            return re.findall(r"rank 1 (?:exited with code -9; )?restarted as pid (\d+)", up.stderr())
+
+        for kill in range(1, 4):
+            os.kill(victim, signal.SIGKILL)
+            wait_for(lambda n=kill: len(restarts()) == n, 30, f"restart {kill}")  # type: ignore[misc]
+            victim = int(restarts()[-1])
+        os.kill(victim, signal.SIGKILL)  # the 4th death in a row: down for 2 s
+
+        def rank1() -> dict[str, Any] | None:
+            with ControlClient(sock0, timeout=10) as c:
+                sup = c.status().get("supervisor") or {}
+            return next((p for p in sup.get("processes", []) if p["label"] == "rank 1"), None)
+
+        wait_for(lambda: (rank1() or {}).get("state") == "down", 10, "rank 0's status to show rank 1 down")
+        down = rank1()
+        assert down is not None and (down["streak"], down["exit_code"]) == (4, -9), down
+        assert down["retry_at"] - down["down_since"] == pytest.approx(2.0, abs=0.15) and down["pid"] is None
+        shown = up.kvasir("status", "--socket", str(sock0))
+        assert shown.returncode == 0, shown.stderr
+        clock = time.strftime("%H:%M:%S", time.localtime(down["retry_at"]))
+        assert re.search(
+            rf"^ring up: rank 1 down since \d\d:\d\d:\d\d \(exit -9, 4 times in a row\); next restart at {clock}$",
+            shown.stdout,
+            re.M,
+        ), shown.stdout
+        wait_for(lambda: (rank1() or {}).get("state") == "up", 60, "rank 1 to answer again")
+        shown = up.kvasir("status", "--socket", str(sock0))
+        assert "ring up: all 3 processes up" in shown.stdout, shown.stdout
+        as_json = json.loads(up.kvasir("status", "--json", "--socket", str(sock0)).stdout)
+        assert [p["state"] for p in as_json["supervisor"]["processes"]] == ["up", "up", "up"]
+
+
 def _refused_ring_up(tmp_path: Path, *args: str) -> str:
     """`kvasir ring up ARGS` that must fail before it cuts the model or starts a node: its one line of stderr."""
     cache = tmp_path / "cache"  # fresh: a balanced split would calibrate and cut into it
@@ -295,6 +341,40 @@ def test_ring_up_prompt_leaves_no_run_directory(
 
 
 @pytest.mark.slow
+def test_ring_up_prompt_runs_under_the_supervisor_a_node_killed_mid_answer_changes_nothing(
+    tiny_model: Callable[..., Path], cache_dir: Path, tmp_path: Path
+) -> None:
+    """`ring up --prompt`: rank 1 SIGKILLed once the answer streams. The supervisor restarts it, the ring replays the
+    request into it, the text is the fault-free one. (Unsupervised, the request failed after the failover wait.)"""
+    env = service_env(tmp_path, cache_dir)
+    cmd = [sys.executable, "-m", "kvasir", "ring", "up", str(tiny_model("llama", "f32")), "--stages=3"]
+    cmd += ["--threads=1", "--ctx=256", "--prompt=Hello world", "--max-tokens=200", "--temperature=0"]
+    clean = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert clean.returncode == 0, clean.stderr
+    # Unbuffered: communicate() reads the pipe itself, past anything a buffered read(1) had taken in.
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path, bufsize=0)
+    victim = None
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        first = proc.stdout.read(1)  # the answer streams: the request is in the ring
+        for line in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split():
+            argv = Path(f"/proc/{line}/cmdline").read_bytes().split(b"\0")
+            if b"--rank" in argv and argv[argv.index(b"--rank") + 1] == b"1":
+                victim = int(line)
+        assert victim is not None
+        os.kill(victim, signal.SIGKILL)
+        rest, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err.decode()
+    assert (first + rest).decode() == clean.stdout
+    assert re.search(r"rank 1 exited with code -9; restarted as pid \d+", err.decode()), err.decode()
+    assert "200 tokens through 3 nodes" in err.decode()
+
+
+@pytest.mark.slow
 def test_a_ring_that_fails_keeps_its_logs_and_says_where_but_not_its_keys(
     tiny_model: Callable[..., Path], cache_dir: Path, tmp_path: Path
 ) -> None:
@@ -366,6 +446,44 @@ def test_supervisor_backs_off_a_crash_loop_and_never_gives_up(tmp_path: Path) ->
     ring.stop()
 
 
+def test_supervisor_writes_each_process_state_for_the_nodes_status(tmp_path: Path) -> None:
+    """The file every node of `ring up` reads into its status: each process up, starting (restarted, not answering
+    yet) or down with its next restart (Unix time), rewritten when that changes."""
+    crash = [sys.executable, "-c", "import sys; sys.exit(3)"]
+    sleep = [sys.executable, "-c", "import time; time.sleep(60)"]
+    procs = [subprocess.Popen(crash), subprocess.Popen(sleep)]
+    manifest = Manifest(model_sha256="0" * 64, n_layers=2, ranks=())
+    ring = LocalRing(manifest, tmp_path, procs, [], None, commands=[(crash, dict(os.environ)), (sleep, {})])
+    ring.supervisor_file = tmp_path / launcher.SUPERVISOR_FILE
+    answers = {0: False, 1: False}
+    sup = Supervisor(ring, first_delay_s=0.5, max_delay_s=1.0, wall=lambda: 1000.0, probe=lambda k: answers[k])
+
+    def view() -> list[tuple[str, str, int, int | None, float | None, float | None]]:
+        state = read_supervisor_state(tmp_path / launcher.SUPERVISOR_FILE)
+        assert state is not None and state.written_at == 1000.0
+        return [(p.label, p.state, p.streak, p.exit_code, p.down_since, p.retry_at) for p in state.processes]
+
+    ring.processes[0].wait()
+    sup.check(now=0.0)  # rank 0 restarted at once: starting (loading), its exit code kept; rank 1 still loading
+    assert view() == [("rank 0", "starting", 1, 3, 1000.0, None), ("rank 1", "starting", 0, None, None, None)]
+    answers[1] = True
+    ring.processes[0].wait()
+    sup.check(now=2.0)  # rank 0 died again: down, its restart in 0.5 s (the wall's 1000 + 0.5)
+    assert view() == [("rank 0", "down", 2, 3, 1000.0, 1000.5), ("rank 1", "up", 0, None, None, None)]
+    lines = supervisor_lines(SupervisorStatus(1000.0, sup.view(2.0)), clock=lambda t: f"<{t:.1f}>")
+    assert lines == ["rank 0 down since <1000.0> (exit 3, 2 times in a row); next restart at <1000.5>"]
+    sup.check(now=2.5)
+    assert view()[0][:2] == ("rank 0", "starting")
+    ring.commands[0] = (sleep, {})  # it stays up this time
+    ring.processes[0].wait()
+    sup.check(now=3.0)
+    answers[0] = True
+    sup.check(now=4.5)
+    assert [v[1] for v in view()] == ["up", "up"]
+    assert supervisor_lines(SupervisorStatus(1000.0, sup.view(4.5))) == ["all 2 processes up"]
+    ring.stop()
+
+
 def test_a_relay_that_keeps_dying_is_restarted_with_backoff_too(tmp_path: Path) -> None:
     ring = _crashing_ring(tmp_path, 0, 3)
     cmd = [sys.executable, "-c", "import sys; sys.exit(4)"]
@@ -419,6 +537,45 @@ def test_supervisor_kills_a_node_that_stopped_answering_and_restarts_it(tmp_path
         assert sup.check(now=5.5) == []
     finally:
         ring.stop()
+
+
+@pytest.mark.skipif(not launcher.has_pdeathsig(), reason="reads the process state from /proc (Linux)")
+def test_supervisor_kills_a_node_stopped_before_it_ever_answered(tmp_path: Path) -> None:
+    """A node SIGSTOPped while it loads (no control socket yet, so no probe to miss) is killed once it has been
+    stopped hang_s, and restarted: left alone it stayed stopped for good, its window down (the chaos benchmark's
+    stall at 360 s: both holders of a window stopped during their loads). A node stopped for less is left alone."""
+    cmd = [sys.executable, "-c", "import time; time.sleep(60)"]
+    procs = [subprocess.Popen(cmd), subprocess.Popen(cmd)]
+    ring = LocalRing(
+        Manifest(model_sha256="0" * 64, n_layers=2, ranks=()), tmp_path, list(procs), [], None, commands=[(cmd, {})] * 2
+    )
+    sup = Supervisor(ring, hang_s=2.5, probe_interval_s=1.0, probe=lambda rank: False)  # never answers: loading
+    try:
+        assert not launcher.process_stopped(procs[0].pid)
+        procs[0].send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while not launcher.process_stopped(procs[0].pid):
+            assert time.monotonic() < deadline, "the process never showed as stopped"
+            time.sleep(0.01)
+        assert sup.check(now=0.0) == [] and sup.check(now=1.0) == [] and sup.check(now=2.0) == []
+        notes = sup.check(now=3.0)
+        assert notes == ["rank 0 was stopped for 3.0 s; killed it"]
+        assert procs[0].returncode == -signal.SIGKILL and procs[1].poll() is None
+        notes = sup.check(now=3.5)
+        assert notes[0].startswith("rank 0 exited with code -9; restarted as pid")
+        assert ring.processes[0] is not procs[0] and ring.processes[1] is procs[1]
+        # SIGCONT within hang_s: never killed.
+        procs[1].send_signal(signal.SIGSTOP)
+        while not launcher.process_stopped(procs[1].pid):
+            time.sleep(0.01)
+        assert sup.check(now=4.5) == []
+        procs[1].send_signal(signal.SIGCONT)
+        while launcher.process_stopped(procs[1].pid):
+            time.sleep(0.01)
+        assert sup.check(now=8.0) == [] and procs[1].poll() is None and 1 not in sup.stopped_since
+    finally:
+        ring.stop()
+    assert not launcher.process_stopped(procs[0].pid)  # gone: not known, so not stopped
 
 
 def test_default_threads_share_the_cores() -> None:

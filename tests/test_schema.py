@@ -27,7 +27,16 @@ from kvasir.core.sampling import MAX_REPEAT_LAST_N, MAX_SEED, SamplingError, Sam
 from kvasir.core.schema import FieldError, SchemaError, is_registered, register_record, structure, unstructure
 from kvasir.market.records import ClaimRequest, CoverageEntry, ModelRecord
 from kvasir.ring.manifest import Manifest, RankEntry, parse_manifest
-from kvasir.ring.status import FailoverStatus, LinkStatus, MarketWindow, NodeStatus, RankStatus, RequestCounters
+from kvasir.ring.status import (
+    FailoverStatus,
+    LinkStatus,
+    MarketWindow,
+    NodeStatus,
+    RankStatus,
+    RequestCounters,
+    SupervisedProcess,
+    SupervisorStatus,
+)
 from kvasir.tui.screens import MAX_TOKENS, parse_sampling
 from kvasir.util.addr import format_hostport, parse_hostport
 from kvasir.verify.audit import FraudProof, LoggedInput, WindowLog
@@ -448,6 +457,7 @@ def test_status_wire_bytes_are_unchanged() -> None:
     bare = NodeStatus("n1", 0, 1, "m", "", 4, (0, 4)).to_wire()
     assert bare["links"] == {"predecessor": {"state": "unknown"}, "successor": {"state": "unknown"}}
     assert bare["memory"] == {} and bare["market"] is None and bare["threads"] is None
+    assert "supervisor" not in bare  # only a node under `ring up` says what its supervisor wrote
 
 
 @pytest.mark.parametrize(
@@ -506,6 +516,12 @@ _statuses = st.builds(
                                           st.none() | _floats, st.none() | st.text()), max_size=3).map(tuple),
     failover=st.builds(FailoverStatus, _counts, _counts, _counts, _counts, _counts, st.none() | _floats,
                        st.none() | _pairs, _counts),
+    supervisor=st.none() | st.builds(
+        SupervisorStatus, _floats,
+        st.lists(st.builds(SupervisedProcess, st.text(), st.text(), st.none() | _counts, _counts,
+                           st.none() | st.integers(-64, 255), st.none() | _floats, st.none() | _floats),
+                 max_size=3).map(tuple),
+    ),
 )  # fmt: skip
 
 

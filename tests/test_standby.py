@@ -291,3 +291,46 @@ async def test_standbys_take_windows_over_and_two_holders_never_fight(
         refusals = [r for r in caplog.records if "refused this node's link" in r.getMessage()]
         assert [r.getMessage().split(":")[0] for r in refusals] == ["rank 1"] * 2  # restarted; then woken, handed back
         nursery.cancel_scope.cancel()
+
+
+async def test_a_node_that_hands_its_window_over_fails_the_requests_that_entered_it_after_the_failover_wait(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Rank 0's primary, the entry of a streaming request, turns dormant mid-answer (its successor refused it: the
+    standby it woke is linked there; here the refusal's handling is called directly). The ring goes on through the
+    standby, where that request's tokens now go: its client hears so after the failover wait, not after the 120 s
+    stall timeout (the chaos benchmark's 3 hung streams). A request entering elsewhere gets the fault-free answer."""
+    net = MemoryNetwork()
+    manifest, stages = fake_ring(FLOW_WINDOWS, net, compute_s=0.01)
+    manifest = attrs.evolve(
+        manifest, ranks=tuple(attrs.evolve(r, standby=(StandbyEntry("mem", net.port() + 100),)) for r in manifest.ranks)
+    )
+    async with trio.open_nursery() as nursery:
+        ring = Ring(nursery, manifest, net)
+        for rank, stage in enumerate(stages):
+            await ring.start(rank, stage)
+        await wait_for(lambda: all(n.ready for n in ring.live()), "the ring to link")
+        standbys = [await _start_standby(ring, k) for k in range(len(FLOW_WINDOWS))]
+        n0 = ring.nodes[0]
+        assert n0 is not None
+        handed: list[float] = []
+
+        async def hand_over() -> None:
+            handed.append(trio.current_time())
+            await n0.links._go_dormant()
+            link = n0.links.successor  # as after a refusal: no successor link (rank 3 then wakes the standby)
+            assert link is not None
+            await link.aclose()
+
+        tokens, end = await answer(n0, 40, 8, hand_over)
+        assert end.reason == "error" and end.code == "link_lost", end
+        assert end.error is not None and "handed its window to another holder" in end.error
+        waited = trio.current_time() - handed[0]
+        assert 15.0 <= waited < 17.0, waited  # the failover wait; was the stall timeout, 120 s
+        assert tokens == expected_tokens(FLOW_PROMPT, 40)[: len(tokens)]
+        assert standbys[0].ready and n0.links.dormant
+        n2 = ring.nodes[2]
+        assert n2 is not None
+        tokens, end = await answer(n2, 40, 99, lambda: None)
+        assert end.reason == "max_tokens" and tokens == expected_tokens(FLOW_PROMPT, 40)
+        nursery.cancel_scope.cancel()

@@ -116,6 +116,23 @@ def test_node_panel_shows_where_the_time_went() -> None:
     assert "7 verify batches · 15/20 drafts accepted (75%) · 3 steps drafted eagerly" in str(render_node(model))
 
 
+def test_node_panel_shows_what_ring_ups_supervisor_says_of_the_windows() -> None:
+    model = NodeModel()
+    model.apply({"type": "status", "status": _status(1.0, 0)})
+    assert "ring up" not in str(render_node(model))  # a node on its own: no row
+    down = {"label": "rank 2", "state": "down", "streak": 3, "exit_code": -9, "down_since": 0.0, "retry_at": 4.0}
+    sup = {"written_at": 1.0, "processes": [{"label": "rank 0", "state": "up", "pid": 7}, down]}
+    model.apply({"type": "status", "status": {**_status(2.0, 0), "supervisor": sup}})
+    text = str(render_node(model))
+    clock = time.strftime("%H:%M:%S", time.localtime(4.0))
+    assert "ring up" in text and f"rank 2 down since {time.strftime('%H:%M:%S', time.localtime(0.0))}" in text
+    assert f"(exit -9, 3 times in a row); next restart at {clock}" in text and "rank 0" not in text.split("ring up")[1]
+    model.apply({"type": "status", "status": {**_status(3.0, 0), "supervisor": {"written_at": 2, "processes": []}}})
+    assert "all 0 processes up" in str(render_node(model))
+    model.apply({"type": "status", "status": {**_status(4.0, 0), "supervisor": {"written_at": "x"}}})
+    assert model.bad_status == 1 and "all 0 processes up" in str(render_node(model))  # refused: the last one stays
+
+
 def test_token_events_and_sanitize() -> None:
     model = NodeModel()
     model.apply_all(

@@ -11,7 +11,7 @@ from textual.containers import Horizontal
 from textual.widget import Widget
 from textual.widgets import Label, Sparkline, Static
 
-from kvasir.ring.status import speculation_line
+from kvasir.ring.status import SupervisorStatus, speculation_line, supervisor_lines
 from kvasir.tui.model import LinkView, NodeModel, RequestView, Segment, human_bytes, sanitize
 
 #: Holder colours, in order of first appearance on the map (uncovered layers are drawn apart, in red hatching).
@@ -288,6 +288,9 @@ def render_node(model: NodeModel) -> Text:
                 f" back after {fo.get('last_stall_s')} s",
             )
         )
+    sup = st.get("supervisor")
+    if sup:  # under `kvasir ring up`: its supervisor's view (a window down, and when it is retried)
+        rows += [("ring up", line) for line in supervisor_lines(SupervisorStatus.from_wire(sup))]  # checked by apply
     if since is not None:
         t.append(f"{'stale':<13}", style="bold yellow")
         t.append(f"since {since}: the last status seen\n", style="yellow")

@@ -53,6 +53,13 @@ def add_parser(sub: Any) -> None:
         metavar="I",
         help="run the rank's standby I from the manifest (its address and key): idle until its predecessor needs it",
     )
+    p.add_argument(
+        "--supervisor-state",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="a supervisor's view of the ring's processes, shown in this node's status (kvasir ring up sets it)",
+    )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", type=Path, help="whole GGUF to cut this rank's window from")
     src.add_argument("--stage", type=Path, help="this rank's stage GGUF")
@@ -302,6 +309,7 @@ async def serve_node(manifest: Manifest, rank: int, config: StageConfig, args: a
             draft_policy=args.draft_policy,
             draft_sources=sources,
             batch=args.batch,
+            supervisor_state=args.supervisor_state,
         )
         recorder = None
         if args.record is not None:

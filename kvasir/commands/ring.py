@@ -8,6 +8,7 @@ import contextlib
 import signal
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -211,6 +212,7 @@ def _start_and_run(
         relay=args.relay,
         standby=args.standby,
         default_control=args.prompt is None,
+        supervised=args.prompt is None,
         tied=True,
         extra_args=(
             *(("--gpu-layers", str(args.gpu_layers)) if args.gpu_layers else ()),
@@ -306,6 +308,58 @@ def _run(
             outcome.front = start_front(ring, args.api_port, args.api_key_file)
         outcome.supervisor = Supervisor(ring, max_delay_s=args.max_restart_delay)
         return _serve_forever(ring, args, outcome.supervisor)
+    # The prompt's answer streams from a worker thread while this one supervises the ring, as `ring up` serving
+    # does: a node that dies mid-answer is restarted and the ring replays the request into it (same text). Nodes
+    # are started from the main thread only (PR_SET_PDEATHSIG is per thread).
+    outcome.supervisor = supervisor = Supervisor(ring, max_delay_s=args.max_restart_delay)
+    answer: list[_Answer] = []
+    failed: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            answer.append(_ask(ring, args, params))
+        except BaseException as exc:  # handed to the main thread, which raises it
+            failed.append(exc)
+
+    worker = threading.Thread(target=work, name="kvasir-ring-prompt", daemon=True)
+    worker.start()
+    while worker.is_alive():
+        worker.join(0.2)
+        for note in supervisor.check():
+            with contextlib.suppress(OSError):
+                print(note, file=sys.stderr, flush=True)
+    if failed:
+        raise failed[0]
+    tokens, text, end, t0, t_first, t_last = answer[0]
+    if end.get("reason") == "error":
+        raise RingError(f"request failed: {end.get('error')}")
+    steps = max(len(tokens) - 1, 0)
+    result = {
+        "tokens": tokens,
+        "text": end.get("text", text),
+        "prompt_tokens": end.get("prompt_tokens"),
+        "stop_reason": end.get("reason"),
+        "prefill_ms": round((t_first - t0) * 1e3, 3),
+        "decode_ms_per_token": round((t_last - t_first) * 1e3 / steps, 3) if steps else 0.0,
+        "stages": len(windows),
+    }
+    if args.json:
+        print_json(result)
+    else:
+        sys.stdout.write("\n")
+        print(
+            f"[{len(tokens)} tokens through {len(windows)} nodes, decode {result['decode_ms_per_token']} ms/token]",
+            file=sys.stderr,
+        )
+    return 0
+
+
+#: What the prompt's answer was: its tokens, its text, the end message, and when it was sent, its first and last token.
+_Answer = tuple[list[int], str, dict[str, Any], float, float, float]
+
+
+def _ask(ring: LocalRing, args: argparse.Namespace, params: SamplingParams) -> _Answer:
+    """The prompt through rank 0's control socket, its text streamed to stdout (unless ``--json``)."""
     with ControlClient(ring.sockets[0], timeout=600) as client:
         tokens: list[int] = []
         text = ""
@@ -336,27 +390,7 @@ def _run(
                     sys.stdout.flush()
             elif msg["type"] == "end":
                 end = msg
-    if end.get("reason") == "error":
-        raise RingError(f"request failed: {end.get('error')}")
-    steps = max(len(tokens) - 1, 0)
-    result = {
-        "tokens": tokens,
-        "text": end.get("text", text),
-        "prompt_tokens": end.get("prompt_tokens"),
-        "stop_reason": end.get("reason"),
-        "prefill_ms": round((t_first - t0) * 1e3, 3),
-        "decode_ms_per_token": round((t_last - t_first) * 1e3 / steps, 3) if steps else 0.0,
-        "stages": len(windows),
-    }
-    if args.json:
-        print_json(result)
-    else:
-        sys.stdout.write("\n")
-        print(
-            f"[{len(tokens)} tokens through {len(windows)} nodes, decode {result['decode_ms_per_token']} ms/token]",
-            file=sys.stderr,
-        )
-    return 0
+    return tokens, text, end, t0, t_first, t_last
 
 
 def start_front(ring: LocalRing, port: int, key_file: Path | None) -> FrontThread:

@@ -13,7 +13,7 @@ from rich.table import Table
 from kvasir.commands.common import print_json
 from kvasir.control.client import ControlClient
 from kvasir.control.paths import find_socket
-from kvasir.ring.status import NodeStatus, speculation_line
+from kvasir.ring.status import NodeStatus, speculation_line, supervisor_lines
 
 
 def add_parser(sub: Any) -> None:
@@ -62,6 +62,10 @@ def run(args: argparse.Namespace) -> int:
     if req.get("verify_batches") or req.get("eager_steps"):
         c.print(f"speculation: {speculation_line(req)}", markup=False, soft_wrap=True)
     c.print(failover_line(st.get("failover") or {}), markup=False, soft_wrap=True)
+    status = NodeStatus.from_wire(st)
+    if status.supervisor is not None:  # under `kvasir ring up`: a window down, and when it is retried
+        for line in supervisor_lines(status.supervisor):
+            c.print(f"ring up: {line}", markup=False, soft_wrap=True)
     return 0
 
 

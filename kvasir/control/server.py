@@ -16,6 +16,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
+import attrs
 import trio
 
 from kvasir.control.ops import GenerateOp, StatusOp, WatchOp, parse_op
@@ -23,6 +24,7 @@ from kvasir.core.errors import InputError, KvasirError
 from kvasir.ring.events import event_to_wire
 from kvasir.ring.node import Node
 from kvasir.ring.requests import EndEvent, TokenEvent
+from kvasir.ring.status import NodeStatus, read_supervisor_state
 
 log = logging.getLogger("kvasir.control")
 MAX_LINE = 1 << 20
@@ -107,7 +109,7 @@ async def _serve_client(node: Node, stream: trio.SocketStream) -> None:
             try:
                 op = parse_op(msg)
                 if isinstance(op, StatusOp):
-                    await lines.write({"type": "status", "status": node.status().to_wire()})
+                    await lines.write({"type": "status", "status": _status(node).to_wire()})
                 elif isinstance(op, WatchOp):
                     await _watch(node, lines, op.clamped_interval)
                     return
@@ -124,9 +126,17 @@ async def _serve_client(node: Node, stream: trio.SocketStream) -> None:
         await stream.aclose()
 
 
+def _status(node: Node) -> NodeStatus:
+    """The node's status, with ``ring up``'s supervisor's view of the ring when it runs under one (read here, where
+    the status leaves the node: a small file, rewritten at each change)."""
+    status = node.status()
+    path = node.config.supervisor_state
+    return status if path is None else attrs.evolve(status, supervisor=read_supervisor_state(path))
+
+
 async def _watch(node: Node, lines: _Lines, interval: float) -> None:
     async with node.hub.subscribe() as events:
-        await lines.write({"type": "status", "status": node.status().to_wire()})
+        await lines.write({"type": "status", "status": _status(node).to_wire()})
         next_status = trio.current_time() + interval
         while True:
             event = None
@@ -135,7 +145,7 @@ async def _watch(node: Node, lines: _Lines, interval: float) -> None:
             if event is not None:
                 await lines.write(event_to_wire(event))  # outside the deadline: a torn line breaks the stream
                 continue
-            await lines.write({"type": "status", "status": node.status().to_wire()})
+            await lines.write({"type": "status", "status": _status(node).to_wire()})
             next_status = trio.current_time() + interval
 
 

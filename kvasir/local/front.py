@@ -18,7 +18,7 @@ import hmac
 import json
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import attrs
@@ -178,7 +178,7 @@ class Front:
         client = self._authorize(http, request)
         generation = request.method == "POST" and request.path in GENERATION_PATHS
         if not generation:
-            await self._forward(http, request)
+            await self._forward(http, request, lambda: None)
             return
         if self.running.get(client, 0) >= self.access.max_requests_per_client:
             raise OpenAiError(
@@ -190,12 +190,22 @@ class Front:
                 )
             )
         self.running[client] = self.running.get(client, 0) + 1
+        held = True
+
+        def release() -> None:
+            """The client's place back, once: as its answer's last event goes out (a client that sends its next
+            request on seeing ``[DONE]`` must not find it still taken), or when the request ends otherwise."""
+            nonlocal held
+            if held:
+                held = False
+                self.running[client] -= 1
+                if not self.running[client]:
+                    del self.running[client]
+
         try:
-            await self._forward(http, request)
+            await self._forward(http, request, release)
         finally:
-            self.running[client] -= 1
-            if not self.running[client]:
-                del self.running[client]
+            release()
 
     def _authorize(self, http: HttpConnection, request: HttpRequest) -> str:
         """As a node's API does (kvasir.api.server.ApiServer): a bearer key from the file, compared in constant time
@@ -215,7 +225,7 @@ class Front:
             raise OpenAiError(err, [("www-authenticate", "Bearer")])
         return "key:" + matched[0]
 
-    async def _forward(self, http: HttpConnection, request: HttpRequest) -> None:
+    async def _forward(self, http: HttpConnection, request: HttpRequest, release: Callable[[], None]) -> None:
         """Try entries until one answers; retryable failures (nothing sent to the client yet) move on."""
         tried: set[int] = set()
         first_failure: float | None = None
@@ -223,7 +233,7 @@ class Front:
         while True:
             order = entry_order(self.states, self.inflight, tried)
             if order:
-                failure = await self._attempt(http, request, order[0])
+                failure = await self._attempt(http, request, order[0], release)
                 if failure is None:
                     return
                 tried.add(order[0])
@@ -237,7 +247,9 @@ class Front:
                 tried.clear()
                 await trio.sleep(min(0.2, self.poll_s))
 
-    async def _attempt(self, http: HttpConnection, request: HttpRequest, i: int) -> ApiError | None:
+    async def _attempt(
+        self, http: HttpConnection, request: HttpRequest, i: int, release: Callable[[], None]
+    ) -> ApiError | None:
         """Forward ``request`` to entry ``i``. None: answered (or a stream ended with an error event). An error:
         this entry failed before any byte reached the client, try another."""
         entry = self.entries[i]
@@ -254,11 +266,13 @@ class Front:
                 self.states[i] = EntryState.DOWN
                 return _entry_error(f"{entry.label} did not accept the connection in {self.connect_timeout_s:.0f} s")
             async with stream:
-                return await self._exchange(http, request, i, Upstream(stream, max_bytes=MAX_ANSWER_BYTES))
+                return await self._exchange(http, request, i, Upstream(stream, max_bytes=MAX_ANSWER_BYTES), release)
         finally:
             self.inflight[i] -= 1
 
-    async def _exchange(self, http: HttpConnection, request: HttpRequest, i: int, up: Upstream) -> ApiError | None:
+    async def _exchange(
+        self, http: HttpConnection, request: HttpRequest, i: int, up: Upstream, release: Callable[[], None]
+    ) -> ApiError | None:
         entry = self.entries[i]
         try:
             headers = [(k, v) for k, v in request.headers if k.lower() not in _HOP_HEADERS]
@@ -266,7 +280,7 @@ class Front:
             await up.send_request(request.method, request.target, headers, request.body)
             head = await up.head()
             if head.event_stream:
-                return await self._stream(http, i, up)
+                return await self._stream(http, i, up, release)
             body = await up.body()
         except UpstreamLost as exc:
             self.states[i] = EntryState.DOWN
@@ -277,10 +291,11 @@ class Front:
         if head.status == 401:  # the node refused the front's key: the front's fault, not the client's
             raise OpenAiError(ApiError(502, f"{entry.label} refused the front's key", type="server_error"))
         out = [*passed, ("content-length", str(len(body))), ("server", "kvasir")]
+        release()
         await http.send_response(head.status, out, body)
         return None
 
-    async def _stream(self, http: HttpConnection, i: int, up: Upstream) -> ApiError | None:
+    async def _stream(self, http: HttpConnection, i: int, up: Upstream, release: Callable[[], None]) -> ApiError | None:
         """Pass an SSE answer on, event by event. Held back until its first event past a chat's role delta: an
         entry that fails the request before its first token (overloaded, the ring broken) is retried elsewhere."""
         entry = self.entries[i]
@@ -302,18 +317,28 @@ class Front:
             self.states[i] = EntryState.DOWN
             return _entry_error(f"{entry.label} was lost before its first token ({exc})")
         await http.start_sse()
-        for event in held:
-            await http.send_sse_raw(event)
         try:
+            for event in held:
+                await self._pass(http, event, release)
             while (event := await up.next_sse_event()) is not None:
-                await http.send_sse_raw(event)
+                await self._pass(http, event, release)
         except UpstreamLost as exc:
             self.cut += 1
             self.states[i] = EntryState.DOWN
             message = f"the entry node ({entry.label}) was lost mid-answer ({exc}); retry the request"
             raise OpenAiError(ApiError(502, message, type="server_error", code="entry_lost")) from None
+        release()
         await http.end_message()
         return None
+
+    @staticmethod
+    async def _pass(http: HttpConnection, event: bytes, release: Callable[[], None]) -> None:
+        """One event of an entry's stream to the client; at ``[DONE]`` the client's place is given back first (the
+        answer is whole, the entry freed its sequence): a client that sends its next request on seeing it must not
+        find its place still taken."""
+        if event.removeprefix(b"data:").strip() == b"[DONE]":
+            release()
+        await http.send_sse_raw(event)
 
 
 def _entry_error(message: str) -> ApiError:

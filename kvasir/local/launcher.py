@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
+import logging
 import os
 import secrets
 import shutil
@@ -26,11 +28,16 @@ from kvasir.core.identity import PublicKey, create_identity
 from kvasir.local.front import Entry
 from kvasir.relay.ringlink import grant_relay_edges
 from kvasir.ring.manifest import Manifest, RankEntry, StandbyEntry
+from kvasir.ring.status import SupervisedProcess, SupervisorStatus
 from kvasir.shard.cache import model_sha256, stage_files
 from kvasir.util.files import atomic_output
 
+log = logging.getLogger("kvasir.ring")
+
 #: The internal API key's file in a run directory (``start_ring(entries=True)``).
 ENTRY_KEY_FILE = "entry-api.key"
+#: The supervisor's view of the processes, in a run directory (``start_ring(supervised=True)``).
+SUPERVISOR_FILE = "supervisor.json"
 
 #: How long ``ring up --relay``'s edge grants last; the nodes' own tokens still live ten minutes at most.
 GRANT_LIFETIME_S = 30 * 24 * 3600
@@ -76,6 +83,9 @@ class LocalRing:
     #: standbys included), each behind :attr:`entry_key`; ``ring up``'s front (kvasir.local.front) forwards to them.
     entry_ports: list[int] = attrs.field(factory=list)
     entry_key: str | None = None
+    #: With ``start_ring(supervised=True)``: where the :class:`Supervisor` writes its view of the processes, which
+    #: every node reads into its status (``--supervisor-state``).
+    supervisor_file: Path | None = None
 
     def label(self, i: int) -> str:
         """What process ``i`` is: ``rank K`` or ``rank K's standby``."""
@@ -226,9 +236,9 @@ class _Watched:
 @attrs.define
 class Supervisor:
     """Restarts the ring's nodes (and its relay) when they die, and kills a node that stopped answering (hung: a
-    SIGSTOP, a deadlock) so that it is restarted too. A process that keeps dying is restarted with a growing delay
-    (:func:`restart_delay`), never given up on: the other windows keep serving, and the ring is whole again as soon
-    as the cause goes away (memory freed, a disk back, a flapping device steady).
+    deadlock) or is stopped (SIGSTOP, loading or not) so that it is restarted too. A process that keeps dying is
+    restarted with a growing delay (:func:`restart_delay`), never given up on: the other windows keep serving, and
+    the ring is whole again as soon as the cause goes away (memory freed, a disk back, a flapping device steady).
 
     A restarted node takes its window back and its predecessor replays the requests in flight into it
     (docs/architecture.md § Failover). ``check`` is called periodically by the owner of the ring (``kvasir ring
@@ -248,16 +258,25 @@ class Supervisor:
     hang_s: float = 6.0
     probe_interval_s: float = 1.0
     probe: Callable[[int], bool] | None = None
+    #: Whether a process (by pid) is stopped (SIGSTOP, a debugger): such a node is killed after ``hang_s`` stopped
+    #: even if it never answered (stopped while loading, it has no control socket to miss probes on).
+    stopped: Callable[[int], bool] = attrs.field(factory=lambda: process_stopped)
     #: The wall clock, only to print when a restart is due.
     wall: Callable[[], float] = time.time
     watched: dict[int, _Watched] = attrs.field(factory=dict)
     strikes: dict[int, int] = attrs.field(factory=dict)
     #: Ranks that answered since their last (re)start: only those can be hung (one still loading is not).
     answered: set[int] = attrs.field(factory=set)
+    #: Since when (supervisor's clock) each rank's process has been seen stopped.
+    stopped_since: dict[int, float] = attrs.field(factory=dict)
     last_answer: dict[int, float] = attrs.field(factory=dict)
     last_probe: float = -1e9
     #: Deaths seen (a hung node killed here included): ``ring up`` keeps the logs of a run that had any.
     deaths: int = 0
+    #: The last view written to the ring's supervisor file (rewritten when it changes).
+    written: tuple[SupervisedProcess, ...] | None = None
+    #: Each process's last exit code (the view shows it).
+    exit_codes: dict[int, int] = attrs.field(factory=dict)
 
     def down(self) -> list[int]:
         """The processes (keys: ``processes`` indices, :data:`RELAY`) that are down, waiting for their restart."""
@@ -278,6 +297,7 @@ class Supervisor:
             self.ring.restart(key)
             self.answered.discard(key)
             self.strikes.pop(key, None)
+            self.stopped_since.pop(key, None)
 
     def check(self, now: float | None = None) -> list[str]:
         now = time.monotonic() if now is None else now
@@ -296,11 +316,54 @@ class Supervisor:
         if now - self.last_probe >= self.probe_interval_s:
             self.last_probe = now
             notes += self._probe_all(now)
+        self._write_view(now)
         return notes
+
+    def view(self, now: float) -> tuple[SupervisedProcess, ...]:
+        """Every process as ``kvasir status`` shows it: up, starting (not answering yet) or down until its retry."""
+        out = []
+        wall = self.wall() - now  # the supervisor's clock to Unix time
+        for key in sorted(self.watched, key=lambda k: (k == RELAY, k)):
+            w = self.watched[key]
+            if w.retry_at is not None:
+                state = "down"
+            elif key == RELAY or key in self.answered:
+                state = "up"
+            else:
+                state = "starting"
+            out.append(
+                SupervisedProcess(
+                    self._label(key),
+                    state,
+                    pid=None if state == "down" else self._pid(key),
+                    streak=w.streak,
+                    exit_code=self.exit_codes.get(key),
+                    down_since=None if w.down_since is None or state == "up" else round(w.down_since + wall, 1),
+                    retry_at=None if w.retry_at is None else round(w.retry_at + wall, 1),
+                )
+            )
+        return tuple(out)
+
+    def _write_view(self, now: float) -> None:
+        """Rewrite the ring's supervisor file when the view changed (the nodes read it into their status)."""
+        path = self.ring.supervisor_file
+        if path is None:
+            return
+        view = self.view(now)
+        if view == self.written:
+            return
+        try:
+            with atomic_output(path) as tmp:
+                tmp.write_text(json.dumps(SupervisorStatus(round(self.wall(), 1), view).to_wire()))
+        except OSError as exc:  # a full disk must not stop the supervisor: the status is only late
+            log.warning("cannot write %s: %s", path, exc)
+            return
+        self.written = view
 
     def _died(self, key: int, w: _Watched, code: int, now: float) -> str:
         what = f"{self._label(key)} exited with code {code}"
         self.deaths += 1
+        self.exit_codes[key] = code
         if now - w.started_at >= self.stable_s:
             w.streak = 0
         w.streak += 1
@@ -340,6 +403,16 @@ class Supervisor:
         for rank, proc in enumerate(self.ring.processes):
             if proc.poll() is not None:
                 continue
+            if self.stopped(proc.pid):
+                # Stopped, answering or not: a node stopped while it loads never misses a probe (it has no socket
+                # yet), and left alone it stays stopped for good, its window down (the chaos benchmark's stall).
+                since = self.stopped_since.setdefault(rank, now)
+                if now - since >= self.hang_s:
+                    proc.kill()
+                    proc.wait()
+                    notes.append(f"{self.ring.label(rank)} was stopped for {now - since:.1f} s; killed it")
+                continue
+            self.stopped_since.pop(rank, None)
             if probe(rank):
                 w = self.watched.get(rank)
                 if w is not None and w.restarted:
@@ -360,6 +433,16 @@ class Supervisor:
                 what = f"{self.strikes[rank]} probes, {silent:.1f} s"
                 notes.append(f"{self.ring.label(rank)} stopped answering ({what}); killed it")
         return notes
+
+
+def process_stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (state T or t in /proc, Linux and Android); False where that is not known."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    fields = stat[stat.rfind(")") + 2 :].split()
+    return bool(fields) and fields[0] in ("T", "t")
 
 
 def default_threads(n_nodes: int) -> int:
@@ -395,6 +478,7 @@ def start_ring(
     secure: bool = True,
     standby: bool = False,
     entries: bool = False,
+    supervised: bool = False,
 ) -> LocalRing:
     """Cut the stage files, write the manifest, start one node process per window.
 
@@ -406,7 +490,8 @@ def start_ring(
     once the primaries are ready and supervised like them (docs/architecture.md § Failover). ``entries``: every
     node (standbys too) serves the API on its own loopback port behind a key made for this run
     (:attr:`LocalRing.entry_ports`, :attr:`LocalRing.entry_key`), for ``ring up``'s front; ``api_port`` is the
-    older way, the API on rank 0 only (tests and benches that talk to one node).
+    older way, the API on rank 0 only (tests and benches that talk to one node). ``supervised``: every node shows
+    the :class:`Supervisor`'s view of the ring in its status (:attr:`LocalRing.supervisor_file`).
     """
     if standby and relay:
         raise RingError("standby nodes need direct links: drop the relay or the standbys")
@@ -444,6 +529,8 @@ def start_ring(
     ring = LocalRing(manifest, run_dir, [], [], api_port, tied=tied)
     if entries:
         ring.entry_ports, ring.entry_key = ports[processes:], _entry_key_file(run_dir)
+    if supervised:
+        ring.supervisor_file = run_dir / SUPERVISOR_FILE
     env = importable_env(without_config(os.environ))  # every setting is a flag below
     # Several nodes share this machine's cores and only one computes at a time. ggml's OpenMP workers meet at a
     # barrier after every graph op: spinning forever (OMP_WAIT_POLICY=active) starves the busy stage, sleeping at
@@ -473,6 +560,10 @@ def _entry_args(ring: LocalRing, i: int) -> list[str]:
     if not ring.entry_ports:
         return []
     return ["--api-port", str(ring.entry_ports[i]), "--api-key-file", str(ring.run_dir / ENTRY_KEY_FILE)]
+
+
+def _supervisor_args(ring: LocalRing) -> list[str]:
+    return [] if ring.supervisor_file is None else ["--supervisor-state", str(ring.supervisor_file)]
 
 
 def _standby_identity(run_dir: Path, rank: int) -> PublicKey:
@@ -518,7 +609,7 @@ def _launch(
             cmd += ["--api-port", str(ring.api_port)]
             if api_key_file is not None:
                 cmd += ["--api-key-file", str(api_key_file)]
-        cmd += _entry_args(ring, k)
+        cmd += _entry_args(ring, k) + _supervisor_args(ring)
         ring.commands.append((cmd, env))
         ring.sockets.append(sock)
         ring.processes.append(spawn(cmd, env, run_dir / f"rank{k}.log", tied=tied))
@@ -533,7 +624,7 @@ def _launch(
         cmd = [*_node_command(manifest_path, k, sock, ctx, seqs, extra_args, threads), "--standby", "0"]
         if rank.key is not None:
             cmd += ["--identity", str(run_dir / f"rank{k}-standby.pem")]
-        cmd += _entry_args(ring, len(ring.commands))
+        cmd += _entry_args(ring, len(ring.commands)) + _supervisor_args(ring)
         ring.commands.append((cmd, env))
         ring.sockets.append(sock)
 

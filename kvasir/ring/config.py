@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import secrets
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import attrs
 
@@ -71,6 +72,9 @@ class NodeConfig:
     #: Batched decode (kvasir.ring.batching): up to this many requests' decode steps in one llama_decode. 1 (the
     #: default) keeps one sequence per decode, bit-exact against ``generate``; more trades exactness for throughput.
     batch: int = 1
+    #: Under ``kvasir ring up``: the file its supervisor writes its view of the ring's processes in; the node's
+    #: status (control socket) carries it (docs/architecture.md § Failover).
+    supervisor_state: Path | None = None
 
 
 def node_credentials(config: NodeConfig) -> Credentials | None:

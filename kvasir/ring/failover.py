@@ -64,6 +64,8 @@ class Failover:
         #: Link generations: a give-up timer acts only if no newer link came (and went) since it started.
         self._pred_gen = self._succ_gen = 0
         self._succ_lost_at: float | None = None
+        #: Each time this node turns dormant (a give-up timer acts only for the latest).
+        self._dormant_gen = 0
 
     def refuse_if_given_up(self, links: LinkManager) -> None:
         """A new request is refused at once once the ring gave up on the successor (in-flight requests failed past
@@ -146,6 +148,25 @@ class Failover:
         self._requests.errors += 1
         message = f"rank {self.rank} lost its successor link"
         await self._requests.finish(state, "error", message, ErrorCode.LINK_LOST)
+
+    async def went_dormant(self, links: LinkManager) -> None:
+        """This node handed its window to another holder, which carries the ring on: the requests that entered here
+        get their tokens only if this node holds the window again (a replay brings them). Past the failover wait
+        still dormant, their clients hear so, not after the stall timeout (120 s: the chaos benchmark's 3 hung
+        streams). The other requests stay: were this node to hold the window again, a replay finds them as it left
+        them."""
+        self._dormant_gen += 1
+        self._nursery.start_soon(self._fail_entries_if_still_dormant, links, self._dormant_gen)
+
+    async def _fail_entries_if_still_dormant(self, links: LinkManager, generation: int) -> None:
+        await trio.sleep(self.failover_wait)
+        if generation != self._dormant_gen or not links.dormant:
+            return
+        message = f"rank {self.rank} handed its window to another holder mid-answer; retry the request"
+        for state in list(self._requests):
+            if not state.done and state.entry is not None:
+                self._requests.errors += 1
+                await self._requests.finish(state, "error", message, ErrorCode.LINK_LOST)
 
     async def successor_up(self, send: Callable[[Frame], Awaitable[None]], hello: Hello) -> None:
         """The successor link is (re)made: before anything else goes over it, resend every request in flight here

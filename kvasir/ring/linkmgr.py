@@ -79,6 +79,10 @@ class LinkWatcher(Protocol):
         """The successor link is made: ``send`` goes over it before anything else does (the replay)."""
         ...
 
+    async def went_dormant(self, links: LinkManager) -> None:
+        """This node handed its window to another holder (its successor refused it: that one is linked there)."""
+        ...
+
 
 class LinkManager:
     """Both links of one node. ``run`` keeps them; ``send`` hands a frame to the successor; frames from the
@@ -302,6 +306,8 @@ class LinkManager:
         if self.predecessor is not None:
             with trio.move_on_after(2):
                 await self.predecessor.aclose()  # no ERROR: its node must not take it for a refusal of its own
+        if self._watcher is not None:
+            await self._watcher.went_dormant(self)
 
     def _has_other_holders(self) -> bool:
         """Whether the manifest names another node for this node's window (a standby, or the primary of a standby)."""

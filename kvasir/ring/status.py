@@ -8,12 +8,15 @@ nodes, recorded sessions: they take their defaults), strict about types: ``"read
 
 from __future__ import annotations
 
+import json
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import attrs
 
+from kvasir.core.errors import InputError
 from kvasir.core.schema import (
     Json,
     converter,
@@ -167,6 +170,71 @@ class MarketWindow:
 
 
 @attrs.frozen
+class SupervisedProcess:
+    """One process of ``kvasir ring up`` (a rank, a standby, the relay) as its supervisor sees it."""
+
+    label: str
+    #: ``up`` (answers its control socket), ``starting`` ((re)started, not answering yet: loading) or ``down`` (dead
+    #: or killed, its restart due at ``retry_at``).
+    state: str
+    pid: int | None = None
+    #: Deaths in a row, each before it had run stably: the restart delay doubles with them.
+    streak: int = 0
+    exit_code: int | None = None
+    #: Unix times: when it last went down, and when its next restart is due (``down`` only).
+    down_since: float | None = None
+    retry_at: float | None = None
+
+
+@attrs.frozen
+class SupervisorStatus:
+    """What ``kvasir ring up``'s supervisor last wrote of the ring's processes (``kvasir node --supervisor-state``):
+    a node's status carries it, so ``kvasir status`` and the TUI show a window that is down and when it is retried."""
+
+    #: Unix time of the write.
+    written_at: float
+    processes: tuple[SupervisedProcess, ...] = ()
+
+    def to_wire(self) -> Json:
+        out: Json = unstructure(self)
+        return out
+
+    @classmethod
+    def from_wire(cls, obj: object, where: str = "supervisor state") -> SupervisorStatus:
+        return structure(obj, cls, where=where)
+
+
+def read_supervisor_state(path: Path) -> SupervisorStatus | None:
+    """The supervisor's state from its file; None if there is none (yet) or it does not read as one."""
+    try:
+        return SupervisorStatus.from_wire(json.loads(path.read_text(encoding="utf-8")))
+    except (OSError, ValueError, InputError):
+        return None
+
+
+def supervisor_lines(sup: SupervisorStatus, clock: Callable[[float], str] | None = None) -> list[str]:
+    """What ``kvasir status`` and the TUI say of the supervisor's view: one line per process that is not up (down
+    since when, why, its next restart), or one line saying all are up. ``clock``: a Unix time as the reader shows it
+    (default: local ``HH:MM:SS``)."""
+    at = clock or (lambda t: time.strftime("%H:%M:%S", time.localtime(t)))
+    lines = []
+    for p in sup.processes:
+        if p.state == "up":
+            continue
+        since = "" if p.down_since is None else f" since {at(p.down_since)}"
+        why = [] if p.exit_code is None else [f"exit {p.exit_code}"]
+        if p.streak > 1:
+            why.append(f"{p.streak} times in a row")
+        because = f" ({', '.join(why)})" if why else ""
+        if p.state == "down":
+            retry = "" if p.retry_at is None else f"; next restart at {at(p.retry_at)}"
+            lines.append(f"{p.label} down{since}{because}{retry}")
+        else:
+            lines.append(f"{p.label} restarted{since and ', down' + since}{because}; loading, not answering yet")
+    return lines or [f"all {len(sup.processes)} processes up"]
+
+
+@attrs.frozen
 class NodeStatus:
     node_id: str
     rank: int
@@ -191,6 +259,8 @@ class NodeStatus:
     #: The market's coverage map of this ring; None for a node started from a manifest.
     market: tuple[MarketWindow, ...] | None = None
     failover: FailoverStatus = FailoverStatus()
+    #: Under ``kvasir ring up``: its supervisor's view of every process of the ring (None: a node on its own).
+    supervisor: SupervisorStatus | None = None
 
     @property
     def layer_tokens(self) -> int:
@@ -257,6 +327,7 @@ class _StatusWire:
     memory: _MemoryWire = _MemoryWire()
     market: tuple[MarketWindow, ...] | None = None
     failover: FailoverStatus = FailoverStatus()
+    supervisor: SupervisorStatus | None = None
 
 
 def _status_from_wire(data: object, _: type) -> NodeStatus:
@@ -283,6 +354,7 @@ def _status_from_wire(data: object, _: type) -> NodeStatus:
         rss_bytes=w.memory.rss_bytes,
         market=w.market,
         failover=w.failover,
+        supervisor=w.supervisor,
     )
 
 
@@ -308,6 +380,7 @@ def _status_to_wire(s: NodeStatus) -> Json:
             memory=_MemoryWire(s.rss_bytes),
             market=s.market,
             failover=s.failover,
+            supervisor=s.supervisor,
         )
     )
     return out
@@ -326,11 +399,13 @@ register_record(RankStatus)
 register_record(RequestCounters)
 register_record(FailoverStatus)
 register_record(MarketWindow)
+register_record(SupervisedProcess)
+register_record(SupervisorStatus)
 register_record(_ModelWire)
 register_record(_LinksWire)
 register_record(_ContributionWire)
 register_record(_MemoryWire, omit_if_none=("rss_bytes",))
-register_record(_StatusWire)
+register_record(_StatusWire, omit_if_none=("supervisor",))  # absent for a node that no ring up supervises
 register_hooks(NodeStatus, _status_from_wire, _status_to_wire)
 
 
