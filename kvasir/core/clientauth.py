@@ -22,7 +22,7 @@ import attrs
 
 from kvasir.core.errors import InputError
 from kvasir.core.identity import Identity, PublicKey
-from kvasir.core.signed import canonical_lines, seal, split_lines, unb64url
+from kvasir.core.signed import canonical_lines, seal, split_lines, unseal
 
 AUTH_PREFIX = "ka1"
 DOMAIN = b"kvasir-client-auth/v1\n"
@@ -106,18 +106,7 @@ def sign_auth(
 def parse_auth(text: str | bytes) -> ClientAuth:
     """The authorisation in ``text`` if its client signed it (InputError naming what is wrong otherwise); expiry,
     market and model are the settler's to check."""
-    if isinstance(text, bytes):
-        try:
-            text = text.decode("ascii")
-        except UnicodeDecodeError:
-            raise InputError("a client authorisation is ASCII") from None
-    if len(text) > MAX_AUTH_CHARS:
-        raise InputError("client authorisation too long")
-    parts = text.split(".")
-    if len(parts) != 3 or parts[0] != AUTH_PREFIX:
-        raise InputError(f"a client authorisation looks like {AUTH_PREFIX}.<body>.<signature>")
-    body = unb64url(parts[1], "client authorisation body", max_chars=MAX_AUTH_CHARS)
-    sig = unb64url(parts[2], "client authorisation signature", max_chars=200)
+    body, sig = unseal(text, AUTH_PREFIX, "client authorisation", max_chars=MAX_AUTH_CHARS)
     auth = ClientAuth.from_bytes(body)
     if not auth.client.verify(sig, body):
         raise InputError("the client authorisation is not signed by its client's key")

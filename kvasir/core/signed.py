@@ -94,3 +94,20 @@ def verify(key: Verifier, signature: object, message: bytes, *, max_chars: int =
 def seal(signer: Signer, body: bytes) -> str:
     """``<base64url body>.<base64url signature of body>``."""
     return f"{b64url(body)}.{sign(signer, body)}"
+
+
+def unseal(text: str | bytes, prefix: str, what: str, *, max_chars: int) -> tuple[bytes, bytes]:
+    """The (body, signature) of ``<prefix>.<seal>`` text, not yet verified: the signer is the caller's to know.
+    InputError, naming ``what``, for anything else."""
+    if isinstance(text, bytes):
+        try:
+            text = text.decode("ascii")
+        except UnicodeDecodeError:
+            raise InputError(f"a {what} is ASCII") from None
+    if len(text) > max_chars:
+        raise InputError(f"{what} too long")
+    parts = text.split(".")
+    if len(parts) != 3 or parts[0] != prefix:
+        raise InputError(f"a {what} looks like {prefix}.<body>.<signature>")
+    body = unb64url(parts[1], f"{what} body", max_chars=max_chars)
+    return body, unb64url(parts[2], f"{what} signature", max_chars=200)

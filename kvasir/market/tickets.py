@@ -21,8 +21,7 @@ import attrs
 
 from kvasir.core.errors import InputError
 from kvasir.core.identity import Identity, PublicKey
-from kvasir.core.signed import canonical_lines, seal, split_lines, unb64url
-from kvasir.market.auth import MAX_SIGNATURE_CHARS
+from kvasir.core.signed import canonical_lines, seal, split_lines, unseal
 from kvasir.ring.manifest import Manifest
 
 TICKET_PREFIX = "kt1"
@@ -87,18 +86,7 @@ def issue_ticket(issuer: Identity, ticket: WindowTicket) -> str:
 
 def parse_ticket(text: str | bytes, issuer: PublicKey) -> WindowTicket:
     """The ticket in ``text`` if ``issuer`` signed it (InputError otherwise); expiry is not checked here."""
-    if isinstance(text, bytes):
-        try:
-            text = text.decode("ascii")
-        except UnicodeDecodeError:
-            raise InputError("a window ticket is ASCII") from None
-    if len(text) > MAX_TICKET_CHARS:
-        raise InputError("window ticket too long")
-    parts = text.split(".")
-    if len(parts) != 3 or parts[0] != TICKET_PREFIX:
-        raise InputError(f"a window ticket looks like {TICKET_PREFIX}.<body>.<signature>")
-    body = unb64url(parts[1], "ticket body", max_chars=MAX_TICKET_CHARS)
-    sig = unb64url(parts[2], "ticket signature", max_chars=MAX_SIGNATURE_CHARS)
+    body, sig = unseal(text, TICKET_PREFIX, "window ticket", max_chars=MAX_TICKET_CHARS)
     ticket = WindowTicket.from_bytes(body)
     if ticket.issuer != issuer or not issuer.verify(sig, body):
         raise InputError("the window ticket is not signed by this market")
