@@ -201,19 +201,19 @@ async def test_the_ring_last_rank_drafts_what_generate_mtp_drafts(
     # The ring: three in-process nodes, the last drafting with MTP through the drafter interface.
     net = MemoryNetwork()
     ring_log: list[list[int]] = []
-    async with contextlib.AsyncExitStack() as stack:
+    async with contextlib.AsyncExitStack() as astack:
         stages = []
         for i, p in enumerate(paths):
             cfg = StageConfig(p, n_ctx=512, n_seq_max=2, n_threads=1, mtp=i == 2, rollback=0 if i == 2 else k + 1)
             stage = await trio.to_thread.run_sync(Stage.load, cfg)
-            stack.callback(stage.close)
+            astack.callback(stage.close)
             stages.append(stage)
         sha = stages[0].info.model_sha256
         assert sha is not None
         ranks = tuple(RankEntry(r, a, b, "mem", net.port()) for r, (a, b) in enumerate(WINDOWS))
         manifest = Manifest(sha, WINDOWS[-1][1], ranks, model_name="qwen35moe")
         mtp = MtpSources(stages[-1])
-        stack.callback(mtp.close)
+        astack.callback(mtp.close)
 
         def sources(prompt: Sequence[int], seq: int) -> _Recording:
             return _Recording(mtp(prompt, seq), ring_log)
@@ -222,7 +222,7 @@ async def test_the_ring_last_rank_drafts_what_generate_mtp_drafts(
         for r in range(len(WINDOWS)):
             extra: dict[str, Any] = {"draft_sources": sources, "draft_policy": "fixed"} if r == 2 else {}
             config = NodeConfig(manifest, r, node_id=f"node{r}", speculate=k, **extra)
-            nodes.append(await stack.enter_async_context(open_node(config, stages[r], transport=net)))
+            nodes.append(await astack.enter_async_context(open_node(config, stages[r], transport=net)))
         await wait_for(lambda: all(n.ready for n in nodes), "the ring to link")
         for seeded in (False, True):
             tokens: list[int] = []
