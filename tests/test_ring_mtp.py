@@ -97,8 +97,9 @@ def _counters(sock: Path) -> dict[str, int]:
 def test_a_ring_drafting_with_its_mtp_block_answers_as_plain_generate(mtp_model: Path, cache_dir: Path) -> None:
     want = _plain(mtp_model)
     # fixed: K drafts every step whatever was accepted (rollbacks at every row); auto: the default schedule.
-    for policy, k in (("fixed", 3), ("auto", 2)):
-        extra = ("--speculate", str(k), "--draft-mtp", "--draft-policy", policy)
+    # The last: prompt lookup (eager) on the same hybrid ring, which rolls back from snapshots too.
+    for policy, k, drafter in (("fixed", 3, "--draft-mtp"), ("auto", 2, "--draft-mtp"), ("eager", 3, None)):
+        extra = ("--speculate", str(k), "--draft-policy", policy, *((drafter,) if drafter else ()))
         with running_ring(mtp_model, WINDOWS, cache_dir, extra_args=extra) as ring:
             for seeded, tokens in want.items():
                 for entry in range(len(WINDOWS)):
