@@ -409,7 +409,13 @@ def enroll_config(args: argparse.Namespace) -> Any:
         record_keep=parse_size(args.record_keep),
         **keys,
         stage_config=functools.partial(
-            StageConfig, n_ctx=args.ctx, n_seq_max=args.seqs, n_threads=args.threads, n_gpu_layers=args.gpu_layers
+            StageConfig,
+            n_ctx=args.ctx,
+            n_seq_max=args.seqs,
+            n_threads=args.threads,
+            n_gpu_layers=args.gpu_layers,
+            # Hybrid windows roll rejected drafts back from snapshots (any window: which one it gets is the market's).
+            rollback=args.speculate + 1 if args.speculate else 0,
         ),
         node_options={
             "prefill_chunk": args.prefill_chunk,
