@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -35,8 +34,20 @@ from kvasir.stage.pipeline import LocalPipeline
 from kvasir.testing.fakestage import MemoryNetwork
 from kvasir.testing.tinymodels import tiny_model_cached
 
-sys.path.insert(0, str(Path(__file__).parent))
-from mtp_draft import PROMPT, SHAPE, WINDOWS
+#: bench/mtp_draft.py's model, windows and prompt.
+SHAPE: dict[str, Any] = {
+    "quant": "q8_0",
+    "n_layer": 48,
+    "n_nextn": 1,
+    "n_embd": 256,
+    "n_head": 4,
+    "n_head_kv": 2,
+    "full_attention_interval": 4,
+    "n_expert": 16,
+    "n_expert_used": 2,
+}
+WINDOWS = [(0, 12), (12, 24), (24, 36), (36, 48)]
+PROMPT = "Write a short story about a ring of devices that pass hidden states to each other, one layer at a time."
 
 
 async def ring_run(
@@ -45,9 +56,11 @@ async def ring_run(
     net = MemoryNetwork()
     async with contextlib.AsyncExitStack() as stack:
         stages = []
-        for i, p in enumerate(paths):
-            last = i == len(paths) - 1
-            cfg = StageConfig(p, n_ctx=512, n_seq_max=2, n_threads=1, mtp=k > 0 and last, rollback=0 if last else k + 1)
+        for i, path in enumerate(paths):
+            is_last = i == len(paths) - 1
+            cfg = StageConfig(
+                path, n_ctx=512, n_seq_max=2, n_threads=1, mtp=k > 0 and is_last, rollback=0 if is_last else k + 1
+            )
             stage = await trio.to_thread.run_sync(Stage.load, cfg)
             stack.callback(stage.close)
             stages.append(stage)
@@ -71,10 +84,10 @@ async def ring_run(
         busy0 = last.busy_s
         t0 = time.perf_counter()
         answers = []
-        for p in params:
+        for sampling in params:
             tokens: list[int] = []
             async with (
-                nodes[0].request(prompt, p, n) as handle,
+                nodes[0].request(prompt, sampling, n) as handle,
                 contextlib.aclosing(nodes[0].events(handle)) as events,
             ):
                 async for ev in events:
