@@ -80,6 +80,12 @@ def add_speculate_arg(p: argparse.ArgumentParser, what: str) -> None:
         "prompt lookup; other ranks ignore it",
     )
     p.add_argument(
+        "--draft-mtp",
+        action="store_true",
+        help="the last rank drafts with the model's own MTP block (Qwen3.5 models that carry one; needs --speculate K) "
+        "instead of prompt lookup; other ranks ignore it (docs/mtp.md)",
+    )
+    p.add_argument(
         "--draft-oracle",
         type=Path,
         metavar="FILE",

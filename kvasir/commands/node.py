@@ -25,7 +25,7 @@ from kvasir.commands.config import fill_from_config
 from kvasir.commands.id import add_identity_argument, default_identity_path, identity_from_args
 from kvasir.control.paths import node_socket_path
 from kvasir.control.server import serve_control
-from kvasir.core.errors import InputError
+from kvasir.core.errors import InputError, StageError
 from kvasir.core.identity import Identity, load_or_create_identity
 from kvasir.core.oracle import OracleSpec, oracle_sources
 from kvasir.core.schedule import PREFILL_CHUNK
@@ -36,6 +36,7 @@ from kvasir.ring.node import Node, NodeConfig, open_node
 from kvasir.shard.cache import default_cache_dir, stage_files
 from kvasir.stage.draftmodel import DraftModel
 from kvasir.stage.engine import Stage, StageConfig
+from kvasir.stage.mtpsource import MtpSources
 from kvasir.util.addrgroup import is_loopback_host
 from kvasir.wire import BoundaryDType
 
@@ -240,11 +241,15 @@ def run(args: argparse.Namespace) -> int:
             f"--api-host {args.api_host} without --api-key-file would let anyone use the ring: "
             "give --api-key-file FILE, or --allow-open-api to mean it"
         )
-    if args.draft_model is not None and args.draft_oracle is not None:
-        raise InputError("--draft-model and --draft-oracle are two drafters: pass one")
+    if sum((args.draft_model is not None, args.draft_oracle is not None, args.draft_mtp)) > 1:
+        raise InputError("--draft-model, --draft-oracle and --draft-mtp are three drafters: pass one")
+    if args.draft_mtp and not args.speculate:
+        raise InputError("--draft-mtp drafts for --speculate K: pass both")
     if args.market is not None:
-        if args.draft_model is not None or args.draft_oracle is not None:
-            raise InputError("--draft-model and --draft-oracle are for nodes started from a manifest, not --market")
+        if args.draft_model is not None or args.draft_oracle is not None or args.draft_mtp:
+            raise InputError(
+                "--draft-model, --draft-oracle and --draft-mtp are for nodes started from a manifest, not --market"
+            )
         if given_window:
             raise InputError("--market starts an empty node: drop --manifest, --rank, --standby, --model and --stage")
         return run_enrolled(args)
@@ -259,8 +264,17 @@ def run(args: argparse.Namespace) -> int:
     if args.standby is not None:
         manifest = standby_view(manifest, args.rank, args.standby, args.relay)
     path = stage_path_for(manifest, args.rank, args.model, args.stage, args.manifest.parent)
+    last = args.rank == manifest.size - 1
     config = StageConfig(
-        path, n_ctx=args.ctx, n_seq_max=args.seqs, n_threads=args.threads, n_gpu_layers=args.gpu_layers
+        path,
+        n_ctx=args.ctx,
+        n_seq_max=args.seqs,
+        n_threads=args.threads,
+        n_gpu_layers=args.gpu_layers,
+        mtp=args.draft_mtp and last,  # other ranks ignore --draft-mtp (ring up passes it to every node)
+        # A hybrid window before the last rolls rejected drafts back from snapshots (K drafts need K + 1; other
+        # architectures ignore it); the last window never rolls back (it stops at the rejected row).
+        rollback=args.speculate + 1 if args.speculate and not last else 0,
     )
     trio.run(functools.partial(serve_node, manifest, args.rank, config, args))
     return 0
@@ -282,11 +296,20 @@ def draft_sources(
         )
         stack.callback(draft.close)
         return draft.source
+    if args.draft_mtp:
+        mtp = MtpSources(stage)
+        stack.callback(mtp.close)
+        return mtp
     return None
 
 
 async def serve_node(manifest: Manifest, rank: int, config: StageConfig, args: argparse.Namespace) -> None:
-    stage = await trio.to_thread.run_sync(Stage.load, config)
+    try:
+        stage = await trio.to_thread.run_sync(Stage.load, config)
+    except StageError as exc:
+        if config.mtp:  # the model (or this stage file) has no MTP block
+            raise InputError(f"--draft-mtp: {exc}") from None
+        raise
     drafters = contextlib.ExitStack()
     try:
         await trio.to_thread.run_sync(lambda: stage.vocab)  # load the tokenizer before serving
@@ -394,7 +417,13 @@ def enroll_config(args: argparse.Namespace) -> Any:
         record_keep=parse_size(args.record_keep),
         **keys,
         stage_config=functools.partial(
-            StageConfig, n_ctx=args.ctx, n_seq_max=args.seqs, n_threads=args.threads, n_gpu_layers=args.gpu_layers
+            StageConfig,
+            n_ctx=args.ctx,
+            n_seq_max=args.seqs,
+            n_threads=args.threads,
+            n_gpu_layers=args.gpu_layers,
+            # Hybrid windows roll rejected drafts back from snapshots (any window: which one it gets is the market's).
+            rollback=args.speculate + 1 if args.speculate else 0,
         ),
         node_options={
             "prefill_chunk": args.prefill_chunk,

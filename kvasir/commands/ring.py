@@ -221,6 +221,7 @@ def _start_and_run(
             *(("--draft-policy", args.draft_policy) if args.draft_policy != "auto" else ()),
             *(("--draft-model", str(args.draft_model.resolve())) if args.draft_model is not None else ()),
             *(("--draft-oracle", str(args.draft_oracle.resolve())) if args.draft_oracle is not None else ()),
+            *(("--draft-mtp",) if args.draft_mtp else ()),
             *(("--batch", str(args.batch)) if args.batch > 1 else ()),
         ),
     )

@@ -1,7 +1,8 @@
 """Speculative decoding's decisions: which tokens to draft and how many (adapted to acceptance).
 
 Drafts come from a :class:`DraftSource`, fed every token the request emits: prompt lookup (:class:`PromptLookup`,
-the default), a draft model (``kvasir.stage.draftmodel``), the benchmark oracle (``kvasir.core.oracle``). How many
+the default), a draft model (``kvasir.stage.draftmodel``), the model's own MTP block (``kvasir.stage.mtpsource``, a
+:class:`StageDraftSource`), the benchmark oracle (``kvasir.core.oracle``). How many
 to ask for is the :class:`Drafter`'s schedule, the same for every source. Prompt lookup and the schedule are pure
 functions of the token history and the acceptance so far, so every node of a ring (and a rerun of
 ``kvasir generate --speculate K``) derives the same drafts and the same verify-batch shapes from the same tokens.
@@ -11,7 +12,7 @@ Whatever a source proposes, the answer is the plain one (each verify row is the 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import attrs
 import numpy as np
@@ -224,6 +225,17 @@ class DraftSource(Protocol):
         """The request ended: free what the source holds for it (idempotent)."""
 
 
+@runtime_checkable
+class StageDraftSource(DraftSource, Protocol):
+    """A source that computes on the drafting stage's own model (the MTP block, docs/mtp.md): it reads what the
+    stage computed for the request, so it is told each computed row (in the worker call that computed them, before
+    anything else runs on the stage), and its proposals run on the stage's worker, one computation at a time with
+    the stage's own."""
+
+    def computed(self, pos0: int, n: int) -> None:
+        """Worker thread: the stage just computed rows ``pos0 … pos0 + n - 1`` of the request's true sequence."""
+
+
 #: Makes a request's draft source from its prompt and its sequence id at the drafting node (a model's cache slot).
 DraftSources = Callable[[Sequence[int], int], DraftSource]
 
@@ -278,6 +290,17 @@ class Drafter:
     def blocking(self) -> bool:
         """Whether :meth:`drafts` computes (call it off the event loop)."""
         return self.source.blocking
+
+    @property
+    def on_stage(self) -> bool:
+        """Whether :meth:`drafts` computes on the drafting stage's model (run it on the stage's worker)."""
+        return isinstance(self.source, StageDraftSource)
+
+    def computed(self, pos0: int, n: int) -> None:
+        """Worker thread: the drafting stage computed rows ``pos0 …`` of the true sequence (a :class:`StageDraftSource`
+        reads them; other sources need nothing)."""
+        if isinstance(self.source, StageDraftSource):
+            self.source.computed(pos0, n)
 
     def emitted(self, token: int) -> None:
         self.source.emitted(token)

@@ -118,6 +118,8 @@ class LastRank:
 
         def forward_and_sample() -> list[int] | None:
             window_step(self.stage, state.seq, state.cache, state.start.speculate > 0, frame.position, inputs)
+            if state.drafter is not None:  # an MTP source reads the rows' hidden states before the next computation
+                state.drafter.computed(frame.position, frame.n_tokens)
             if not frame.final:
                 tokens = None
             elif batch is not None:
@@ -186,8 +188,8 @@ class LastRank:
             if self.draft_policy == "auto":  # the acceptance gate: eagerly only while it pays
                 eager = eager and state.payoff.pays(self.pace.plain_trip_s())
             draft = functools.partial(state.drafter.drafts, start.max_tokens - state.generated, eager=eager)
-            if state.drafter.blocking:  # a draft model computes: off the event loop
-                drafts = await trio.to_thread.run_sync(draft)
+            if state.drafter.blocking:  # a draft model computes: off the event loop (MTP: on the stage's worker)
+                drafts = await (self.stage.run(draft) if state.drafter.on_stage else trio.to_thread.run_sync(draft))
                 if state.done:
                     see()
                     return
