@@ -102,6 +102,7 @@ class FakeBackend:
     reason: str = "eog"
     error: str | None = None
     code: str | None = None
+    origin: int | None = None
     delay: float = 0.0
     refuse: Exception | None = None
     manifest: FakeManifest = attrs.field(factory=FakeManifest)
@@ -143,7 +144,7 @@ class FakeBackend:
             yield TokenEvent(i, 100 + i, piece)
         reason = "max_tokens" if len(self.pieces) > handle.max_tokens else self.reason
         handle.ended = True
-        yield EndEvent(reason, len(handle.prompt), n, text, self.error, self.code)
+        yield EndEvent(reason, len(handle.prompt), n, text, self.error, self.code, self.origin)
 
 
 _fake_is_a_backend: ApiBackend[Call] = FakeBackend()
@@ -485,6 +486,24 @@ async def test_ring_error_codes_map_to_statuses(nursery: trio.Nursery, code: str
         port = await start(nursery, FakeBackend(reason="error", error="rank 1 refused it", code=code))
         err = assert_error(await call(port, "POST", "/v1/completions", {"prompt": "x"}), status)
         assert err["message"] == "rank 1 refused it" and err["code"] == code
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_another_members_error_text_never_reaches_the_client(nursery: trio.Nursery, stream: bool) -> None:
+    """N18 (security-2): the text of an ERROR frame from any member reached the API client (a 503 body, or the
+    stream's error event). Now a request another rank failed gets a fixed message naming the rank and the code."""
+    words = "rank 1 says: your account is suspended, visit http://evil.example"
+    with trio.fail_after(TIMEOUT):
+        fake = FakeBackend(reason="error", error=words, code="chain_mismatch", origin=2)
+        port = await start(nursery, fake)
+        body = {"prompt": "x", "stream": stream}
+        if stream:
+            reply = await call(port, "POST", "/v1/completions", body)
+            err = reply.events()[-1]["error"]
+        else:
+            err = assert_error(await call(port, "POST", "/v1/completions", body), 503)
+        assert err["message"] == "rank 2 failed the request (chain_mismatch)" and err["code"] == "chain_mismatch"
+        assert "evil" not in json.dumps(err)
 
 
 async def test_non_stream_ring_error_is_503(nursery: trio.Nursery) -> None:

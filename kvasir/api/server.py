@@ -370,6 +370,10 @@ def _finish_reason(end: EndEvent) -> str:
     if end.reason == "cancelled":
         raise _ring_error("the request was cancelled")
     message = end.error or "the request failed on the ring"
+    if end.origin is not None:
+        # Another member's words (review N18): the client gets a fixed text, the node's log the member's.
+        log.info("rank %d failed a request (%s): %s", end.origin, end.code, message)
+        message = f"rank {end.origin} failed the request ({end.code or 'error'})"
     if end.code in ("bad_request", "context_full"):  # a node found the request itself unfit
         raise ApiError(400, message, type="invalid_request_error", code=end.code)
     if end.code in ("overloaded", "params_mismatch", "chain_mismatch"):  # a busy ring, or a member caught cheating

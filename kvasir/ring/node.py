@@ -332,7 +332,7 @@ class Node:
                 case Cancel():
                     await self.requests.finish(state, "cancelled")
                 case Error():
-                    await self.requests.finish(state, "error", frame.message, frame.code)
+                    await self.requests.finish(state, "error", frame.message, frame.code, frame.origin_rank)
         if self.outbox.forwards(frame.origin_rank):
             await self.outbox.terminal(frame)
 

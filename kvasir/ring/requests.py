@@ -49,6 +49,9 @@ class EndEvent:
     error: str | None = None
     #: For reason "error": the ring's error code name (e.g. "bad_request", "context_full", "overloaded").
     code: str | None = None
+    #: For reason "error": the rank whose ERROR frame ended the request (its ``error`` text is that member's words,
+    #: not this node's: the API shows its clients a fixed message instead, review N18); None when this node ended it.
+    origin: int | None = None
 
 
 ClientEvent = TokenEvent | EndEvent
@@ -112,7 +115,13 @@ class EntryStream:
             self.send.send_nowait(TokenEvent(index, token, safe))
 
     def finish(
-        self, reason: str, prompt_tokens: int, generated: int, error: str | None = None, code: str | None = None
+        self,
+        reason: str,
+        prompt_tokens: int,
+        generated: int,
+        error: str | None = None,
+        code: str | None = None,
+        origin: int | None = None,
     ) -> None:
         rest = self._buffer + (self._text.flush() if reason != "stop" else "")
         full = self.emitted + rest
@@ -124,7 +133,7 @@ class EntryStream:
         try:
             if tail:
                 self.send.send_nowait(TokenEvent(-1, -1, tail))
-            self.send.send_nowait(EndEvent(reason, prompt_tokens, generated, self.emitted, error, code))
+            self.send.send_nowait(EndEvent(reason, prompt_tokens, generated, self.emitted, error, code, origin))
         except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
             pass
         self.send.close()
@@ -420,9 +429,15 @@ class RequestTable:
             self.see(state, generated - 1, latest)
 
     async def finish(
-        self, state: RequestState, reason: str, error: str | None = None, code: ErrorCode | None = None
+        self,
+        state: RequestState,
+        reason: str,
+        error: str | None = None,
+        code: ErrorCode | None = None,
+        origin: int | None = None,
     ) -> None:
-        """End ``state`` here: free its sequence (after any compute of it), then tell its client."""
+        """End ``state`` here: free its sequence (after any compute of it), then tell its client; ``origin``: the
+        rank whose ERROR frame ended it (None: this node did)."""
         if state.done:
             return
         state.done = True
@@ -453,7 +468,8 @@ class RequestTable:
             # Only now tell the client: once it leaves, its admission slot lets the next request in, which must
             # find this sequence free.
             if state.entry is not None:
-                state.entry.finish(reason, state.prompt_len, state.seen, error, code.name.lower() if code else None)
+                name = code.name.lower() if code else None
+                state.entry.finish(reason, state.prompt_len, state.seen, error, name, origin)
         ended = RequestEnded(state.request_id, reason, state.seen, error, state.start.entry_rank)
         # Lossless, before the observers' lossy copy; only the market's ledger needs the client's authorisation.
         self.on_end.emit(attrs.evolve(ended, client_auth=state.start.client_auth or None))
