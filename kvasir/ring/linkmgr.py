@@ -35,6 +35,7 @@ from kvasir.ring.manifest import Manifest
 from kvasir.ring.opener import (
     LinkOpener,
     StreamHandler,
+    SuccessorTaken,
     SuccessorUnreachable,
     TcpTransport,
     Transport,
@@ -319,18 +320,18 @@ class LinkManager:
         while True:
             await self._wait_while_dormant()
             successor = self._manifest().successor(self.rank)  # re-read: the manifest may have been updated
-            holders = (successor,) if self.edges.successor_relayed else successor.holders()
+            holders = successor.holders()
             pick = self._succ_pick % len(holders)
             target = holders[pick]
             which = f" (standby {pick - 1})" if pick else ""
-            via = f"relay edge {self.edges.edge_out}" if self.edges.successor_relayed else target.address
+            via = f"relay edge {self.edges.edges_out[pick]}" if self.edges.successor_relayed else target.address
             self.successor_state = f"dialing rank {target.rank}{which} via {via}"
             at_least = 0.0
             refused = next_holder = False
             with trio.CancelScope() as scope:
                 self._succ_scope = scope
                 try:
-                    async with self.opener.open_successor(target) as link:
+                    async with self.opener.open_successor(target, pick) as link:
                         try:
                             hello = await handshake(link, self.hello, Side.SUCCESSOR, send_first=True)
                         except (ProtocolError, trio.TooSlowError, trio.BrokenResourceError) as exc:
@@ -340,6 +341,10 @@ class LinkManager:
                         connected = f"connected to rank {target.rank}{which} via {via}"
                         refused = await self._run_successor(link, hello, connected)
                         self.successor_state = f"lost rank {target.rank}{which}; redialing"
+                except SuccessorTaken as exc:  # the relay's refusal: another holder of this window is linked on
+                    self.successor_state = f"rank {target.rank}{which}: {exc}"
+                    log.warning("rank %d: successor link refused: %s", self.rank, exc)
+                    refused = True
                 except SuccessorUnreachable as exc:
                     self.successor_state = str(exc)
                     misses += 1
