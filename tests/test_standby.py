@@ -313,6 +313,15 @@ def test_a_standby_takes_over_a_relayed_window_and_the_answer_is_unchanged(
         assert _status(ring, standby)["ready"] and not _status(ring, primary)["ready"]
         assert stream(ring.sockets[2])[0] == want  # entered at the last rank, round through the standby too
 
+        # A second fault: rank 0's primary dies mid-answer. Rank 2 dials rank 0's standby on its edge, which dials
+        # rank 1's holders in order: the dormant primary first, which the relay refuses rank 2's edge in (the standby
+        # holds it), so it hands its predecessor back and rank 0's standby goes on to rank 1's standby's edge.
+        got, end = stream(ring.sockets[2], fault=lambda: ring.processes[0].kill())
+        assert end.get("error") is None and got == want, end
+        assert _status(ring, ring.standby_start)["ready"] and _status(ring, standby)["ready"]
+        assert _wait_status(ring, primary, lambda s: s["links"]["successor"]["state"].startswith("dormant"))
+        assert stream(ring.sockets[2])[0] == want
+
 
 # ---------------------------------------------------------------------------------------------- fast, in one process
 
