@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import os
 import random
+import signal
 import time
 import tomllib
 from collections.abc import Callable, Iterator
@@ -321,6 +322,34 @@ def test_a_standby_takes_over_a_relayed_window_and_the_answer_is_unchanged(
         assert _status(ring, ring.standby_start)["ready"] and _status(ring, standby)["ready"]
         assert _wait_status(ring, primary, lambda s: s["links"]["successor"]["state"].startswith("dormant"))
         assert stream(ring.sockets[2])[0] == want
+
+
+@pytest.mark.slow
+def test_a_standby_takes_over_a_hung_relayed_window(
+    tiny_model: Callable[..., Path], cache_dir: Path, tmp_path: Path
+) -> None:
+    """Rank 1 SIGSTOPped mid-answer over the relay: its TCP connections stay open, so the relay holds its ends until
+    a neighbour's idle timeout drops them. Rank 0 drops it first and wakes the standby, which the relay refuses rank
+    2's edge in until rank 2 drops the hung primary too: the standby, just woken, retries rather than turning
+    dormant, and the answer is the fault-free one, long before the failover wait."""
+    model = tiny_model("llama", "q8_0")
+    windows = [(0, 2), (2, 4), (4, 6)]
+    with running_ring(model, windows, cache_dir, relay=True, standby=True, run_dir=tmp_path) as ring:
+        assert ring.standby_start is not None
+        wait_ready(ring)
+        want, want_end = stream(ring.sockets[0])
+        assert want_end.get("error") is None and len(want) > FAULT_AT, want_end
+        hung = ring.processes[1]
+        started = time.monotonic()
+        try:
+            got, end = stream(ring.sockets[0], fault=lambda: os.kill(hung.pid, signal.SIGSTOP))
+        finally:
+            os.kill(hung.pid, signal.SIGCONT)
+        took = time.monotonic() - started
+        assert end.get("error") is None and got == want, end
+        assert took < 10, took  # the idle timeout (3 s) and the replay; the failover wait is 15 s
+        assert _status(ring, ring.standby_start + 1)["ready"]
+        print(f"standby took over a hung relayed window: answer took {took:.2f} s")
 
 
 # ---------------------------------------------------------------------------------------------- fast, in one process
