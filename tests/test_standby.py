@@ -169,6 +169,10 @@ def test_relay_grants_for_standbys_name_each_holder_its_own_edge_in_and_the_edge
     assert primary.edge_in == f"{ring[:12]}-e1" and primary.edges_out == tuple(
         f"{ring[:12]}-e2{s}" for s in ("", "-s0", "-s1")
     )
+    # A keyless ring (v1 tokens under its secret) names each holder's edge the same way.
+    secret = attrs.evolve(_manifest(keyed=False), secret="cd" * 16)
+    keyless = RingEdges.for_node(standby_view(secret, 2, 1, "ws://127.0.0.1:1"), 2, "ws://127.0.0.1:1")
+    assert keyless.edge_in == relay_edge_id(secret, 2, 2) and keyless.edge_in.endswith("-e2-s1")
     # Without grants of its own a relayed standby is refused at start, with the reason.
     standby = attrs.evolve(m.ranks[2].standby[1], grants=())
     bare = attrs.evolve(m, ranks=(*m.ranks[:2], attrs.evolve(m.ranks[2], standby=(m.ranks[2].standby[0], standby))))
