@@ -15,16 +15,18 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 
+import attrs
 import trio
 
 from kvasir.core.errors import InputError, RingError
 from kvasir.core.identity import Identity
 from kvasir.relay.client import RelayLink, open_relay_link
+from kvasir.relay.codes import CloseCode
 from kvasir.relay.errors import EdgeTokenError, RelayLinkClosed
 from kvasir.relay.grant import MAX_TOKEN_LIFETIME, EdgeGrant, make_token, read_grant, sign_grant
 from kvasir.relay.token import Role, make_edge_token
 from kvasir.ring.edges import RelayConnect, relay_edge_id, uses_edge_grants
-from kvasir.ring.manifest import Manifest
+from kvasir.ring.manifest import Manifest, RankEntry
 
 #: Lifetime of the v1 edge tokens a node of a keyless ring signs for itself.
 TOKEN_LIFETIME_S = 24 * 3600
@@ -53,17 +55,28 @@ class EdgeChannel:
 
     def __init__(self, link: RelayLink) -> None:
         self._link = link
+        self._taken = False
+
+    @property
+    def taken(self) -> bool:
+        return self._taken
+
+    def _closed(self, exc: RelayLinkClosed) -> None:
+        if exc.code == CloseCode.ROLE_TAKEN:
+            self._taken = True
 
     async def send_message(self, message: bytes) -> None:
         try:
             await self._link.send_message(message)
         except RelayLinkClosed as exc:
+            self._closed(exc)
             raise trio.BrokenResourceError(str(exc)) from exc
 
     async def receive_message(self) -> bytes:
         try:
             return await self._link.receive_message()
         except RelayLinkClosed as exc:
+            self._closed(exc)
             raise trio.EndOfChannel(str(exc)) from exc
 
     async def aclose(self) -> None:
@@ -158,22 +171,28 @@ def relay_connector(manifest: Manifest, rank: int, identity: Identity | None) ->
 
 
 def grant_relay_edges(manifest: Manifest, operator: Identity, not_after: int) -> Manifest:
-    """``manifest`` (keyed) with ``operator`` as its operator and each rank holding grants for its two relay edges:
-    downstream on the edge into it, upstream on the edge out of it, valid until Unix time ``not_after`` (pure)."""
+    """``manifest`` (keyed) with ``operator`` as its operator and each holder of each window (the rank, and each of
+    its standbys under its own key) holding grants for its relay edges, valid until Unix time ``not_after`` (pure):
+    downstream on its own edge in, upstream on the edge to each holder of the successor's window."""
     if not manifest.secured:
         raise InputError("edge grants need a keyed ring: every rank names its key")
     ring = manifest.ring_id
-    grants = []
+
+    def grants_of(holder: RankEntry, index: int) -> tuple[str, ...]:
+        if holder.key is None:
+            raise InputError(f"rank {holder.rank}'s standby {index - 1} names no key: it cannot hold edge grants")
+        succ = manifest.successor(holder.rank)
+        edges = [(relay_edge_id(manifest, holder.rank, index), Role.DOWNSTREAM)]
+        edges += [(relay_edge_id(manifest, succ.rank, j), Role.UPSTREAM) for j in range(len(succ.holders()))]
+        grants = (EdgeGrant(ring, edge, role, holder.key, not_after, operator.public) for edge, role in edges)
+        return tuple(sign_grant(operator, grant) for grant in grants)
+
+    ranks = []
     for entry in manifest.ranks:
-        assert entry.key is not None  # secured
-        succ = manifest.successor(entry.rank).rank
-        grants.append(
-            [
-                sign_grant(
-                    operator,
-                    EdgeGrant(ring, relay_edge_id(manifest, edge_rank), role, entry.key, not_after, operator.public),
-                )
-                for edge_rank, role in ((entry.rank, Role.DOWNSTREAM), (succ, Role.UPSTREAM))
-            ]
+        holders = entry.holders()
+        standby = tuple(
+            attrs.evolve(s, grants=grants_of(h, i + 1))
+            for i, (s, h) in enumerate(zip(entry.standby, holders[1:], strict=True))
         )
-    return manifest.with_grants(operator.public, grants)
+        ranks.append(attrs.evolve(entry, grants=grants_of(entry, 0), standby=standby))
+    return attrs.evolve(manifest, operator=operator.public, ranks=tuple(ranks))

@@ -18,7 +18,7 @@ from kvasir.relay import Relay, RelayConfig, RelayConnectError, Role, open_relay
 from kvasir.relay.grant import MAX_TOKEN_LIFETIME, EdgeGrant, make_token, read_grant, sign_grant
 from kvasir.relay.ringlink import grant_connector, grant_relay_edges, relay_connector
 from kvasir.ring.edges import RingEdges, relay_edge_id
-from kvasir.ring.manifest import Manifest, RankEntry, parse_manifest
+from kvasir.ring.manifest import Manifest, RankEntry, StandbyEntry, parse_manifest
 
 SHA = "ab" * 32
 SECRET = "cd" * 16
@@ -171,3 +171,45 @@ def test_manifest_refuses_an_operator_or_grants_without_keys() -> None:
     del data["model"]["operator"]
     with pytest.raises(InputError, match="operator"):
         parse_manifest(data)
+
+
+async def test_standbys_join_their_own_edges_and_the_relay_refuses_a_second_holder(start_relay: StartRelay) -> None:
+    """`ring up --relay --standby`'s grants against a real relay: rank 1's standby (in its own view of the ring)
+    meets rank 0 on its own edge in; on rank 2's edge in, which both holders of rank 1's window may dial, the relay
+    admits one of them: the second is closed as ``taken`` (the ring's SuccessorTaken) while the first stays linked,
+    and takes the end once the first has gone."""
+    operator = Identity.generate()
+    ids = [Identity.generate() for _ in range(3)]
+    standby_ids = [Identity.generate() for _ in range(3)]
+    base = keyless(None).with_keys([i.public for i in ids])
+    ranks = tuple(
+        attrs.evolve(r, standby=(StandbyEntry("127.0.0.1", 7200 + r.rank, standby_ids[r.rank].public),))
+        for r in base.ranks
+    )
+    manifest = grant_relay_edges(attrs.evolve(base, ranks=ranks), operator, int(time.time()) + 3600)
+    url = await start_relay(trusted_keys=frozenset({operator.public}))
+    view = manifest.as_standby(1, 0)
+    standby = relay_connector(view, 1, standby_ids[1])
+    rank0, primary, rank2 = (relay_connector(manifest, k, ids[k]) for k in range(3))
+    assert standby is not None and primary is not None and rank0 is not None and rank2 is not None
+    edges = RingEdges.for_node(view, 1, None, standby)
+    assert edges.edge_in == relay_edge_id(manifest, 1, 1) and edges.edge_in.endswith("-e1-s0")
+    async with rank0(url, edges.edge_in, upstream=True) as a, standby(url, edges.edge_in, upstream=False) as b:
+        await a.send_message(b"replay")
+        assert await b.receive_message() == b"replay"
+
+    edge2 = relay_edge_id(manifest, 2)
+    assert edges.edges_out[0] == edge2
+    async with primary(url, edge2, upstream=True) as live, rank2(url, edge2, upstream=False) as down:
+        await live.send_message(b"boundary")
+        assert await down.receive_message() == b"boundary"
+        async with standby(url, edge2, upstream=True) as second:
+            with pytest.raises(trio.EndOfChannel):
+                await second.receive_message()
+            assert second.taken
+        await live.send_message(b"still linked")
+        assert await down.receive_message() == b"still linked" and not live.taken
+    # The primary's ends are gone: the standby takes the upstream end of rank 2's edge in.
+    async with standby(url, edge2, upstream=True) as taker, rank2(url, edge2, upstream=False) as down:
+        await taker.send_message(b"taken over")
+        assert await down.receive_message() == b"taken over" and not taker.taken

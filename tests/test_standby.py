@@ -6,9 +6,10 @@ from __future__ import annotations
 import functools
 import os
 import random
+import signal
 import time
 import tomllib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +18,15 @@ import pytest
 import trio
 import trio.testing
 
+from kvasir.commands.node import standby_view
 from kvasir.control.client import ControlClient
 from kvasir.core.errors import InputError, RingError
 from kvasir.core.identity import Identity
 from kvasir.local.launcher import LocalRing
+from kvasir.relay.grant import read_grant
+from kvasir.relay.ringlink import grant_relay_edges
+from kvasir.relay.token import Role
+from kvasir.ring.edges import RingEdges, relay_edge_id
 from kvasir.ring.manifest import Manifest, RankEntry, StandbyEntry, load_manifest, parse_manifest
 from kvasir.ring.node import Node, NodeConfig, open_node
 from kvasir.testing.fakestage import MemoryNetwork, expected_tokens, fake_ring
@@ -125,20 +131,53 @@ def test_standby_entries_are_checked() -> None:
         (_rank_table(keyless, standby=[{"listen": "127.0.0.1:7300", "key": other}]), "no standby names a key"),
         (_rank_table(keyed, standby=[{"listen": "127.0.0.1:7300", "key": str(keyed.ranks[0].key)}]), "same key"),
         (_rank_table(keyless, standby=[{"listen": "127.0.0.1:7102"}]), "same address"),
-        (_rank_table(keyless, link="relay"), "must reach it directly"),
         (_rank_table(keyless, standby=[{"listen": "nowhere"}]), r"rank\[2\].standby\[0\].listen"),
     ]
     for data, message in bad:
         with pytest.raises(InputError, match=message):
             parse_manifest(data)
     assert parse_manifest(_rank_table(keyless, standby=[])).ranks[2].standby == ()
+    # A relayed rank may have standbys: each has an edge in of its own (docs/protocol.md § Relay edges).
+    assert len(parse_manifest(_rank_table(keyless, link="relay")).ranks[2].standby) == 2
 
 
-def test_ring_up_refuses_standbys_over_a_relay(gemma_path: Path, cache_dir: Path) -> None:
-    from kvasir.local.launcher import start_ring
+def test_relay_grants_for_standbys_name_each_holder_its_own_edge_in_and_the_edges_to_the_next_holders() -> None:
+    """`ring up --relay --standby`'s grants: every holder of a window (primary or standby, each under its own key)
+    is downstream on its own edge in and upstream on the edge to each holder of the successor's window; a standby's
+    view keeps the ring's id, so its grants and edge ids are the ring's."""
+    operator = Identity.generate()
+    m = grant_relay_edges(_manifest(keyed=True), operator, 2_000_000_000)
+    ring = m.ring_id
+    for entry in m.ranks:
+        succ = m.successor(entry.rank)
+        for i, holder in enumerate(entry.holders()):
+            grants = [read_grant(g) for g in holder.grants]
+            assert {g.holder for g in grants} == {holder.key} and {g.ring for g in grants} == {ring}
+            downstream = [g.edge for g in grants if g.role is Role.DOWNSTREAM]
+            upstream = [g.edge for g in grants if g.role is Role.UPSTREAM]
+            assert downstream == [relay_edge_id(m, entry.rank, i)]
+            assert upstream == [relay_edge_id(m, succ.rank, j) for j in range(len(succ.holders()))]
+    assert relay_edge_id(m, 2, 0) == f"{ring[:12]}-e2" and relay_edge_id(m, 2, 2) == f"{ring[:12]}-e2-s1"
+    back = parse_manifest(tomllib.loads(m.to_toml()))
+    assert back == m and back.ranks[2].standby[1].grants == m.ranks[2].standby[1].grants
 
-    with pytest.raises(RingError, match="standby nodes need direct links"):
-        start_ring(gemma_path, WINDOWS, cache_dir, relay=True, standby=True)
+    view = standby_view(m, 2, 1, "ws://127.0.0.1:1")
+    assert view.ring_id == ring and view.ranks[2].grants == m.ranks[2].standby[1].grants
+    edges = RingEdges.for_node(view, 2, "ws://127.0.0.1:1")
+    assert (edges.edge_in, edges.edges_out) == (f"{ring[:12]}-e2-s1", (f"{ring[:12]}-e0",))
+    primary = RingEdges.for_node(m, 1, "ws://127.0.0.1:1")
+    assert primary.edge_in == f"{ring[:12]}-e1" and primary.edges_out == tuple(
+        f"{ring[:12]}-e2{s}" for s in ("", "-s0", "-s1")
+    )
+    # A keyless ring (v1 tokens under its secret) names each holder's edge the same way.
+    secret = attrs.evolve(_manifest(keyed=False), secret="cd" * 16)
+    keyless = RingEdges.for_node(standby_view(secret, 2, 1, "ws://127.0.0.1:1"), 2, "ws://127.0.0.1:1")
+    assert keyless.edge_in == relay_edge_id(secret, 2, 2) and keyless.edge_in.endswith("-e2-s1")
+    # Without grants of its own a relayed standby is refused at start, with the reason.
+    standby = attrs.evolve(m.ranks[2].standby[1], grants=())
+    bare = attrs.evolve(m, ranks=(*m.ranks[:2], attrs.evolve(m.ranks[2], standby=(m.ranks[2].standby[0], standby))))
+    with pytest.raises(InputError, match="no edge grants of its own"):
+        standby_view(bare, 2, 1, "ws://127.0.0.1:1")
 
 
 # ---------------------------------------------------------------------------------------------- real processes
@@ -227,6 +266,94 @@ def test_a_standby_takes_over_the_window_and_the_answer_is_unchanged(standby_rin
     assert _status(ring, ring.standby_start)["ready"] and _status(ring, standby)["ready"]
     assert _wait_status(ring, primary, lambda s: s["links"]["successor"]["state"].startswith("dormant"))
     assert stream(ring.sockets[2])[0] == want2
+
+
+@pytest.mark.slow
+def test_a_standby_takes_over_a_relayed_window_and_the_answer_is_unchanged(
+    tiny_model: Callable[..., Path], cache_dir: Path, tmp_path: Path
+) -> None:
+    """`ring up --relay --standby`: every link through the relay, each holder under its own key and grants. Rank 1
+    SIGKILLed mid-answer: the relay drops its ends, rank 0 dials rank 1's standby on that standby's own edge, and the
+    standby joins rank 2's edge in; the answer is the fault-free one. The primary restarted is refused that edge by
+    the relay (the standby holds it) and turns dormant."""
+    model = tiny_model("llama", "q8_0")
+    windows = [(0, 2), (2, 4), (4, 6)]
+    with running_ring(model, windows, cache_dir, relay=True, standby=True, run_dir=tmp_path) as ring:
+        assert ring.standby_start == len(windows) and ring.relay is not None
+        primary, standby = 1, ring.standby_start + 1
+        wait_ready(ring)
+        for i in range(ring.standby_start, len(ring.processes)):
+            st = _status(ring, i)
+            assert not st["ready"] and st["links"]["successor"]["state"].startswith("dormant"), st
+        started = time.monotonic()
+        want, want_end = stream(ring.sockets[0])
+        fault_free = time.monotonic() - started
+        assert want_end.get("error") is None and len(want) > FAULT_AT, want_end
+        before = failover_status(ring, 0)["replays"]
+
+        started = time.monotonic()
+        got, end = stream(ring.sockets[0], fault=lambda: ring.processes[primary].kill())
+        took = time.monotonic() - started
+        assert end.get("error") is None and end["reason"] == want_end["reason"], end
+        assert got == want, f"diverged at {next(i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b)}"
+        status = failover_status(ring, 0)
+        assert status["replays"] > before and status["last_window"] == list(windows[1]), status
+        st = _status(ring, standby)
+        assert st["ready"] and st["links"]["predecessor"]["kind"] == "relay", st
+        assert st["links"]["successor"]["kind"] == "relay", st
+        assert ring.processes[primary].poll() is not None  # nothing restarted it: the standby holds the window
+        load = os.getloadavg()
+        print(
+            f"standby took over a relayed window: answer took {took:.2f} s (fault-free {fault_free:.2f} s), "
+            f"stall {status['last_stall_s']} s (load average {load[0]:.2f} {load[1]:.2f} on {os.cpu_count()} cpus)"
+        )
+
+        # The primary comes back while the standby holds the window: the relay refuses it rank 2's edge in (another
+        # key holds that end), so it turns dormant and the ring goes on through the standby.
+        ring.restart(primary)
+        st = _wait_status(ring, primary, lambda s: s["links"]["successor"]["state"].startswith("dormant"))
+        assert not st["ready"], st
+        again, end = stream(ring.sockets[0])
+        assert end.get("error") is None and again == want
+        assert _status(ring, standby)["ready"] and not _status(ring, primary)["ready"]
+        assert stream(ring.sockets[2])[0] == want  # entered at the last rank, round through the standby too
+
+        # A second fault: rank 0's primary dies mid-answer. Rank 2 dials rank 0's standby on its edge, which dials
+        # rank 1's holders in order: the dormant primary first, which the relay refuses rank 2's edge in (the standby
+        # holds it), so it hands its predecessor back and rank 0's standby goes on to rank 1's standby's edge.
+        got, end = stream(ring.sockets[2], fault=lambda: ring.processes[0].kill())
+        assert end.get("error") is None and got == want, end
+        assert _status(ring, ring.standby_start)["ready"] and _status(ring, standby)["ready"]
+        assert _wait_status(ring, primary, lambda s: s["links"]["successor"]["state"].startswith("dormant"))
+        assert stream(ring.sockets[2])[0] == want
+
+
+@pytest.mark.slow
+def test_a_standby_takes_over_a_hung_relayed_window(
+    tiny_model: Callable[..., Path], cache_dir: Path, tmp_path: Path
+) -> None:
+    """Rank 1 SIGSTOPped mid-answer over the relay: its TCP connections stay open, so the relay holds its ends until
+    a neighbour's idle timeout drops them. Rank 0 drops it first and wakes the standby, which the relay refuses rank
+    2's edge in until rank 2 drops the hung primary too: the standby, just woken, retries rather than turning
+    dormant, and the answer is the fault-free one, long before the failover wait."""
+    model = tiny_model("llama", "q8_0")
+    windows = [(0, 2), (2, 4), (4, 6)]
+    with running_ring(model, windows, cache_dir, relay=True, standby=True, run_dir=tmp_path) as ring:
+        assert ring.standby_start is not None
+        wait_ready(ring)
+        want, want_end = stream(ring.sockets[0])
+        assert want_end.get("error") is None and len(want) > FAULT_AT, want_end
+        hung = ring.processes[1]
+        started = time.monotonic()
+        try:
+            got, end = stream(ring.sockets[0], fault=lambda: os.kill(hung.pid, signal.SIGSTOP))
+        finally:
+            os.kill(hung.pid, signal.SIGCONT)
+        took = time.monotonic() - started
+        assert end.get("error") is None and got == want, end
+        assert took < 10, took  # the idle timeout (3 s) and the replay; the failover wait is 15 s
+        assert _status(ring, ring.standby_start + 1)["ready"]
+        print(f"standby took over a hung relayed window: answer took {took:.2f} s")
 
 
 # ---------------------------------------------------------------------------------------------- fast, in one process

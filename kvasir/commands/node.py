@@ -204,12 +204,18 @@ def parse_size(text: str) -> int:
 
 
 def standby_view(manifest: Manifest, rank: int, index: int, relay: str | None) -> Manifest:
-    """The manifest as standby ``index`` of ``rank`` runs it; InputError where a standby cannot work (relayed links:
-    a relay edge joins one pair of keys, and a predecessor reaches a standby by dialing its address)."""
-    successor = manifest.successor(rank)
-    if relay is not None or manifest.rank(rank).link != "direct" or successor.link != "direct":
-        raise InputError("a standby needs direct links to its neighbours (no --relay, no relayed rank next to it)")
-    return manifest.as_standby(rank, index)
+    """The manifest as standby ``index`` of ``rank`` runs it. Relayed links need the standby's own edge grants in a
+    keyed ring (``[[rank.standby]] grants``; `kvasir ring up --relay --standby` signs them): its edge in is its own,
+    ``{ring}-e{rank}-s{index}`` (docs/protocol.md § Relay edges)."""
+    view = manifest.as_standby(rank, index)
+    relayed = relay is not None or (
+        manifest.relay is not None and "relay" in (view.rank(rank).link, view.successor(rank).link)
+    )
+    if relayed and manifest.secured and not manifest.secret and not view.rank(rank).grants:
+        raise InputError(
+            f"rank {rank}'s standby {index} has relayed links but no edge grants of its own in the manifest"
+        )
+    return view
 
 
 def stage_path_for(manifest: Manifest, rank: int, model: Path | None, stage: Path | None, manifest_dir: Path) -> Path:

@@ -126,8 +126,6 @@ def run_up(args: argparse.Namespace) -> int:
     model, windows = model_windows(args, lambda n_main: even_splits(n_main, args.stages), chat=chat)
     if len(windows) < 2:
         raise InputError("a ring needs at least 2 stages (for one stage use `kvasir generate`)")
-    if args.standby and args.relay:
-        raise InputError("--standby needs direct links: drop --relay")
     # Before the split cuts anything and before any node starts: what a node would refuse, each as one line.
     if args.api_port is not None:
         check_port_free(API_HOST, args.api_port, "--api-port")

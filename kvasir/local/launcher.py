@@ -493,8 +493,6 @@ def start_ring(
     older way, the API on rank 0 only (tests and benches that talk to one node). ``supervised``: every node shows
     the :class:`Supervisor`'s view of the ring in its status (:attr:`LocalRing.supervisor_file`).
     """
-    if standby and relay:
-        raise RingError("standby nodes need direct links: drop the relay or the standbys")
     paths = stage_files(model, windows, cache_dir)
     sha = model_sha256(model, cache_dir)
     run_dir = run_dir or Path(tempfile.mkdtemp(prefix="kvasir-ring-"))

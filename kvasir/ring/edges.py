@@ -1,6 +1,8 @@
 """How a node reaches its two neighbours: direct TCP, or a relay edge that both ends dial out to.
 
-Edge ``{ring}-e{k}`` joins rank k-1 (upstream end, role 0x01) to rank k (downstream end, role 0x02). ``ring`` is a
+Edge ``{ring}-e{k}`` joins rank k-1 (upstream end, role 0x01) to rank k (downstream end, role 0x02); edge
+``{ring}-e{k}-s{i}`` joins rank k-1 to rank k's standby i (a holder of a window has an edge in of its own, so the
+predecessor fails over to a standby by dialing that edge, as it dials a standby's address over TCP). ``ring`` is a
 short prefix of the manifest's ring id in a keyed ring (whose operator-signed edge grants name the full id, so the
 relay keeps rings apart by grant), else of a hash of the manifest's v1 secret, so two rings of the same model never
 share an edge. The relay itself is reached through a :class:`RelayConnect` the node's owner builds with whatever
@@ -29,6 +31,12 @@ class RelayChannel(Protocol):
 
     async def aclose(self) -> None: ...
 
+    @property
+    def taken(self) -> bool:
+        """The relay closed this end because another key holds its role on the edge (another holder of the window
+        is linked there: the relay's refusal, as a successor's link-level ERROR is over TCP)."""
+        ...
+
 
 class RelayConnect(Protocol):
     """Opens one relay edge as its upstream or downstream end. The node's owner builds it with the node's
@@ -43,20 +51,32 @@ def uses_edge_grants(manifest: Manifest) -> bool:
     return manifest.secured and not manifest.secret
 
 
-def relay_edge_id(manifest: Manifest, rank: int) -> str:
-    """The relay edge into ``rank`` (from its predecessor)."""
+def relay_edge_id(manifest: Manifest, rank: int, holder: int = 0) -> str:
+    """The relay edge into ``rank``'s holder ``holder`` (0 the primary, i + 1 its standby i) from its predecessor."""
     if uses_edge_grants(manifest):  # v2 admission: the operator's grants name the ring id
         prefix = manifest.ring_id[:12]
     else:
         prefix = hashlib.sha256((manifest.secret or manifest.model_sha256).encode()).hexdigest()[:12]
-    return f"{prefix}-e{rank}"
+    return f"{prefix}-e{rank}" if holder == 0 else f"{prefix}-e{rank}-s{holder - 1}"
+
+
+def holder_index(manifest: Manifest, rank: int) -> int:
+    """Which holder of ``rank``'s window (0 the primary, i + 1 standby i of the manifest as written) this manifest's
+    entry for ``rank`` is: a standby's view (``Manifest.as_standby``) names the standby there."""
+    base = manifest.base or manifest
+    me = manifest.rank(rank)
+    for i, holder in enumerate(base.rank(rank).holders()):
+        if holder.address == me.address and holder.key == me.key:
+            return i
+    raise InputError(f"rank {rank}'s entry is none of the holders of its window in the manifest")
 
 
 @attrs.frozen
 class RingEdges:
     relay_url: str | None
     edge_in: str
-    edge_out: str
+    #: The edge to each holder of the successor's window, in ``RankEntry.holders()`` order (the primary's first).
+    edges_out: tuple[str, ...]
     predecessor_relayed: bool
     successor_relayed: bool
     connect: RelayConnect | None = None
@@ -79,8 +99,15 @@ class RingEdges:
                 raise InputError(
                     'relayed links of a keyless ring need a secret in the manifest ([model] secret = "hex…")'
                 )
-        edge_in, edge_out = relay_edge_id(manifest, rank), relay_edge_id(manifest, succ.rank)
-        return cls(url, edge_in, edge_out, pred_relayed, succ_relayed, connect)
+        base = manifest.base or manifest  # edge ids are the ring's as written, the same in a standby's view
+        edge_in = relay_edge_id(base, rank, holder_index(manifest, rank))
+        edges_out = tuple(relay_edge_id(base, succ.rank, i) for i in range(len(succ.holders())))
+        return cls(url, edge_in, edges_out, pred_relayed, succ_relayed, connect)
+
+    @property
+    def edge_out(self) -> str:
+        """The edge to the successor's primary."""
+        return self.edges_out[0]
 
     def open_relay(self, edge_id: str, *, upstream: bool) -> AbstractAsyncContextManager[RelayChannel]:
         if self.connect is None or self.relay_url is None:

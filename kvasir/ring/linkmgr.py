@@ -35,6 +35,7 @@ from kvasir.ring.manifest import Manifest
 from kvasir.ring.opener import (
     LinkOpener,
     StreamHandler,
+    SuccessorTaken,
     SuccessorUnreachable,
     TcpTransport,
     Transport,
@@ -145,6 +146,7 @@ class LinkManager:
         #: links to it (a standby from its start; a node its successor refused while another holder is linked there).
         self.dormant = dormant
         self._woken = trio.Event()  # set when a predecessor links
+        self._woke_at: float | None = None  # when a predecessor last woke this node from dormancy (trio clock)
         #: Which holder of the successor's window (0 the primary, then its standbys) the dial loop tries next.
         self._succ_pick = 0
 
@@ -294,6 +296,7 @@ class LinkManager:
             self.successor_state = "dormant: waiting for a predecessor to link here (another node may hold the window)"
             await self._woken.wait()
             self.dormant = False
+            self._woke_at = trio.current_time()
 
     async def _go_dormant(self) -> None:
         """The successor refused this node's link (it has a predecessor linked: another holder of this window, which
@@ -319,18 +322,18 @@ class LinkManager:
         while True:
             await self._wait_while_dormant()
             successor = self._manifest().successor(self.rank)  # re-read: the manifest may have been updated
-            holders = (successor,) if self.edges.successor_relayed else successor.holders()
+            holders = successor.holders()
             pick = self._succ_pick % len(holders)
             target = holders[pick]
             which = f" (standby {pick - 1})" if pick else ""
-            via = f"relay edge {self.edges.edge_out}" if self.edges.successor_relayed else target.address
+            via = f"relay edge {self.edges.edges_out[pick]}" if self.edges.successor_relayed else target.address
             self.successor_state = f"dialing rank {target.rank}{which} via {via}"
             at_least = 0.0
-            refused = next_holder = False
+            refused = next_holder = retry = False
             with trio.CancelScope() as scope:
                 self._succ_scope = scope
                 try:
-                    async with self.opener.open_successor(target) as link:
+                    async with self.opener.open_successor(target, pick) as link:
                         try:
                             hello = await handshake(link, self.hello, Side.SUCCESSOR, send_first=True)
                         except (ProtocolError, trio.TooSlowError, trio.BrokenResourceError) as exc:
@@ -340,6 +343,14 @@ class LinkManager:
                         connected = f"connected to rank {target.rank}{which} via {via}"
                         refused = await self._run_successor(link, hello, connected)
                         self.successor_state = f"lost rank {target.rank}{which}; redialing"
+                except SuccessorTaken as exc:  # the relay's refusal: another holder of this window is linked on
+                    self.successor_state = f"rank {target.rank}{which}: {exc}"
+                    # Just woken, by a predecessor that gave up on this window's other holder: that one may be hung
+                    # yet hold the edge until the successor's idle timeout drops it. Retry until then, not dormant.
+                    retry = self._woke_at is not None and trio.current_time() - self._woke_at < self.idle_timeout + 1
+                    refused = not retry
+                    if refused:
+                        log.warning("rank %d: successor link refused: %s", self.rank, exc)
                 except SuccessorUnreachable as exc:
                     self.successor_state = str(exc)
                     misses += 1
@@ -357,6 +368,9 @@ class LinkManager:
                     log.warning("rank %d: successor link: %s", self.rank, exc)
                     at_least = 1.0  # refused: no point in hammering it
             self._succ_scope = None
+            if retry:
+                await trio.sleep(0.25)
+                continue
             if scope.cancelled_caught:
                 self.successor_state = f"rank {target.rank} moved; redialing"
             elif not refused:

@@ -19,6 +19,7 @@ grants = ["…", "…"]       # optional: the operator's signed relay edge grant
 [[rank.standby]]          # optional, any number: a node that holds the same window, loaded and idle until needed
 listen = "127.0.0.1:7110" # where it accepts the predecessor that fails over to it
 key = "ed25519:…"         # its own node key (keyed rings: required; keyless rings: none)
+grants = ["…", "…"]       # optional: its own relay edge grants (its edge in, and the edges to its successor's holders)
 ```
 
 A ring whose ranks all name a key runs protocol v2 links only (docs/protocol.md § Link security); a manifest
@@ -55,6 +56,8 @@ class StandbyEntry:
     port: int
     #: Its own node key (keyed rings); None in a keyless ring.
     key: PublicKey | None = None
+    #: Its own relay edge grants (held by ``key``): downstream on its own edge in, upstream to the successor's holders.
+    grants: tuple[str, ...] = ()
 
     @property
     def address(self) -> str:
@@ -84,7 +87,13 @@ class RankEntry:
 
     def holders(self) -> tuple[RankEntry, ...]:
         """Every node that may hold this window, as the entry a predecessor dials: this one, then each standby."""
-        return (self, *(attrs.evolve(self, host=s.host, port=s.port, key=s.key, standby=()) for s in self.standby))
+        return (
+            self,
+            *(
+                attrs.evolve(self, host=s.host, port=s.port, key=s.key, grants=s.grants, standby=())
+                for s in self.standby
+            ),
+        )
 
     def keys(self) -> frozenset[PublicKey]:
         """The keys of every holder of this window (empty in a keyless ring)."""
@@ -101,6 +110,8 @@ class Manifest:
     relay: str | None = None
     #: The key that signs this ring's relay edge grants (keyed rings); relays that trust it admit the ring.
     operator: PublicKey | None = None
+    #: A standby's view (:meth:`as_standby`): the manifest as written, whose ring id and relay edges stay the ring's.
+    base: Manifest | None = attrs.field(default=None, eq=False, repr=False)
 
     @property
     def size(self) -> int:
@@ -125,9 +136,11 @@ class Manifest:
         """64 hex digits naming a keyed ring: sha256 over the model and the ranks' keys in order.
 
         Edge grants are bound to it, so a grant of one ring is worthless on another; it does not depend on the
-        grants themselves, so it can be computed before they are added. Standbys' keys are not in it: relay edges
-        have no standbys (a rank with standbys is reached directly).
+        grants themselves, so it can be computed before they are added. Standbys' keys are not in it (a standby's
+        view of the ring has the same id: its grants name the ring as written).
         """
+        if self.base is not None:
+            return self.base.ring_id
         if not self.secured:
             raise InputError("only a ring whose ranks all name a key has a ring id")
         text = "\n".join(["kvasir-ring/v2", self.model_sha256, *(str(r.key) for r in self.ranks)])
@@ -152,9 +165,11 @@ class Manifest:
         if not 0 <= index < len(entry.standby):
             raise InputError(f"rank {rank} has {len(entry.standby)} standby node(s) in the manifest, not {index + 1}")
         me = entry.standby[index]
-        others = (StandbyEntry(entry.host, entry.port, entry.key), *entry.standby[:index], *entry.standby[index + 1 :])
-        swapped = attrs.evolve(entry, host=me.host, port=me.port, key=me.key, standby=others)
-        return attrs.evolve(self, ranks=tuple(swapped if r.rank == rank else r for r in self.ranks))
+        primary = StandbyEntry(entry.host, entry.port, entry.key, entry.grants)
+        others = (primary, *entry.standby[:index], *entry.standby[index + 1 :])
+        swapped = attrs.evolve(entry, host=me.host, port=me.port, key=me.key, grants=me.grants, standby=others)
+        ranks = tuple(swapped if r.rank == rank else r for r in self.ranks)
+        return attrs.evolve(self, ranks=ranks, base=self.base or self)
 
     def to_toml(self) -> str:
         operator = None if self.operator is None else self.operator.to_text()
@@ -168,7 +183,7 @@ class Manifest:
                 r.link,
                 _key_text(r.key),
                 r.grants or None,
-                tuple(_StandbyTable(s.address, _key_text(s.key)) for s in r.standby) or None,
+                tuple(_StandbyTable(s.address, _key_text(s.key), s.grants or None) for s in r.standby) or None,
             )
             for r in self.ranks
         )
@@ -210,6 +225,7 @@ class _ModelTable:
 class _StandbyTable:
     listen: str
     key: str | None = None
+    grants: tuple[str, ...] | None = None
 
 
 @attrs.frozen
@@ -231,7 +247,7 @@ class _ManifestFile:
 
 
 register_record(_ModelTable, omit_if_none=("secret", "relay", "operator"))
-register_record(_StandbyTable, omit_if_none=("key",))
+register_record(_StandbyTable, omit_if_none=("key", "grants"))
 register_record(_RankTable, window=True, omit_if_none=("stage", "key", "grants", "standby"))
 register_record(_ManifestFile)
 
@@ -261,11 +277,10 @@ def parse_manifest(data: dict[str, Any], where: str = "manifest") -> Manifest:
             StandbyEntry(
                 *parse_hostport(s.listen, what=f"{where}: rank[{i}].standby[{j}].listen"),
                 _parse_key(s.key, f"{where}: rank[{i}].standby[{j}].key"),
+                s.grants or (),
             )
             for j, s in enumerate(r.standby or ())
         )
-        if standby and r.link != "direct":
-            raise InputError(f"{where}: rank[{i}] lists standby nodes: its predecessor must reach it directly")
         if len({r.listen, *(s.address for s in standby)}) < 1 + len(standby):
             raise InputError(f"{where}: rank[{i}]: two holders of the window listen on the same address")
         ranks.append(RankEntry(i, r.start, r.end, host, port, r.stage, r.link, key, r.grants or (), standby))
@@ -286,7 +301,7 @@ def parse_manifest(data: dict[str, Any], where: str = "manifest") -> Manifest:
         raise InputError(f"{where}: model.operator: {exc}") from None
     if (operator is not None or any(r.grants for r in ranks)) and not keyed:
         raise InputError(f"{where}: an operator and edge grants need every rank to name its key")
-    if any(r.grants for r in ranks) and operator is None:
+    if any(h.grants for r in ranks for h in r.holders()) and operator is None:
         raise InputError(f"{where}: edge grants need the operator that signed them (model.operator)")
     return Manifest(m.sha256, m.layers, tuple(ranks), m.name, m.secret, m.relay, operator)
 

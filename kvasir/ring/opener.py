@@ -59,6 +59,11 @@ class SuccessorUnreachable(RingError):
     """The successor has no address yet or does not answer: the node keeps dialing (not a warning)."""
 
 
+class SuccessorTaken(RingError):
+    """The relay refused this node the upstream end of the edge to the successor's holder: another key holds it
+    (another holder of this node's window is linked there), as a successor refuses a second predecessor over TCP."""
+
+
 class Transport(Protocol):
     """How direct links are made; TCP in a real ring, memory streams in fast tests (kvasir.testing.fakestage)."""
 
@@ -307,10 +312,11 @@ class LinkOpener:
         return link, key, window
 
     async def relay_link(
-        self, channel: RelayChannel, edge: str, *, upstream: bool
+        self, channel: RelayChannel, edge: str, *, upstream: bool, target: RankEntry | None = None
     ) -> tuple[Link, PublicKey | None, tuple[int, int] | None]:
         """A link over a relay edge: plain messages (v1), or TLS end to end inside them (v2); with the peer's key and
-        (downstream, a market ticket's) the window it was admitted for, which its HELLO must claim."""
+        (downstream, a market ticket's) the window it was admitted for, which its HELLO must claim. Upstream, the
+        peer is ``target``'s key (the holder of the successor's window this edge reaches; default its primary)."""
         peer = f"relay:{edge}"
         if self.credentials is None:
             return MessageLink(channel.send_message, channel.receive_message, channel.aclose, peer), None, None
@@ -319,7 +325,7 @@ class LinkOpener:
         )
         with trio.fail_after(SECURE_HANDSHAKE_TIMEOUT):
             if upstream:
-                expected = self._manifest().successor(self.rank).key
+                expected = (target or self._manifest().successor(self.rank)).key
                 if expected is None:
                     raise SuccessorUnreachable(f"waiting for rank {(self.rank + 1) % self._manifest().size}'s key")
                 tls = await dial_secure(stream, self.credentials, expected, self._ticket())
@@ -335,10 +341,17 @@ class LinkOpener:
             return link, key, window
 
     @asynccontextmanager
-    async def open_successor(self, target: RankEntry) -> AsyncIterator[Link]:
+    async def open_successor(self, target: RankEntry, holder: int = 0) -> AsyncIterator[Link]:
+        """Dial ``target``, holder ``holder`` of the successor's window (0 its primary, i + 1 its standby i)."""
         if self.edges.successor_relayed:
-            async with self.edges.open_relay(self.edges.edge_out, upstream=True) as channel:
-                link, _, _ = await self.relay_link(channel, self.edges.edge_out, upstream=True)
+            edge = self.edges.edges_out[holder]
+            async with self.edges.open_relay(edge, upstream=True) as channel:
+                try:
+                    link, _, _ = await self.relay_link(channel, edge, upstream=True, target=target)
+                except Exception:
+                    if channel.taken:
+                        raise SuccessorTaken(f"relay edge {edge}: another holder of this window is linked") from None
+                    raise
                 yield link
             return
         if target.port == 0:
