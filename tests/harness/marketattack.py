@@ -596,19 +596,30 @@ class SlotHolders(_Background):
         self.peak_open = 0
         self.cut_result = "not tried"
         self.relink_s: float | None = None
+        #: Set once the relink is measured (or cannot be): ``stop`` waits for it, so a phase whose honest requests
+        #: end at once (a tiny model) does not cancel the measurement.
+        self.measured = threading.Event()
 
     async def attack(self) -> None:
-        async with trio.open_nursery() as nursery:
-            for k in range(self.conns):
-                nursery.start_soon(self._hold, f"127.0.{1 + k % self.groups}.1")
-            await trio.sleep(self.HOLD_BEFORE_CUT_S)
-            if self.cut:
-                t_cut = time.monotonic()
-                self.cut_result = await trio.to_thread.run_sync(cut_links, self.port)
+        try:
+            async with trio.open_nursery() as nursery:
+                for k in range(self.conns):
+                    nursery.start_soon(self._hold, f"127.0.{1 + k % self.groups}.1")
+                await trio.sleep(self.HOLD_BEFORE_CUT_S)
+                if self.cut:
+                    t_cut = time.monotonic()
+                    self.cut_result = await trio.to_thread.run_sync(cut_links, self.port)
+                    self.ready.set()
+                    if self.cut_ok:
+                        self.relink_s = await self._relinked(t_cut)
                 self.ready.set()
-                if self.cut_ok:
-                    self.relink_s = await self._relinked(t_cut)
-            self.ready.set()
+                self.measured.set()
+        finally:
+            self.measured.set()
+
+    def stop(self) -> dict[str, Any]:
+        self.measured.wait(130)
+        return super().stop()
 
     async def _hold(self, source: str) -> None:
         while True:
