@@ -403,8 +403,8 @@ def test_market_refuses_bad_settings() -> None:
 @pytest.mark.slow
 @pytest.mark.xfail(
     strict=False,
-    reason="order-dependent: after a test with an in-process market in the same pytest process its nodes never "
-    "enroll (cause not found yet); it passes alone, and tests/test_market_attack.py's squat phase covers N6 on a real "
+    reason="timing-dependent: its nodes sometimes never enroll (seen after an in-process market test; it passes alone "
+    "and with the nodes at -v; cause not found yet); tests/test_market_attack.py's squat phase covers N6 on a real "
     "ring in the suite",
 )
 def test_squatted_windows_go_to_honest_nodes_that_serve_the_model(
