@@ -17,7 +17,7 @@ import contextlib
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 from rich.console import Console
@@ -34,20 +34,10 @@ from kvasir.stage.pipeline import LocalPipeline
 from kvasir.testing.fakestage import MemoryNetwork
 from kvasir.testing.tinymodels import tiny_model_cached
 
-#: bench/mtp_draft.py's model, windows and prompt.
-SHAPE: dict[str, Any] = {
-    "quant": "q8_0",
-    "n_layer": 48,
-    "n_nextn": 1,
-    "n_embd": 256,
-    "n_head": 4,
-    "n_head_kv": 2,
-    "full_attention_interval": 4,
-    "n_expert": 16,
-    "n_expert_used": 2,
-}
-WINDOWS = [(0, 12), (12, 24), (24, 36), (36, 48)]
-PROMPT = "Write a short story about a ring of devices that pass hidden states to each other, one layer at a time."
+if TYPE_CHECKING:  # mypy reads bench/ as a package; run as a script, this file's folder is on sys.path
+    from bench.mtp_draft import PROMPT, SHAPE, WINDOWS  # bench/mtp_draft.py's model, windows and prompt
+else:
+    from mtp_draft import PROMPT, SHAPE, WINDOWS
 
 
 async def ring_run(
